@@ -1,0 +1,134 @@
+"""The build stage: checkpoint -> model -> exported step graph -> validated engine artifact."""
+
+from __future__ import annotations
+
+import resource
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from builder import __version__
+from builder.export import export_step_graph
+from builder.loaders import load_checkpoint
+from builder.phases import STEP_GRAPH, BuildShapes, plan_phases
+from builder.weights import load_model
+from engines.format import SCHEMA_VERSION, KVCacheSpec, Manifest, TokenizerInfo, open_artifact, write_manifest
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+TOKENIZER_FILE = "tokenizer.json"
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    source: str
+    out: Path
+    dtype: str = "fp32"
+    max_seq_len: int | None = None  # default: min(2048, the model's max_position_embeddings)
+    max_batch: int = 8
+    prefill_chunk: int = 128
+    overwrite: bool = False
+
+
+@dataclass
+class BuildReport:
+    out: Path
+    seconds: float = 0.0
+    peak_rss_mb: float = 0.0
+    files: dict[str, int] = field(default_factory=dict)
+    phases: dict[str, str] = field(default_factory=dict)
+
+    def lines(self) -> list[str]:
+        total = sum(self.files.values())
+        out = [f"engine: {self.out}"]
+        out += [f"  {name:<24} {size / 2**20:10.1f} MiB" for name, size in self.files.items()]
+        out.append(f"  {'total':<24} {total / 2**20:10.1f} MiB")
+        out += [f"  phase {name:<10} {shape}" for name, shape in self.phases.items()]
+        out.append(f"built in {self.seconds:.1f} s, peak RSS {self.peak_rss_mb:.0f} MiB")
+        return out
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _prepare_out(out: Path, overwrite: bool) -> None:
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise FileExistsError(f"{out} exists and is not empty (use --overwrite to replace it)")
+        if not (out / "manifest.json").is_file():
+            raise FileExistsError(f"refusing to overwrite {out}: it is not an engine artifact")
+
+
+def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> BuildReport:
+    if options.dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {options.dtype!r}; choose one of {', '.join(DTYPES)}")
+    out = Path(options.out)
+    _prepare_out(out, options.overwrite)
+    start = time.perf_counter()
+
+    def step(index: int, what: str) -> None:
+        log(f"[{index}/4] {what} (t={time.perf_counter() - start:.1f}s, rss={peak_rss_mb():.0f} MiB)")
+
+    step(1, f"reading checkpoint {options.source}")
+    checkpoint = load_checkpoint(options.source)
+    config = checkpoint.config
+    max_seq_len = options.max_seq_len or min(2048, config.max_position_embeddings)
+    if max_seq_len > config.max_position_embeddings:
+        log(f"warning: --max-seq-len {max_seq_len} exceeds the model's {config.max_position_embeddings} positions")
+    shapes = BuildShapes(max_seq_len=max_seq_len, max_batch=options.max_batch, prefill_chunk=options.prefill_chunk)
+    log(
+        f"      {checkpoint.format} checkpoint: {config.num_layers} layers, hidden {config.hidden_size}, "
+        f"{config.num_heads} heads / {config.num_kv_heads} KV heads, vocab {config.vocab_size}"
+    )
+
+    step(2, f"loading weights as {options.dtype}")
+    model = load_model(config, checkpoint.read_tensors(), DTYPES[options.dtype])
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        step(3, "tracing the step graph with torch.export and emitting ONNX")
+        graph = export_step_graph(model, staging, max_seq_len)
+        del model
+        step(4, "writing tokenizer, manifest and checksums")
+        (staging / TOKENIZER_FILE).write_text(checkpoint.tokenizer.tokenizer_json)
+        spec = checkpoint.tokenizer
+        manifest = Manifest(
+            schema_version=SCHEMA_VERSION,
+            builder_version=__version__,
+            source=checkpoint.source,
+            backend="onnxruntime",
+            dtype=options.dtype,
+            max_seq_len=max_seq_len,
+            model=config,
+            tokenizer=TokenizerInfo(TOKENIZER_FILE, spec.chat_template, spec.bos_token, spec.eos_token, spec.add_bos_token),
+            graphs={STEP_GRAPH: graph},
+            phases=plan_phases(shapes),
+            kv_cache=KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, _numpy_dtype(options.dtype)),
+        )
+        write_manifest(staging, manifest)
+        open_artifact(staging)  # what we wrote must pass the runner's own validation
+        if out.exists():
+            shutil.rmtree(out)
+        staging.rename(out)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
+
+    report = BuildReport(out=out, seconds=time.perf_counter() - start, peak_rss_mb=peak_rss_mb())
+    report.files = {p.name: p.stat().st_size for p in sorted(out.iterdir())}
+    report.phases = {
+        name: f"batch {p.batch_sizes} x tokens {p.steps} x kv {p.past_lengths[0]}..{p.past_lengths[-1]} "
+        f"({len(p.past_lengths)} buckets), logits={p.logits}"
+        for name, p in manifest.phases.items()
+    }
+    return report
+
+
+def _numpy_dtype(dtype: str) -> str:
+    return {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}[dtype]

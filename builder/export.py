@@ -1,0 +1,102 @@
+"""torch.export of the step graph and its emission as ONNX with weights as one shared external-data file.
+
+One traced graph serves every phase: batch, new-token count, KV length and logits count are symbolic dimensions,
+and the phases in the manifest list the fixed bucket shapes the runner pads to. onnxruntime runs any bucket from
+the one graph, so weights are loaded once; a backend that wants one engine per shape (TensorRT) builds one
+optimisation profile per bucket from the same graph.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import warnings
+from pathlib import Path
+
+import torch
+
+from builder.model import LlamaForCausalLM
+from engines.format import GraphSpec, TensorSpec
+
+GRAPH_FILE = "model.onnx"
+OPSET = 18
+
+
+def input_names(num_layers: int) -> list[str]:
+    return (
+        ["input_ids", "positions", "past_lens", "tree_mask", "logits_index"]
+        + [f"past_key.{i}" for i in range(num_layers)]
+        + [f"past_value.{i}" for i in range(num_layers)]
+    )
+
+
+OUTPUT_NAMES = ["logits", "new_keys", "new_values", "hidden"]
+
+
+def example_inputs(model: LlamaForCausalLM) -> tuple:
+    """Inputs of a size that is 1 on no dynamic axis (export would specialise a size-1 axis to a constant)."""
+    config = model.config
+    batch, steps, past, outputs = 2, 3, 8, 2
+    keys = [torch.zeros(batch, config.num_kv_heads, config.head_dim, past, dtype=model.dtype) for _ in range(config.num_layers)]
+    values = [torch.zeros(batch, config.num_kv_heads, past, config.head_dim, dtype=model.dtype) for _ in range(config.num_layers)]
+    return (
+        torch.zeros(batch, steps, dtype=torch.long),
+        torch.zeros(batch, steps, dtype=torch.long),
+        torch.zeros(batch, dtype=torch.long),
+        torch.ones(batch, steps, steps, dtype=torch.bool),
+        torch.zeros(batch, outputs, dtype=torch.long),
+        keys,
+        values,
+    )
+
+
+def dynamic_shapes(num_layers: int, max_seq_len: int) -> dict:
+    batch = torch.export.Dim("batch", min=1, max=1024)
+    steps = torch.export.Dim("steps", min=1, max=max_seq_len)
+    past = torch.export.Dim("past", min=1, max=max_seq_len)
+    outputs = torch.export.Dim("outputs", min=1, max=max_seq_len)
+    return {
+        "input_ids": {0: batch, 1: steps},
+        "positions": {0: batch, 1: steps},
+        "past_lens": {0: batch},
+        "tree_mask": {0: batch, 1: steps, 2: steps},
+        "logits_index": {0: batch, 1: outputs},
+        "past_keys": [{0: batch, 3: past}] * num_layers,
+        "past_values": [{0: batch, 2: past}] * num_layers,
+    }
+
+
+def _spec(value_info) -> TensorSpec:
+    import onnx
+
+    tensor_type = value_info.type.tensor_type
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type).name
+    shape = [d.dim_value if d.HasField("dim_value") else d.dim_param for d in tensor_type.shape.dim]
+    return TensorSpec(value_info.name, dtype, shape)
+
+
+def export_step_graph(model: LlamaForCausalLM, out_dir: Path, max_seq_len: int) -> GraphSpec:
+    import onnx
+
+    num_layers = model.config.num_layers
+    args = example_inputs(model)
+    # The exporter narrates its passes on stdout; the build prints its own progress instead.
+    with torch.no_grad(), warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        program = torch.export.export(model, args, dynamic_shapes=dynamic_shapes(num_layers, max_seq_len))
+        logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+        torch.onnx.export(
+            program,
+            args,
+            str(out_dir / GRAPH_FILE),
+            input_names=input_names(num_layers),
+            output_names=OUTPUT_NAMES,
+            opset_version=OPSET,
+            external_data=True,
+            dynamo=True,
+            optimize=True,
+            verbose=False,
+        )
+    graph = onnx.load(str(out_dir / GRAPH_FILE), load_external_data=False).graph
+    return GraphSpec(GRAPH_FILE, [_spec(v) for v in graph.input], [_spec(v) for v in graph.output])

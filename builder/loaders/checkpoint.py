@@ -1,0 +1,32 @@
+"""What every loader returns."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from engines.model_config import ModelConfig
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be built: missing file, malformed config, unsupported architecture."""
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    tokenizer_json: str  # a `tokenizers` library serialisation
+    chat_template: str | None
+    bos_token: str | None
+    eos_token: str | None
+    add_bos_token: bool
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    source: str
+    format: str  # "hf" | "gguf"
+    config: ModelConfig
+    tokenizer: TokenizerSpec
+    read_tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]]  # (HF name, tensor), one at a time

@@ -1,0 +1,177 @@
+"""GGUF file (llama.cpp): weights dequantized tensor by tensor, tokenizer and chat template from the metadata."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from builder.loaders.checkpoint import Checkpoint, CheckpointError, TokenizerSpec
+from engines.model_config import ModelConfig
+
+# GGUF tensor name -> Hugging Face name ("{}" is the layer index).
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_CONTROL_TOKEN = 3
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _LAYER_PATTERN.fullmatch(gguf_name)
+    if match is None or match.group(2) not in _LAYER_NAMES:
+        return None
+    return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}.{match.group(3)}"
+
+
+def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's convert-time Q/K row permutation (interleaved rotary pairs -> halves, as in HF)."""
+    rows = weight.shape[0]
+    rest = weight.shape[1:]
+    return weight.reshape(num_heads, rows // num_heads // 2, 2, *rest).swapaxes(1, 2).reshape(weight.shape)
+
+
+class _Metadata:
+    def __init__(self, reader: Any, path: Path) -> None:
+        self._reader = reader
+        self._path = path
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self._reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    def require(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise CheckpointError(f"malformed GGUF {self._path}: missing metadata {key!r}")
+        return value
+
+
+def _config(meta: _Metadata, tensor_names: set[str], path: Path) -> ModelConfig:
+    arch = meta.require("general.architecture")
+    if arch != "llama":
+        raise CheckpointError(f"unsupported architecture in {path}: {arch!r}; supported: llama")
+    heads = int(meta.require("llama.attention.head_count"))
+    hidden = int(meta.require("llama.embedding_length"))
+    tokens = meta.require("tokenizer.ggml.tokens")
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        vocab_size=int(meta.get("llama.vocab_size", len(tokens))),
+        hidden_size=hidden,
+        intermediate_size=int(meta.require("llama.feed_forward_length")),
+        num_layers=int(meta.require("llama.block_count")),
+        num_heads=heads,
+        num_kv_heads=int(meta.get("llama.attention.head_count_kv", heads)),
+        head_dim=int(meta.get("llama.rope.dimension_count", hidden // heads)),
+        rms_norm_eps=float(meta.require("llama.attention.layer_norm_rms_epsilon")),
+        rope_theta=float(meta.get("llama.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(meta.get("llama.context_length", 2048)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=() if eos is None else (int(eos),),
+    )
+
+
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _pre_tokenizer(kind: str, path: Path):
+    """The text splitting llama.cpp's `tokenizer.ggml.pre` names, for the kinds we know to be exact."""
+    from tokenizers import Regex, pre_tokenizers
+
+    if kind in ("default", "gpt2"):
+        return pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if kind == "smollm":
+        # GPT-2's split with every digit on its own, as in SmolLM's own tokenizer.json.
+        return pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        )
+    if kind in ("llama3", "llama-v3", "llama-bpe"):
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    raise CheckpointError(f"unsupported GGUF pre-tokenizer {kind!r} in {path}; supported: gpt2, smollm, llama3")
+
+
+def _tokenizer(meta: _Metadata, path: Path) -> TokenizerSpec:
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+
+    kind = meta.require("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise CheckpointError(f"unsupported GGUF tokenizer {kind!r} in {path}; supported: gpt2 (byte-level BPE)")
+    tokens = meta.require("tokenizer.ggml.tokens")
+    merges = [tuple(merge.split(" ", 1)) for merge in meta.require("tokenizer.ggml.merges")]
+    tokenizer = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    tokenizer.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"), path)
+    tokenizer.decoder = decoders.ByteLevel()
+    types = meta.get("tokenizer.ggml.token_type") or []
+    tokenizer.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t, kind in zip(tokens, types) if kind == _CONTROL_TOKEN]
+    )
+
+    def token(key: str) -> str | None:
+        index = meta.get(key)
+        return None if index is None else tokens[int(index)]
+
+    return TokenizerSpec(
+        tokenizer_json=tokenizer.to_str(),
+        chat_template=meta.get("tokenizer.chat_template"),
+        bos_token=token("tokenizer.ggml.bos_token_id"),
+        eos_token=token("tokenizer.ggml.eos_token_id"),
+        add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+    )
+
+
+def load_gguf(path: Path) -> Checkpoint:
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (ValueError, OSError, IndexError) as err:
+        raise CheckpointError(f"cannot read GGUF file {path}: {err}") from None
+    meta = _Metadata(reader, path)
+    tensor_names = {t.name for t in reader.tensors}
+    config = _config(meta, tensor_names, path)
+    tokenizer = _tokenizer(meta, path)
+
+    def read_tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for tensor in reader.tensors:
+            name = hf_tensor_name(tensor.name)
+            if name is None:
+                continue
+            weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            weight = weight.reshape([int(n) for n in reversed(tensor.shape)])
+            if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
+                weight = unpermute_rows(weight, config.num_heads)
+            elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
+                weight = unpermute_rows(weight, config.num_kv_heads)
+            yield name, torch.from_numpy(np.array(weight, dtype=np.float32))
+
+    return Checkpoint(str(path), "gguf", config, tokenizer, read_tensors)
+

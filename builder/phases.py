@@ -1,0 +1,47 @@
+"""The fixed shapes an engine serves: prefill chunks, decode batch x KV-length buckets, and the verify shape."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engines.format import PhaseSpec
+
+STEP_GRAPH = "step"
+
+
+@dataclass(frozen=True)
+class BuildShapes:
+    max_seq_len: int = 2048
+    max_batch: int = 8
+    prefill_chunk: int = 128
+    verify_tokens: int = 8  # K draft tokens + 1 per row, for speculative verification
+    min_past_len: int = 64
+
+    def __post_init__(self) -> None:
+        if self.max_seq_len < self.min_past_len:
+            raise ValueError(f"--max-seq-len must be at least {self.min_past_len}")
+        if self.max_batch < 1:
+            raise ValueError("--max-batch must be at least 1")
+        if not 1 <= self.prefill_chunk <= self.max_seq_len:
+            raise ValueError("--prefill-chunk must be between 1 and --max-seq-len")
+
+
+def doubling(start: int, stop: int) -> list[int]:
+    """start, 2*start, ... and finally stop itself: the bucket ladder."""
+    values = []
+    value = start
+    while value < stop:
+        values.append(value)
+        value *= 2
+    values.append(stop)
+    return values
+
+
+def plan_phases(shapes: BuildShapes) -> dict[str, PhaseSpec]:
+    past = doubling(shapes.min_past_len, shapes.max_seq_len)
+    batches = doubling(1, shapes.max_batch)
+    return {
+        "prefill": PhaseSpec("prefill", STEP_GRAPH, [1], doubling(min(16, shapes.prefill_chunk), shapes.prefill_chunk), past, "last"),
+        "decode": PhaseSpec("decode", STEP_GRAPH, batches, [1], past, "all"),
+        "verify": PhaseSpec("verify", STEP_GRAPH, batches, [shapes.verify_tokens], past, "all"),
+    }

@@ -1,0 +1,14 @@
+"""Backends execute one phase graph of an artifact. Each imports its runtime lazily and fails with a clear reason."""
+
+from __future__ import annotations
+
+from engines.format import Artifact, ArtifactError
+
+
+def open_backend(artifact: Artifact, threads: int | None = None):
+    backend = artifact.manifest.backend
+    if backend == "onnxruntime":
+        from engines.backends.onnxruntime import OnnxRuntimeBackend
+
+        return OnnxRuntimeBackend(artifact, threads=threads)
+    raise ArtifactError(f"engine backend {backend!r} is not available in this runner (available: onnxruntime)")

@@ -1,0 +1,31 @@
+"""The linear layer every projection of the model goes through.
+
+The model never calls `nn.Linear` itself: it asks `make_linear` for its projections, so a quantized variant
+(int8/int4 weights lowered to a fused quantized matmul) replaces this one without touching the model code.
+`FloatLinear` is the unquantized member of that family: plain `x @ W^T (+ b)`, which the ONNX exporter lowers to
+a MatMul on the weight initializer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class FloatLinear(nn.Module):
+    """`y = x @ weight.T + bias` with the weight in the Hugging Face layout `[out_features, in_features]`."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def make_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> nn.Module:
+    return FloatLinear(in_features, out_features, bias, dtype)

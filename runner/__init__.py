@@ -1,0 +1,7 @@
+"""Lightweight runner: load an engine artifact and generate (Python API, CLI, server)."""
+
+from runner.llm import LLM
+from runner.request import RequestOutput
+from runner.sampling import SamplingParams
+
+__all__ = ["LLM", "RequestOutput", "SamplingParams"]

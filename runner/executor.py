@@ -1,0 +1,91 @@
+"""Runs one scheduled piece of work on the engine's phase graphs: maps it to a bucket, pads, feeds the cache views,
+and writes the new K/V back. Knows shapes and buffers, nothing of requests or sampling."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engines.format import Artifact
+from runner.kv_cache import KVCache, bucket_for
+
+
+class Executor:
+    def __init__(self, artifact: Artifact, backend) -> None:
+        manifest = artifact.manifest
+        self.backend = backend
+        self.prefill_phase = manifest.phases["prefill"]
+        self.decode_phase = manifest.phases["decode"]
+        self.verify_phase = manifest.phases["verify"]
+        self.max_rows = max(self.decode_phase.batch_sizes)
+        self.max_chunk = max(self.prefill_phase.steps)
+        self.cache = KVCache(manifest.kv_cache, self.decode_phase.batch_sizes, self.decode_phase.past_lengths)
+
+    def reserve(self, rows: int, length: int) -> None:
+        """Make room for `rows` rows (row ids below it) of up to `length` positions before a step."""
+        self.cache.fit(rows, length)
+
+    def _feeds(self, input_ids, positions, past_lens, tree_mask, logits_index, start_row, stop_row) -> dict:
+        keys, values = self.cache.views(start_row, stop_row)
+        feeds = {
+            "input_ids": input_ids,
+            "positions": positions,
+            "past_lens": past_lens,
+            "tree_mask": tree_mask,
+            "logits_index": logits_index,
+        }
+        feeds.update({f"past_key.{i}": k for i, k in enumerate(keys)})
+        feeds.update({f"past_value.{i}": v for i, v in enumerate(values)})
+        return feeds
+
+    def prefill(self, row: int, token_ids: list[int], start: int) -> np.ndarray:
+        """Run one prompt chunk of one row whose first `start` tokens are cached; returns the last token's logits."""
+        count = len(token_ids)
+        steps = bucket_for(count, self.prefill_phase.steps)
+        input_ids = np.zeros((1, steps), np.int64)
+        input_ids[0, :count] = token_ids
+        positions = np.full((1, steps), start, np.int64)
+        positions[0, :count] = np.arange(start, start + count)
+        # causal among the real tokens; padding tokens see only themselves, so no row is fully masked
+        tree_mask = np.eye(steps, dtype=bool)[None]
+        tree_mask[0, :count, :count] = np.tril(np.ones((count, count), dtype=bool))
+        feeds = self._feeds(
+            input_ids, positions, np.array([start], np.int64), tree_mask, np.array([[count - 1]], np.int64), row, row + 1
+        )
+        out = self.backend.run(self.prefill_phase.graph, feeds)
+        self.cache.write(row, start, out["new_keys"][:, 0, :, :count], out["new_values"][:, 0, :, :count])
+        return out["logits"][0, 0]
+
+    def decode(self, rows: list[int], token_ids: list[int], positions: list[int]) -> np.ndarray:
+        """One token for each of `rows` (token at `positions`, i.e. that many cached); returns [len(rows), vocab]."""
+        batch = bucket_for(max(rows) + 1, self.decode_phase.batch_sizes)
+        input_ids = np.zeros((batch, 1), np.int64)
+        step_positions = np.zeros((batch, 1), np.int64)
+        input_ids[rows, 0] = token_ids
+        step_positions[rows, 0] = positions
+        past_lens = step_positions[:, 0].copy()
+        tree_mask = np.ones((batch, 1, 1), dtype=bool)
+        feeds = self._feeds(input_ids, step_positions, past_lens, tree_mask, np.zeros((batch, 1), np.int64), 0, batch)
+        out = self.backend.run(self.decode_phase.graph, feeds)
+        for row, position in zip(rows, positions):
+            self.cache.write(row, position, out["new_keys"][:, row], out["new_values"][:, row])
+        return out["logits"][rows, 0]
+
+    def verify(self, row: int, token_ids: list[int], start: int, tree_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Score candidate tokens of one row (a chain or a tree, by `tree_mask` [n, n]) after `start` cached ones.
+
+        Returns logits [n, vocab] and the candidates' K/V [layers, kv_heads, n, head_dim]; nothing is written to the
+        cache, since only the accepted candidates belong there (the caller commits them with `cache.write`)."""
+        count = len(token_ids)
+        steps = bucket_for(count, self.verify_phase.steps)
+        input_ids = np.zeros((1, steps), np.int64)
+        input_ids[0, :count] = token_ids
+        depth = tree_mask.sum(axis=1) - 1  # a candidate's position is its depth in the tree
+        positions = np.full((1, steps), start, np.int64)
+        positions[0, :count] = start + depth
+        mask = np.eye(steps, dtype=bool)[None]
+        mask[0, :count, :count] = tree_mask
+        index = np.zeros((1, steps), np.int64)
+        index[0] = np.arange(steps)
+        feeds = self._feeds(input_ids, positions, np.array([start], np.int64), mask, index, row, row + 1)
+        out = self.backend.run(self.verify_phase.graph, feeds)
+        return out["logits"][0, :count], out["new_keys"][:, 0, :, :count], out["new_values"][:, 0, :, :count]

@@ -1,0 +1,75 @@
+"""The static KV cache the runner owns and feeds to every graph call.
+
+Buffers are sized to a (batch bucket, KV-length bucket) pair and re-sized only when the needed bucket changes,
+so each step feeds graph inputs that are plain views of them (no copy) and its attention cost follows the
+KV-length bucket in use, not the engine's maximum. The graphs return only the new tokens' K/V, written here in
+place. Layouts (per layer): keys [rows, kv_heads, head_dim, length], values [rows, kv_heads, length, head_dim].
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import numpy as np
+
+from engines.format import KVCacheSpec
+
+
+def bucket_for(value: int, buckets: list[int]) -> int:
+    index = bisect.bisect_left(buckets, value)
+    if index == len(buckets):
+        raise ValueError(f"{value} exceeds the largest bucket {buckets[-1]}")
+    return buckets[index]
+
+
+class KVCache:
+    def __init__(self, spec: KVCacheSpec, row_buckets: list[int], length_buckets: list[int]) -> None:
+        self.spec = spec
+        self.row_buckets = sorted(row_buckets)
+        self.length_buckets = sorted(length_buckets)
+        self.dtype = np.dtype(spec.dtype)
+        self.keys = self._alloc_keys(0, 0)
+        self.values = self._alloc_values(0, 0)
+
+    @property
+    def rows(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def length(self) -> int:
+        return self.keys.shape[-1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+    def _alloc_keys(self, rows: int, length: int) -> np.ndarray:
+        s = self.spec
+        return np.zeros((s.num_layers, rows, s.num_kv_heads, s.head_dim, length), self.dtype)
+
+    def _alloc_values(self, rows: int, length: int) -> np.ndarray:
+        s = self.spec
+        return np.zeros((s.num_layers, rows, s.num_kv_heads, length, s.head_dim), self.dtype)
+
+    def fit(self, rows: int, length: int) -> None:
+        """Size the buffers to the buckets holding `rows` rows of `length` positions, keeping what fits."""
+        rows = bucket_for(max(rows, 1), self.row_buckets)
+        length = bucket_for(max(length, 1), self.length_buckets)
+        if (rows, length) == (self.rows, self.length):
+            return
+        keys, values = self._alloc_keys(rows, length), self._alloc_values(rows, length)
+        keep_rows, keep_len = min(rows, self.rows), min(length, self.length)
+        keys[:, :keep_rows, :, :, :keep_len] = self.keys[:, :keep_rows, :, :, :keep_len]
+        values[:, :keep_rows, :, :keep_len] = self.values[:, :keep_rows, :, :keep_len]
+        self.keys, self.values = keys, values
+
+    def views(self, start_row: int, stop_row: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Per-layer views of rows [start_row, stop_row): contiguous, so backends read them without a copy."""
+        layers = range(self.spec.num_layers)
+        return [self.keys[i, start_row:stop_row] for i in layers], [self.values[i, start_row:stop_row] for i in layers]
+
+    def write(self, row: int, start: int, new_keys: np.ndarray, new_values: np.ndarray) -> None:
+        """Store the K/V of n new tokens of one row: new_* are [layers, kv_heads, n, head_dim]."""
+        count = new_keys.shape[2]
+        self.keys[:, row, :, :, start:start + count] = new_keys.transpose(0, 1, 3, 2)
+        self.values[:, row, :, start:start + count] = new_values

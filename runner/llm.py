@@ -1,0 +1,83 @@
+"""The Python API, in the style of vLLM's `LLM`:
+
+    from runner import LLM, SamplingParams
+    llm = LLM("engine_dir")
+    outputs = llm.generate(["Hello"], SamplingParams(max_tokens=64, temperature=0.0))
+    print(outputs[0].text, outputs[0].token_ids)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from runner.llm_engine import LLMEngine, PromptError
+from runner.request import RequestOutput
+from runner.sampling import SamplingParams
+
+Message = dict[str, str]
+
+
+class LLM:
+    def __init__(self, engine_dir: str | Path, threads: int | None = None, verify_checksums: bool = True) -> None:
+        self.engine = LLMEngine(engine_dir, threads=threads, verify_checksums=verify_checksums)
+
+    @property
+    def tokenizer(self):
+        return self.engine.codec
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text, or token ids), batched; outputs in the order of the prompts."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if (prompts is None) == (prompt_token_ids is None):
+            raise PromptError("give either prompts or prompt_token_ids")
+        items = [(p, None) for p in prompts] if prompts is not None else [(None, list(ids)) for ids in prompt_token_ids]
+        params = _per_prompt(sampling_params, len(items))
+        requests = []
+        try:
+            for (text, ids), p in zip(items, params):
+                requests.append(self.engine.add_request(text, ids, p))
+            for _ in self.engine.run(requests):
+                pass
+        finally:
+            for request in requests:
+                self.engine.abort(request)  # only unfinished ones: an exception must not leave rows taken
+        return [r.output() for r in requests]
+
+    def stream(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield the text increments of one prompt as they are generated."""
+        text, ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
+        request = self.engine.add_request(text, ids, sampling_params or SamplingParams())
+        try:
+            for event in self.engine.run([request]):
+                if event.request is request and event.delta:
+                    yield event.delta
+        finally:
+            self.engine.abort(request)
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the engine's chat template to one conversation (or several) and generate the replies."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.engine.codec.apply_chat_template(list(c)) for c in conversations]
+        return self.generate(prompts, sampling_params)
+
+
+def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"{len(params)} sampling params for {count} prompts")
+    return params

@@ -1,0 +1,52 @@
+"""Requests as plain data: what was asked, how far it has been computed, what it produced."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from runner.sampling import SamplingParams
+from runner.tokenizer import IncrementalDetokenizer
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    rng: np.random.Generator
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    row: int | None = None  # KV cache row while running
+    text: str = ""  # visible text: stop strings cut off, possible stop prefixes held back while running
+    finish_reason: str | None = None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.num_computed < len(self.prompt_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(
+            self.request_id, self.prompt, self.prompt_token_ids, self.text, list(self.output_token_ids), self.finish_reason
+        )

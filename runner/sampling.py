@@ -1,0 +1,85 @@
+"""Per-request sampling parameters and the host-side sampler (numpy).
+
+Names and defaults follow vLLM's SamplingParams. Every request owns a seeded generator, so a seed gives the same
+output whatever else runs in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = -1  # -1 or 0 = no limit
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        problems = []
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            problems.append(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature <= 100.0:
+            problems.append(f"temperature must be in [0, 100], got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            problems.append(f"top_k must be -1 (disabled) or a positive integer, got {self.top_k!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
+            problems.append(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            problems.append(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= max(self.max_tokens, 0):
+            problems.append(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            problems.append("stop must be a list of non-empty strings")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def processed_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """The distribution a token is drawn from: temperature, then top-k, top-p and min-p filtering."""
+    scaled = logits.astype(np.float64) / params.temperature
+    if 0 < params.top_k < scaled.shape[-1]:
+        kth = np.partition(scaled, -params.top_k)[-params.top_k]
+        scaled = np.where(scaled < kth, -np.inf, scaled)
+    probs = np.exp(scaled - scaled.max())
+    probs /= probs.sum()
+    if params.top_p < 1.0:
+        order = np.argsort(-probs, kind="stable")
+        cumulative = np.cumsum(probs[order])
+        # keep the smallest prefix whose mass reaches top_p (the token that crosses it included)
+        keep = cumulative - probs[order] < params.top_p
+        filtered = np.zeros_like(probs)
+        filtered[order[keep]] = probs[order[keep]]
+        probs = filtered / filtered.sum()
+    if params.min_p > 0.0:
+        probs = np.where(probs < params.min_p * probs.max(), 0.0, probs)
+        probs /= probs.sum()
+    return probs
+
+
+def sample_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+    if params.greedy:
+        return int(np.argmax(logits))
+    probs = processed_probs(logits, params)
+    # inverse-CDF with one uniform draw per token: the draw sequence depends only on the request's seed
+    index = int(np.searchsorted(np.cumsum(probs), rng.random() * probs.sum(), side="right"))
+    return min(index, probs.shape[-1] - 1)

@@ -1,0 +1,77 @@
+"""Engines built from tiny random checkpoints against Hugging Face transformers on the same weights."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from runner import LLM, SamplingParams
+from runner.llm_engine import LLMEngine
+from tests.reference import load_reference, reference_greedy, reference_logits
+from tests.tiny_checkpoint import CONFIGS
+
+TEXT = "The quick brown fox jumps over the lazy dog."
+LONG_TEXT = "Speculative decoding drafts tokens and verifies them in one pass. " * 2
+
+
+def assert_logits_close(ours: np.ndarray, reference: np.ndarray) -> None:
+    scale = max(1.0, float(np.abs(reference).max()))
+    np.testing.assert_allclose(ours, reference, rtol=0, atol=2e-5 * scale)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_prefill_and_20_decode_steps_match_transformers(name, engine_factory, checkpoint_factory):
+    engine = LLMEngine(engine_factory(name))
+    reference = load_reference(checkpoint_factory(name))
+    executor = engine.executor
+    tokens = engine.codec.encode(TEXT)
+    executor.reserve(1, len(tokens) + 20)
+
+    logits = executor.prefill(0, tokens, 0)
+    assert_logits_close(logits, reference_logits(reference, tokens)[-1])
+    for _ in range(20):
+        tokens.append(int(np.argmax(logits)))
+        logits = executor.decode([0], [tokens[-1]], [len(tokens) - 1])[0]
+        assert_logits_close(logits, reference_logits(reference, tokens)[-1])
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_greedy_32_tokens_identical_to_transformers(name, engine_factory, checkpoint_factory):
+    llm = LLM(engine_factory(name))
+    prompt = llm.tokenizer.encode(TEXT)
+    out = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))[0]
+    assert out.token_ids == reference_greedy(load_reference(checkpoint_factory(name)), prompt, 32)
+    assert out.finish_reason == "length"
+
+
+def test_alone_batched_and_chunked_prefill_give_the_same_tokens(engine_factory, checkpoint_factory):
+    # prefill chunks of 16 tokens: the long prompt takes several chunks, interleaved with the others' decoding
+    llm = LLM(engine_factory("gqa", prefill_chunk=16))
+    prompts = [llm.tokenizer.encode(t) for t in (LONG_TEXT, "hello", TEXT, "0123456789 hello world")]
+    assert len(prompts[0]) > 2 * 16
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    alone = [llm.generate(prompt_token_ids=[p], sampling_params=params)[0].token_ids for p in prompts]
+    batched = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    assert batched == alone
+    reference = load_reference(checkpoint_factory("gqa"))
+    assert alone[0] == reference_greedy(reference, prompts[0], 24)
+
+
+def test_verify_phase_scores_a_chain_and_a_tree_like_the_reference(engine_factory, checkpoint_factory):
+    engine = LLMEngine(engine_factory("gqa"))
+    reference = load_reference(checkpoint_factory("gqa"))
+    executor = engine.executor
+    prompt = engine.codec.encode(TEXT)
+    executor.reserve(1, len(prompt) + 8)
+    executor.prefill(0, prompt, 0)
+
+    chain = [5, 17, 42, 9]
+    logits, _, _ = executor.verify(0, chain, len(prompt), np.tril(np.ones((4, 4), dtype=bool)))
+    expected = reference_logits(reference, prompt + chain)[len(prompt):]
+    assert_logits_close(logits, expected)
+
+    # a tree: root 5 with two children 17 and 42; 9 follows 42
+    tree = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=bool)
+    logits, _, _ = executor.verify(0, chain, len(prompt), tree)
+    assert_logits_close(logits[1], reference_logits(reference, prompt + [5, 17])[-1])
+    assert_logits_close(logits[3], reference_logits(reference, prompt + [5, 42, 9])[-1])

@@ -1,0 +1,53 @@
+"""Shared fixtures: tiny random checkpoints and engines built from them once per session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.tiny_checkpoint import make_checkpoint
+
+# Keep the suite predictable on a 2-core machine.
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+
+@pytest.fixture(scope="session")
+def checkpoint_factory(tmp_path_factory):
+    made: dict[tuple, Path] = {}
+
+    def make(name: str = "gqa", shards: int = 1) -> Path:
+        key = (name, shards)
+        if key not in made:
+            made[key] = make_checkpoint(tmp_path_factory.mktemp(f"ckpt_{name}"), name, shards=shards)
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def engine_factory(tmp_path_factory, checkpoint_factory):
+    from builder.build import BuildOptions, build_engine
+
+    built: dict[tuple, Path] = {}
+
+    def build(name: str = "gqa", max_seq_len: int = 256, max_batch: int = 4, prefill_chunk: int = 32) -> Path:
+        key = (name, max_seq_len, max_batch, prefill_chunk)
+        if key not in built:
+            out = tmp_path_factory.mktemp(f"engine_{name}") / "engine"
+            options = BuildOptions(str(checkpoint_factory(name)), out, "fp32", max_seq_len, max_batch, prefill_chunk)
+            build_engine(options, log=lambda line: None)
+            built[key] = out
+        return built[key]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def default_engine():
+    """The engine of the default model: CI builds it once and points ENGINE_DIR at it."""
+    path = os.environ.get("DEFAULT_ENGINE_DIR")
+    if not path or not (Path(path) / "manifest.json").is_file():
+        pytest.skip("DEFAULT_ENGINE_DIR does not point at a built default engine (.ci/run builds one)")
+    return Path(path)
