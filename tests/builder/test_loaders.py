@@ -1,0 +1,104 @@
+"""Checkpoint loaders: HF directories (single, sharded), GGUF layout details, and clear errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from builder.loaders import CheckpointError, load_checkpoint
+from builder.loaders.gguf_file import hf_tensor_name, unpermute_rows
+from builder.weights import load_model
+
+
+def test_hf_directory_config_and_lazy_tensors(checkpoint_factory):
+    checkpoint = load_checkpoint(checkpoint_factory("gqa"))
+    config = checkpoint.config
+    assert (config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim) == (2, 4, 2, 16)
+    assert config.tie_word_embeddings and config.eos_token_ids == (2,)
+    assert checkpoint.tokenizer.chat_template and checkpoint.tokenizer.eos_token == "<|im_end|>"
+    names = [name for name, _ in checkpoint.read_tensors()]
+    assert "model.layers.1.mlp.down_proj.weight" in names
+
+
+def test_sharded_checkpoint_loads_the_same_weights(checkpoint_factory):
+    single = dict(load_checkpoint(checkpoint_factory("gqa")).read_tensors())
+    sharded_dir = checkpoint_factory("gqa", shards=3)
+    assert (sharded_dir / "model.safetensors.index.json").is_file()
+    sharded = dict(load_checkpoint(sharded_dir).read_tensors())
+    assert single.keys() == sharded.keys()
+    assert all(torch.equal(single[k], sharded[k]) for k in single)
+
+
+def test_llama3_rope_scaling_is_read(checkpoint_factory):
+    scaling = load_checkpoint(checkpoint_factory("rope_scaling")).config.rope_scaling
+    assert scaling is not None and scaling.factor == 8.0
+
+
+def test_missing_path():
+    with pytest.raises(CheckpointError, match="not found"):
+        load_checkpoint("/nonexistent/model")
+
+
+def test_unsupported_architecture(checkpoint_factory, tmp_path):
+    directory = tmp_path / "gpt2"
+    shutil.copytree(checkpoint_factory("gqa"), directory)
+    config = json.loads((directory / "config.json").read_text())
+    config.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="unsupported architecture.*gpt2"):
+        load_checkpoint(directory)
+
+
+def test_malformed_config(checkpoint_factory, tmp_path):
+    directory = tmp_path / "broken"
+    shutil.copytree(checkpoint_factory("gqa"), directory)
+    config = json.loads((directory / "config.json").read_text())
+    del config["hidden_size"]
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="missing 'hidden_size'"):
+        load_checkpoint(directory)
+    (directory / "config.json").write_text("{")
+    with pytest.raises(CheckpointError, match="malformed JSON"):
+        load_checkpoint(directory)
+
+
+def test_missing_tokenizer_and_weights(checkpoint_factory, tmp_path):
+    directory = tmp_path / "partial"
+    shutil.copytree(checkpoint_factory("gqa"), directory)
+    (directory / "tokenizer.json").unlink()
+    with pytest.raises(CheckpointError, match="tokenizer.json"):
+        load_checkpoint(directory)
+    shutil.copy(checkpoint_factory("gqa") / "tokenizer.json", directory)
+    (directory / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="no \\*.safetensors"):
+        load_checkpoint(directory)
+
+
+def test_weights_not_matching_the_config(checkpoint_factory, tmp_path):
+    directory = tmp_path / "mismatch"
+    shutil.copytree(checkpoint_factory("gqa"), directory)
+    config = json.loads((directory / "config.json").read_text())
+    config["intermediate_size"] = 128
+    (directory / "config.json").write_text(json.dumps(config))
+    checkpoint = load_checkpoint(directory)
+    with pytest.raises(CheckpointError, match="has shape"):
+        load_model(checkpoint.config, checkpoint.read_tensors(), torch.float32)
+
+
+def test_gguf_names_map_to_hf_names():
+    assert hf_tensor_name("blk.7.attn_q.weight") == "model.layers.7.self_attn.q_proj.weight"
+    assert hf_tensor_name("blk.0.ffn_down.weight") == "model.layers.0.mlp.down_proj.weight"
+    assert hf_tensor_name("token_embd.weight") == "model.embed_tokens.weight"
+    assert hf_tensor_name("rope_freqs.weight") is None
+
+
+def test_unpermute_inverts_llama_cpp_permutation():
+    heads, head_dim, cols = 3, 8, 5
+    weight = np.arange(heads * head_dim * cols, dtype=np.float32).reshape(heads * head_dim, cols)
+    # llama.cpp's convert script: rotary pairs interleaved within each head
+    permuted = weight.reshape(heads, 2, head_dim // 2, cols).swapaxes(1, 2).reshape(weight.shape)
+    np.testing.assert_array_equal(unpermute_rows(permuted, heads), weight)

@@ -1,0 +1,84 @@
+"""Opening an artifact validates it: damaged, foreign or future artifacts are refused with one clear message."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from engines.format import SCHEMA_VERSION, ArtifactError, open_artifact
+
+
+@pytest.fixture
+def engine_copy(engine_factory, tmp_path):
+    copy = tmp_path / "engine"
+    shutil.copytree(engine_factory("gqa"), copy)
+    return copy
+
+
+def test_a_fresh_build_opens_and_records_every_file(engine_copy):
+    artifact = open_artifact(engine_copy)
+    manifest = artifact.manifest
+    assert manifest.schema_version == SCHEMA_VERSION
+    assert set(manifest.files) == {"model.onnx", "model.onnx.data", "tokenizer.json"}
+    assert {"prefill", "decode", "verify"} <= set(manifest.phases)
+    # every phase runs the one graph, so the weights exist once on disk
+    assert {p.graph for p in manifest.phases.values()} == {"step"}
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(ArtifactError, match="engine not found"):
+        open_artifact(tmp_path / "nope")
+
+
+def test_directory_without_manifest(tmp_path):
+    (tmp_path / "model.onnx").write_bytes(b"onnx?")
+    with pytest.raises(ArtifactError, match="not an engine artifact"):
+        open_artifact(tmp_path)
+
+
+def test_unknown_schema_version(engine_copy):
+    manifest = json.loads((engine_copy / "manifest.json").read_text())
+    manifest["schema_version"] = SCHEMA_VERSION + 1
+    (engine_copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match="schema version .* not supported"):
+        open_artifact(engine_copy)
+
+
+def test_corrupt_manifest(engine_copy):
+    (engine_copy / "manifest.json").write_text("{ not json")
+    with pytest.raises(ArtifactError, match="corrupt"):
+        open_artifact(engine_copy)
+
+
+def test_truncated_weights(engine_copy):
+    data = engine_copy / "model.onnx.data"
+    data.write_bytes(data.read_bytes()[:-100])
+    with pytest.raises(ArtifactError, match="truncated"):
+        open_artifact(engine_copy)
+
+
+def test_flipped_byte_in_weights(engine_copy):
+    data = engine_copy / "model.onnx.data"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with pytest.raises(ArtifactError, match="checksum mismatch"):
+        open_artifact(engine_copy)
+
+
+def test_missing_graph_file(engine_copy):
+    (engine_copy / "model.onnx").unlink()
+    with pytest.raises(ArtifactError, match="missing"):
+        open_artifact(engine_copy)
+
+
+def test_foreign_backend_is_refused_by_the_runner(engine_copy):
+    from engines.backends import open_backend
+
+    manifest = json.loads((engine_copy / "manifest.json").read_text())
+    manifest["backend"] = "tensorrt-9000"
+    (engine_copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match="not available"):
+        open_backend(open_artifact(engine_copy))

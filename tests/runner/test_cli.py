@@ -1,0 +1,40 @@
+"""The command lines, run as a user would: `builder build` and `runner generate`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+BUILDER = [sys.executable, "-c", "from builder.cli import main; main()"]
+RUNNER = [sys.executable, "-c", "from runner.cli import main; main()"]
+
+
+def run(args, **kwargs):
+    return subprocess.run(args, capture_output=True, text=True, timeout=300, **kwargs)
+
+
+def test_build_then_generate(checkpoint_factory, tmp_path):
+    out = tmp_path / "engine"
+    built = run(BUILDER + ["build", str(checkpoint_factory("gqa")), "--out", str(out), "--max-seq-len", "128", "--max-batch", "2"])
+    assert built.returncode == 0, built.stderr
+    assert "[3/4] tracing" in built.stderr and "model.onnx.data" in built.stdout and "built in" in built.stdout
+    generated = run(RUNNER + ["generate", str(out), "hello", "--max-tokens", "8"])
+    assert generated.returncode == 0, generated.stderr
+    assert generated.stdout.strip()
+    chat = run(RUNNER + ["generate", str(out), "hello", "--chat", "--max-tokens", "4", "--temperature", "0.7", "--seed", "1"])
+    assert chat.returncode == 0, chat.stderr
+    again = run(BUILDER + ["build", str(checkpoint_factory("gqa")), "--out", str(out)])
+    assert again.returncode == 2 and "--overwrite" in again.stderr
+
+
+def test_clear_one_line_errors(tmp_path, engine_factory):
+    missing = run(BUILDER + ["build", str(tmp_path / "nope"), "--out", str(tmp_path / "e")])
+    assert missing.returncode == 2
+    assert missing.stderr.strip().splitlines()[-1] == f"error: checkpoint not found: {tmp_path / 'nope'}"
+    not_engine = run(RUNNER + ["generate", str(tmp_path), "hi"])
+    assert not_engine.returncode == 2 and "not an engine artifact" in not_engine.stderr
+    assert "Traceback" not in not_engine.stderr
+    bad_param = run(RUNNER + ["generate", str(engine_factory("gqa")), "hi", "--top-p", "0"])
+    assert bad_param.returncode == 2 and "top_p" in bad_param.stderr
+    too_long = run(RUNNER + ["generate", str(engine_factory("gqa")), "hello " * 400])
+    assert too_long.returncode == 2 and "max sequence length" in too_long.stderr

@@ -1,0 +1,49 @@
+"""The default model (SmolLM2-135M-Instruct, Q4_1 GGUF): the prebuilt engine against transformers on that GGUF."""
+
+from __future__ import annotations
+
+import pytest
+
+from runner import LLM, SamplingParams
+from tests.reference import reference_greedy
+
+pytestmark = pytest.mark.default_model
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a short poem about the sea."}],
+]
+
+
+@pytest.fixture(scope="module")
+def llm(default_engine):
+    return LLM(default_engine)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    import torch
+    import transformers
+
+    from builder.loaders.default import default_gguf_path
+
+    path = default_gguf_path()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return model.eval(), tokenizer
+
+
+@pytest.mark.parametrize("chat", CHATS, ids=["capital", "poem"])
+def test_greedy_32_tokens_identical_to_transformers_on_the_gguf(llm, reference, chat):
+    model, hf_tokenizer = reference
+    prompt = llm.tokenizer.apply_chat_template(chat)
+    prompt_ids = llm.tokenizer.encode(prompt)
+    assert prompt_ids == hf_tokenizer.encode(prompt, add_special_tokens=False)
+    out = llm.generate(prompt_token_ids=[prompt_ids], sampling_params=SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))[0]
+    assert out.token_ids == reference_greedy(model, prompt_ids, 32)
+
+
+def test_chat_answers_sensibly_and_stops_at_end_of_turn(llm):
+    out = llm.chat(CHATS[0], SamplingParams(max_tokens=64, temperature=0.0))[0]
+    assert "Paris" in out.text
+    assert out.finish_reason == "stop" and out.token_ids[-1] in llm.engine.eos_token_ids

@@ -1,0 +1,95 @@
+"""The Python API on a tiny engine: generate, token-id prompts, stream, chat, stops, seeds and clear errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from runner import LLM, SamplingParams
+from runner.llm_engine import PromptError
+from runner.tokenizer import IncrementalDetokenizer
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(engine_factory):
+    return LLM(engine_factory("gqa"))
+
+
+def test_generate_text_and_token_id_prompts_agree(llm):
+    by_text = llm.generate(["hello world"], GREEDY)[0]
+    by_ids = llm.generate(prompt_token_ids=[llm.tokenizer.encode("hello world")], sampling_params=GREEDY)[0]
+    assert by_text.token_ids == by_ids.token_ids and len(by_text.token_ids) == 16
+    assert by_text.text == llm.tokenizer.decode(by_text.token_ids)
+    assert by_text.prompt == "hello world"
+
+
+def test_stream_yields_the_same_text_as_generate(llm):
+    pieces = list(llm.stream("The quick brown fox", GREEDY))
+    assert len(pieces) > 1
+    assert "".join(pieces) == llm.generate("The quick brown fox", GREEDY)[0].text
+
+
+def test_chat_applies_the_template(llm):
+    out = llm.chat([{"role": "user", "content": "hello"}], GREEDY)[0]
+    assert out.prompt == "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
+    assert len(out.token_ids) == 16
+
+
+def test_stop_string_cuts_the_text(llm):
+    full = llm.generate("hello", SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0]
+    at = next(i for i in range(3, len(full.text) - 3) if full.text.find(full.text[i:i + 3]) == i)
+    stop = full.text[at:at + 3]
+    out = llm.generate("hello", SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop]))[0]
+    assert out.text == full.text[:at] and out.finish_reason == "stop"
+    streamed = "".join(llm.stream("hello", SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop])))
+    assert streamed == out.text
+
+
+def test_stop_token_ids_and_min_tokens(llm):
+    full = llm.generate("hello", GREEDY)[0]
+    stop_id = full.token_ids[3]
+    out = llm.generate("hello", SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_id]))[0]
+    assert out.token_ids == full.token_ids[: full.token_ids.index(stop_id) + 1] and out.finish_reason == "stop"
+    held = llm.generate("hello", SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_id], min_tokens=16))[0]
+    assert stop_id not in held.token_ids and len(held.token_ids) == 16
+
+
+def test_seeded_sampling_reproduces_alone_and_in_a_batch(llm):
+    params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=42, ignore_eos=True)
+    alone = llm.generate("hello", params)[0].token_ids
+    assert llm.generate("hello", params)[0].token_ids == alone
+    batch = llm.generate(["The quick", "hello", "0123"], params)
+    assert batch[1].token_ids == alone
+    other_seed = llm.generate("hello", SamplingParams(max_tokens=12, temperature=1.0, seed=43, ignore_eos=True))[0]
+    assert other_seed.token_ids != alone
+
+
+def test_max_seq_len_bounds_prompt_and_output(llm):
+    limit = llm.engine.max_seq_len
+    with pytest.raises(PromptError, match=f"max sequence length is {limit}"):
+        llm.generate(prompt_token_ids=[[5] * limit], sampling_params=GREEDY)
+    out = llm.generate(prompt_token_ids=[[5] * (limit - 4)], sampling_params=SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4 and out.finish_reason == "length"
+
+
+def test_bad_prompts_are_refused_and_leave_the_engine_usable(llm):
+    with pytest.raises(PromptError, match="empty"):
+        llm.generate(prompt_token_ids=[[]])
+    with pytest.raises(PromptError, match="token ids must be in"):
+        llm.generate(prompt_token_ids=[[10**6]])
+    with pytest.raises(PromptError, match="either prompts or prompt_token_ids"):
+        llm.generate()
+    with pytest.raises(ValueError, match="temperature"):
+        llm.generate("hi", SamplingParams(temperature=-1))
+    assert not llm.engine.scheduler.has_work
+    assert len(llm.generate("hello", GREEDY)[0].token_ids) == 16
+
+
+def test_incremental_detokenizer_holds_back_split_characters(llm):
+    codec = llm.tokenizer
+    ids = codec.encode("naïve café ✓")
+    detok = IncrementalDetokenizer(codec)
+    pieces = [detok.push(t) for t in ids]
+    assert "".join(pieces) == "naïve café ✓"
+    assert all("\ufffd" not in p for p in pieces)
