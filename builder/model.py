@@ -7,6 +7,7 @@ K/V of the T new tokens come out; the runner writes them into its buffer in plac
 Cache layout per layer (chosen so that a bucket-sized buffer feeds attention with no transpose or copy):
     past_keys[i]:   [B, kv_heads, head_dim, L]   (K already transposed for q @ K^T)
     past_values[i]: [B, kv_heads, L, head_dim]
+The new tokens' K/V come out as new_keys / new_values [layers, B, T, kv_heads, head_dim] (the projection's layout).
 Positions >= past_lens[b] of row b are padding and masked out. Among the T new tokens, `tree_mask[b, t, s]` says
 whether new token t attends to new token s: lower-triangular for a prefill chunk or a linear draft, a tree for
 tree verification, the identity for padding rows (so no row is ever fully masked).
@@ -44,9 +45,14 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return inv_freq.float()
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def rotate_half_matrix(head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """R with x @ R == cat(-x[half:], x[:half]): one exact MatMul in the graph instead of split/neg/concat."""
+    half = head_dim // 2
+    rotation = torch.zeros(head_dim, head_dim, dtype=dtype, device="cpu")  # cpu even when built on meta
+    index = torch.arange(half, device="cpu")
+    rotation[index + half, index] = -1.0
+    rotation[index, index + half] = 1.0
+    return rotation
 
 
 class RMSNorm(nn.Module):
@@ -56,9 +62,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 whatever the weight dtype, as the reference implementation does.
+        # Normalise in fp32 whatever the weight dtype, as the reference implementation does. Written as
+        # x / sqrt(...) because onnxruntime fuses that pattern into one SimplifiedLayerNormalization kernel.
         x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        x32 = x32 / torch.sqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
 
@@ -69,59 +76,58 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         hidden, bias = config.hidden_size, config.attention_bias
-        self.q_proj = make_linear(hidden, config.num_heads * config.head_dim, bias, dtype)
-        self.k_proj = make_linear(hidden, config.num_kv_heads * config.head_dim, bias, dtype)
-        self.v_proj = make_linear(hidden, config.num_kv_heads * config.head_dim, bias, dtype)
+        # q, k and v in one matmul (the checkpoint's q_proj/k_proj/v_proj are stacked by row at load time)
+        self.qkv_proj = make_linear(hidden, (config.num_heads + 2 * config.num_kv_heads) * config.head_dim, bias, dtype)
         self.o_proj = make_linear(config.num_heads * config.head_dim, hidden, bias, dtype)
 
     def forward(
         self,
         x: torch.Tensor,  # [B, T, hidden]
-        cos: torch.Tensor,  # [B, T, head_dim]
+        cos: torch.Tensor,  # [B, T, 1, head_dim]
         sin: torch.Tensor,
-        mask: torch.Tensor,  # [B, 1, 1, T, L + T] bool, True = attend
+        rotation: torch.Tensor,  # [head_dim, head_dim], see rotate_half_matrix
+        mask_bias: torch.Tensor,  # [B, 1, group * T, L + T] float32: 0 = attend, float32 min = masked
         past_key: torch.Tensor,  # [B, kv_heads, head_dim, L]
         past_value: torch.Tensor,  # [B, kv_heads, L, head_dim]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         batch, steps, _ = x.shape
-        kv_heads, head_dim = self.num_kv_heads, self.head_dim
-        group = self.num_heads // kv_heads
+        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        group = heads // kv_heads
         past_len = past_key.shape[-1]
 
-        q = self.q_proj(x).view(batch, steps, self.num_heads, head_dim)
-        k = self.k_proj(x).view(batch, steps, kv_heads, head_dim)
-        v = self.v_proj(x).view(batch, steps, kv_heads, head_dim)
-        q = q * cos[:, :, None, :] + rotate_half(q) * sin[:, :, None, :]
-        k = k * cos[:, :, None, :] + rotate_half(k) * sin[:, :, None, :]
+        qkv = self.qkv_proj(x).view(batch, steps, heads + 2 * kv_heads, head_dim)
+        qk, v = qkv.split([heads + kv_heads, kv_heads], dim=2)
+        qk = qk * cos + (qk @ rotation) * sin  # rotary embedding of q and k at once
+        q, k = qk.split([heads, kv_heads], dim=2)
 
         # Query heads sharing a KV head are stacked along the row axis, so GQA needs no repeat of K/V.
-        q = q.view(batch, steps, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+        q = q.reshape(batch, steps, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
         q = q.reshape(batch, kv_heads, group * steps, head_dim) * (1.0 / math.sqrt(head_dim))
-        new_key = k.transpose(1, 2)  # [B, kv_heads, T, head_dim]
-        new_value = v.transpose(1, 2)
 
         # Scores against the cache and against the new tokens are computed apart: concatenating K/V would copy
         # the whole cache on every step.
-        scores = torch.cat((q @ past_key, q @ new_key.transpose(2, 3)), dim=-1)
-        scores = scores.view(batch, kv_heads, group, steps, past_len + steps).float()
-        scores = scores.masked_fill(~mask, torch.finfo(torch.float32).min)
-        probs = torch.softmax(scores, dim=-1).to(x.dtype).view(batch, kv_heads, group * steps, past_len + steps)
-        out = probs[..., :past_len] @ past_value + probs[..., past_len:] @ new_value
+        scores = torch.cat((q @ past_key, q @ k.permute(0, 2, 3, 1)), dim=-1)
+        scores = scores.float() + mask_bias
+        probs = torch.softmax(scores, dim=-1).to(x.dtype)
+        out = probs[..., :past_len] @ past_value + probs[..., past_len:] @ v.transpose(1, 2)
         out = out.view(batch, kv_heads, group, steps, head_dim).permute(0, 3, 1, 2, 4)
-        out = out.reshape(batch, steps, self.num_heads * head_dim)
-        return self.o_proj(out), new_key, new_value
+        out = out.reshape(batch, steps, heads * head_dim)
+        # new K/V leave in the projection's own layout [B, T, kv_heads, head_dim]; the runner places them
+        return self.o_proj(out), k, v
 
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = make_linear(hidden, inner, bias, dtype)
-        self.up_proj = make_linear(hidden, inner, bias, dtype)
+        self.inner = inner
+        # gate and up in one matmul (gate_proj/up_proj stacked by row at load time)
+        self.gate_up_proj = make_linear(hidden, 2 * inner, bias, dtype)
         self.down_proj = make_linear(inner, hidden, bias, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split([self.inner, self.inner], dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -132,8 +138,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config, dtype)
 
-    def forward(self, x, cos, sin, mask, past_key, past_value):
-        attn_out, new_key, new_value = self.self_attn(self.input_layernorm(x), cos, sin, mask, past_key, past_value)
+    def forward(self, x, cos, sin, rotation, mask_bias, past_key, past_value):
+        attn_out, new_key, new_value = self.self_attn(
+            self.input_layernorm(x), cos, sin, rotation, mask_bias, past_key, past_value
+        )
         x = x + attn_out
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, new_key, new_value
@@ -160,6 +168,7 @@ class LlamaForCausalLM(nn.Module):
             config.hidden_size, config.vocab_size, False, dtype
         )
         self.register_buffer("rope_inv_freq", rope_inv_freq(config), persistent=False)
+        self.register_buffer("rope_rotation", rotate_half_matrix(config.head_dim, dtype), persistent=False)
 
     def forward(
         self,
@@ -173,19 +182,23 @@ class LlamaForCausalLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         batch, steps = input_ids.shape
         past_len = past_keys[0].shape[-1]
+        group = self.config.num_heads // self.config.num_kv_heads
 
         freqs = positions.unsqueeze(-1).float() * self.rope_inv_freq
-        angles = torch.cat((freqs, freqs), dim=-1)
+        angles = torch.cat((freqs, freqs), dim=-1).unsqueeze(2)  # [B, T, 1, head_dim]: shared by all heads
         cos, sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
 
+        # One mask for all layers, rows ordered (query head in group, new token) like the attention scores.
         cached = torch.arange(past_len, device=input_ids.device).unsqueeze(0) < past_lens.unsqueeze(1)  # [B, L]
         mask = torch.cat((cached.unsqueeze(1).expand(batch, steps, past_len), tree_mask), dim=-1)
-        mask = mask.view(batch, 1, 1, steps, past_len + steps)
+        mask = mask.unsqueeze(1).expand(batch, group, steps, past_len + steps).reshape(batch, 1, group * steps, past_len + steps)
+        # additive, built once: an Add per layer is much cheaper than a broadcasting Where over the scores
+        mask_bias = torch.zeros(mask.shape, dtype=torch.float32).masked_fill(~mask, torch.finfo(torch.float32).min)
 
         x = self.model.embed_tokens(input_ids)
         new_keys, new_values = [], []
         for layer, past_key, past_value in zip(self.model.layers, past_keys, past_values):
-            x, new_key, new_value = layer(x, cos, sin, mask, past_key, past_value)
+            x, new_key, new_value = layer(x, cos, sin, self.rope_rotation, mask_bias, past_key, past_value)
             new_keys.append(new_key)
             new_values.append(new_value)
 

@@ -37,8 +37,17 @@ def doubling(start: int, stop: int) -> list[int]:
     return values
 
 
+def kv_ladder(start: int, stop: int, step: int = 256) -> list[int]:
+    """KV-length buckets: doubling up to `step * 2`, then every `step`, so a decode step attends over at most
+    `step` padding positions at long context (a bucket change costs one copy of the used cache)."""
+    values = doubling(start, min(stop, 2 * step))
+    while values[-1] < stop:
+        values.append(min(values[-1] + step, stop))
+    return values
+
+
 def plan_phases(shapes: BuildShapes) -> dict[str, PhaseSpec]:
-    past = doubling(shapes.min_past_len, shapes.max_seq_len)
+    past = kv_ladder(shapes.min_past_len, shapes.max_seq_len)
     batches = doubling(1, shapes.max_batch)
     return {
         "prefill": PhaseSpec("prefill", STEP_GRAPH, [1], doubling(min(16, shapes.prefill_chunk), shapes.prefill_chunk), past, "last"),

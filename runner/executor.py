@@ -24,8 +24,8 @@ class Executor:
         """Make room for `rows` rows (row ids below it) of up to `length` positions before a step."""
         self.cache.fit(rows, length)
 
-    def _feeds(self, input_ids, positions, past_lens, tree_mask, logits_index, start_row, stop_row) -> dict:
-        keys, values = self.cache.views(start_row, stop_row)
+    def _feeds(self, input_ids, positions, past_lens, tree_mask, logits_index, start_row, stop_row, length=None) -> dict:
+        keys, values = self.cache.views(start_row, stop_row, length)
         feeds = {
             "input_ids": input_ids,
             "positions": positions,
@@ -48,11 +48,12 @@ class Executor:
         # causal among the real tokens; padding tokens see only themselves, so no row is fully masked
         tree_mask = np.eye(steps, dtype=bool)[None]
         tree_mask[0, :count, :count] = np.tril(np.ones((count, count), dtype=bool))
+        past = bucket_for(max(start, 1), self.prefill_phase.past_lengths)
         feeds = self._feeds(
-            input_ids, positions, np.array([start], np.int64), tree_mask, np.array([[count - 1]], np.int64), row, row + 1
+            input_ids, positions, np.array([start], np.int64), tree_mask, np.array([[count - 1]], np.int64), row, row + 1, past
         )
         out = self.backend.run(self.prefill_phase.graph, feeds)
-        self.cache.write(row, start, out["new_keys"][:, 0, :, :count], out["new_values"][:, 0, :, :count])
+        self.cache.write(row, start, out["new_keys"][:, 0, :count], out["new_values"][:, 0, :count])
         return out["logits"][0, 0]
 
     def decode(self, rows: list[int], token_ids: list[int], positions: list[int]) -> np.ndarray:
@@ -73,7 +74,7 @@ class Executor:
     def verify(self, row: int, token_ids: list[int], start: int, tree_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Score candidate tokens of one row (a chain or a tree, by `tree_mask` [n, n]) after `start` cached ones.
 
-        Returns logits [n, vocab] and the candidates' K/V [layers, kv_heads, n, head_dim]; nothing is written to the
+        Returns logits [n, vocab] and the candidates' K/V [layers, n, kv_heads, head_dim]; nothing is written to the
         cache, since only the accepted candidates belong there (the caller commits them with `cache.write`)."""
         count = len(token_ids)
         steps = bucket_for(count, self.verify_phase.steps)
@@ -88,4 +89,4 @@ class Executor:
         index[0] = np.arange(steps)
         feeds = self._feeds(input_ids, positions, np.array([start], np.int64), mask, index, row, row + 1)
         out = self.backend.run(self.verify_phase.graph, feeds)
-        return out["logits"][0, :count], out["new_keys"][:, 0, :, :count], out["new_values"][:, 0, :, :count]
+        return out["logits"][0, :count], out["new_keys"][:, 0, :count], out["new_values"][:, 0, :count]

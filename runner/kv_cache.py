@@ -63,13 +63,20 @@ class KVCache:
         values[:, :keep_rows, :, :keep_len] = self.values[:, :keep_rows, :, :keep_len]
         self.keys, self.values = keys, values
 
-    def views(self, start_row: int, stop_row: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """Per-layer views of rows [start_row, stop_row): contiguous, so backends read them without a copy."""
+    def views(self, start_row: int, stop_row: int, length: int | None = None) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Per-layer caches of rows [start_row, stop_row): views of the buffers (no copy) at the full length, or
+        contiguous copies of the first `length` positions (a prefill chunk needs only what is already cached,
+        and attending over the whole buffer would cost it far more than the copy)."""
         layers = range(self.spec.num_layers)
-        return [self.keys[i, start_row:stop_row] for i in layers], [self.values[i, start_row:stop_row] for i in layers]
+        keys = [self.keys[i, start_row:stop_row] for i in layers]
+        values = [self.values[i, start_row:stop_row] for i in layers]
+        if length is not None and length < self.length:
+            keys = [np.ascontiguousarray(k[..., :length]) for k in keys]
+            values = [np.ascontiguousarray(v[:, :, :length]) for v in values]
+        return keys, values
 
     def write(self, row: int, start: int, new_keys: np.ndarray, new_values: np.ndarray) -> None:
-        """Store the K/V of n new tokens of one row: new_* are [layers, kv_heads, n, head_dim]."""
-        count = new_keys.shape[2]
-        self.keys[:, row, :, :, start:start + count] = new_keys.transpose(0, 1, 3, 2)
-        self.values[:, row, :, start:start + count] = new_values
+        """Store the K/V of n new tokens of one row: new_* are [layers, n, kv_heads, head_dim] (the graph's output)."""
+        count = new_keys.shape[1]
+        self.keys[:, row, :, :, start:start + count] = new_keys.transpose(0, 2, 3, 1)
+        self.values[:, row, :, start:start + count] = new_values.transpose(0, 2, 1, 3)
