@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from importlib.metadata import version
+
 import click
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -134,7 +136,12 @@ def main(engine, threads, new_tokens, runs, worker, out) -> None:
         )
     print(f"peak RSS: ours {ours['peak_rss_mb']:.0f} MiB, transformers {ref['peak_rss_mb']:.0f} MiB")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": machine, "commit": commit, "new_tokens": new_tokens, "runs": runs, "results": results}, indent=2))
+    versions = {name: version(name) for name in ("onnxruntime", "torch", "transformers", "onnx", "onnxscript")}
+    print("versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
+    out.write_text(json.dumps(
+        {"machine": machine, "commit": commit, "versions": versions, "new_tokens": new_tokens, "runs": runs, "results": results},
+        indent=2,
+    ))
 
 
 if __name__ == "__main__":
