@@ -39,16 +39,21 @@ def generate(engine, prompt, max_tokens, temperature, top_k, top_p, seed, chat, 
         if chat:
             prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
         start = time.perf_counter()
+        request = llm.engine.add_request(prompt, None, params)
         first = None
-        pieces = 0
-        for piece in llm.stream(prompt, params):
+        for event in llm.engine.run([request]):
             first = first or time.perf_counter()
-            pieces += 1
-            click.echo(piece, nl=False)
+            click.echo(event.delta, nl=False)
         click.echo()
     except (ArtifactError, PromptError, ChatTemplateError, ValueError) as err:
         click.echo(f"error: {err}", err=True)
         sys.exit(2)
-    if stats and first is not None:
-        total = time.perf_counter() - start
-        click.echo(f"[{pieces} text pieces, first after {(first - start) * 1000:.0f} ms, total {total:.2f} s]", err=True)
+    if stats:
+        decode_s = time.perf_counter() - first
+        generated = len(request.output_token_ids)
+        click.echo(
+            f"[{len(request.prompt_token_ids)} prompt tokens, first token after {(first - start) * 1000:.0f} ms, "
+            f"{generated} tokens, {(generated - 1) / decode_s if generated > 1 else 0:.1f} tok/s decode, "
+            f"finish: {request.finish_reason}]",
+            err=True,
+        )

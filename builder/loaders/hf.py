@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from builder.loaders.checkpoint import Checkpoint, CheckpointError, TokenizerSpec
 from engines.model_config import ModelConfig, RopeScaling
@@ -144,7 +144,7 @@ def load_hf_directory(directory: Path) -> Checkpoint:
                 with safe_open(str(file), framework="pt") as handle:
                     for name in handle.keys():
                         yield name, handle.get_tensor(name)
-            except (OSError, ValueError) as err:
+            except (OSError, ValueError, SafetensorError) as err:
                 raise CheckpointError(f"cannot read {file}: {err}") from None
 
     return Checkpoint(str(directory), "hf", config, tokenizer, read_tensors)

@@ -102,3 +102,26 @@ def test_unpermute_inverts_llama_cpp_permutation():
     # llama.cpp's convert script: rotary pairs interleaved within each head
     permuted = weight.reshape(heads, 2, head_dim // 2, cols).swapaxes(1, 2).reshape(weight.shape)
     np.testing.assert_array_equal(unpermute_rows(permuted, heads), weight)
+
+
+def test_corrupt_safetensors(checkpoint_factory, tmp_path):
+    directory = tmp_path / "corrupt"
+    shutil.copytree(checkpoint_factory("gqa"), directory)
+    (directory / "model.safetensors").write_bytes(b"garbage" * 100)
+    checkpoint = load_checkpoint(directory)
+    with pytest.raises(CheckpointError, match="cannot read .*model.safetensors"):
+        load_model(checkpoint.config, checkpoint.read_tensors(), torch.float32)
+
+
+def test_corrupt_gguf(tmp_path):
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"garbage" * 100)
+    with pytest.raises(CheckpointError, match="cannot read GGUF file"):
+        load_checkpoint(path)
+
+
+def test_not_a_checkpoint(tmp_path):
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"\0")
+    with pytest.raises(CheckpointError, match="neither a checkpoint directory nor a .gguf file"):
+        load_checkpoint(path)

@@ -93,3 +93,21 @@ def test_incremental_detokenizer_holds_back_split_characters(llm):
     pieces = [detok.push(t) for t in ids]
     assert "".join(pieces) == "naïve café ✓"
     assert all("\ufffd" not in p for p in pieces)
+
+
+def test_more_prompts_than_cache_rows_queue_and_all_finish(engine_factory):
+    llm = LLM(engine_factory("gqa", max_batch=2))
+    assert llm.engine.executor.max_rows == 2
+    prompts = ["hello", "The quick brown fox", "0123", "hello world", "engine", "lazy dog"]
+    batched = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in batched] == [llm.generate(p, GREEDY)[0].token_ids for p in prompts]
+
+
+def test_half_precision_engine_is_refused_on_cpu_with_a_reason(checkpoint_factory, tmp_path):
+    from builder.build import BuildOptions, build_engine
+    from engines.format import ArtifactError
+
+    out = tmp_path / "fp16"
+    build_engine(BuildOptions(str(checkpoint_factory("gqa")), out, "fp16", 128, 2, 16), log=lambda line: None)
+    with pytest.raises(ArtifactError, match="fp16.*CUDA"):
+        LLM(out)
