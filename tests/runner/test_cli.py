@@ -38,3 +38,16 @@ def test_clear_one_line_errors(tmp_path, engine_factory):
     assert bad_param.returncode == 2 and "top_p" in bad_param.stderr
     too_long = run(RUNNER + ["generate", str(engine_factory("gqa")), "hello " * 400])
     assert too_long.returncode == 2 and "max sequence length" in too_long.stderr
+
+
+def test_the_runner_needs_no_torch(engine_factory):
+    """A serving image carries onnxruntime + numpy + tokenizers only: torch is made unimportable here."""
+    script = (
+        "import sys; sys.modules['torch'] = None\n"
+        "from runner import LLM, SamplingParams\n"
+        f"out = LLM({str(engine_factory('gqa'))!r}).generate('hello', SamplingParams(max_tokens=4, temperature=0))\n"
+        "assert len(out[0].token_ids) == 4\n"
+        "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
+    )
+    result = run([sys.executable, "-c", script])
+    assert result.returncode == 0, result.stderr
