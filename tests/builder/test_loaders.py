@@ -43,22 +43,24 @@ def test_missing_path():
         load_checkpoint("/nonexistent/model")
 
 
-def test_unsupported_architecture(checkpoint_factory, tmp_path):
-    directory = tmp_path / "gpt2"
-    shutil.copytree(checkpoint_factory("gqa"), directory)
+def copy_with_config(source, directory, edit):
+    """A copy of a checkpoint directory whose config.json is changed by `edit(config)`."""
+    shutil.copytree(source, directory)
     config = json.loads((directory / "config.json").read_text())
-    config.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    edit(config)
     (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def test_unsupported_architecture(checkpoint_factory, tmp_path):
+    edit = lambda config: config.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])  # noqa: E731
+    directory = copy_with_config(checkpoint_factory("gqa"), tmp_path / "gpt2", edit)
     with pytest.raises(CheckpointError, match="unsupported architecture.*gpt2"):
         load_checkpoint(directory)
 
 
 def test_malformed_config(checkpoint_factory, tmp_path):
-    directory = tmp_path / "broken"
-    shutil.copytree(checkpoint_factory("gqa"), directory)
-    config = json.loads((directory / "config.json").read_text())
-    del config["hidden_size"]
-    (directory / "config.json").write_text(json.dumps(config))
+    directory = copy_with_config(checkpoint_factory("gqa"), tmp_path / "broken", lambda config: config.pop("hidden_size"))
     with pytest.raises(CheckpointError, match="missing 'hidden_size'"):
         load_checkpoint(directory)
     (directory / "config.json").write_text("{")
@@ -79,11 +81,8 @@ def test_missing_tokenizer_and_weights(checkpoint_factory, tmp_path):
 
 
 def test_weights_not_matching_the_config(checkpoint_factory, tmp_path):
-    directory = tmp_path / "mismatch"
-    shutil.copytree(checkpoint_factory("gqa"), directory)
-    config = json.loads((directory / "config.json").read_text())
-    config["intermediate_size"] = 128
-    (directory / "config.json").write_text(json.dumps(config))
+    edit = lambda config: config.update(intermediate_size=128)  # noqa: E731
+    directory = copy_with_config(checkpoint_factory("gqa"), tmp_path / "mismatch", edit)
     checkpoint = load_checkpoint(directory)
     with pytest.raises(CheckpointError, match="has shape"):
         load_model(checkpoint.config, checkpoint.read_tensors(), torch.float32)
