@@ -57,3 +57,34 @@ def generate(engine, prompt, max_tokens, temperature, top_k, top_p, seed, chat, 
             f"finish: {request.finish_reason}]",
             err=True,
         )
+
+
+@main.command()
+@click.argument("engine", type=click.Path())
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--max-batch", type=int, default=None, help="Requests decoded together (default: the engine's largest bucket).")
+@click.option("--max-waiting", type=int, default=64, show_default=True, help="Queued requests before answering 503.")
+@click.option("--threads", type=int, default=None, help="CPU threads (default: onnxruntime's choice).")
+@click.option("--model-name", default=None, help="Name clients use in `model` (default: the engine directory's name).")
+@click.option("--shutdown-grace", type=float, default=10.0, show_default=True, help="Seconds running requests get to finish on shutdown.")
+def serve(engine, host, port, max_batch, max_waiting, threads, model_name, shutdown_grace) -> None:
+    """Serve ENGINE with an OpenAI-compatible HTTP API."""
+    from pathlib import Path
+
+    import uvicorn
+
+    from runner.async_engine import AsyncEngine
+    from runner.llm_engine import LLMEngine
+    from runner.server import create_app
+
+    try:
+        llm_engine = LLMEngine(engine, threads=threads, max_batch=max_batch)
+    except (ArtifactError, ValueError) as err:
+        click.echo(f"error: {err}", err=True)
+        sys.exit(2)
+    async_engine = AsyncEngine(llm_engine, max_waiting=max_waiting)
+    name = model_name or Path(engine).resolve().name
+    app = create_app(async_engine, name, shutdown_grace)
+    click.echo(f"serving {name!r} ({llm_engine.scheduler.max_rows} rows, max_seq_len {llm_engine.max_seq_len}) on http://{host}:{port}/v1", err=True)
+    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=shutdown_grace)

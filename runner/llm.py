@@ -32,7 +32,8 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text, or token ids), batched; outputs in the order of the prompts."""
+        """Generate for every prompt (text, or token ids), batched; outputs in the order of the prompts, with
+        `n` consecutive outputs per prompt when its SamplingParams ask for n > 1 (completion i seeded seed + i)."""
         if isinstance(prompts, str):
             prompts = [prompts]
         if (prompts is None) == (prompt_token_ids is None):
@@ -42,7 +43,10 @@ class LLM:
         requests = []
         try:
             for (text, ids), p in zip(items, params):
-                requests.append(self.engine.add_request(text, ids, p))
+                for index in range(p.n):
+                    requests.append(self.engine.new_request(text, ids, p, index))
+            for request in requests:
+                self.engine.add(request)
             for _ in self.engine.run(requests):
                 pass
         finally:

@@ -12,8 +12,8 @@ import numpy as np
 from engines.backends import open_backend
 from engines.format import open_artifact
 from runner.executor import Executor
-from runner.request import Request
-from runner.sampling import SamplingParams, sample_token
+from runner.request import Request, TokenLogprob
+from runner.sampling import SamplingParams, apply_penalties, sample_token, top_logprobs
 from runner.scheduler import Scheduler
 from runner.tokenizer import IncrementalDetokenizer, TextCodec
 
@@ -32,13 +32,18 @@ class TokenEvent:
 
 
 class LLMEngine:
-    def __init__(self, engine_dir: str | Path, threads: int | None = None, verify_checksums: bool = True) -> None:
+    def __init__(
+        self, engine_dir: str | Path, threads: int | None = None, verify_checksums: bool = True, max_batch: int | None = None
+    ) -> None:
         self.artifact = open_artifact(engine_dir, verify_checksums=verify_checksums)
         manifest = self.artifact.manifest
         self.manifest = manifest
         self.codec = TextCodec(self.artifact.path(manifest.tokenizer.file), manifest.tokenizer)
         self.executor = Executor(self.artifact, open_backend(self.artifact, threads=threads))
-        self.scheduler = Scheduler(self.executor.max_rows, self.executor.max_chunk)
+        rows = self.executor.max_rows if max_batch is None else max_batch
+        if not 1 <= rows <= self.executor.max_rows:
+            raise ValueError(f"max_batch must be in [1, {self.executor.max_rows}] for this engine (built with --max-batch)")
+        self.scheduler = Scheduler(rows, self.executor.max_chunk)
         self.eos_token_ids = set(manifest.model.eos_token_ids)
         self._ids = itertools.count()
 
@@ -47,6 +52,18 @@ class LLMEngine:
         return self.manifest.max_seq_len
 
     def add_request(self, prompt: str | None, prompt_token_ids: list[int] | None, params: SamplingParams) -> Request:
+        request = self.new_request(prompt, prompt_token_ids, params)
+        self.add(request)
+        return request
+
+    def add(self, request: Request) -> None:
+        self.scheduler.add(request)
+
+    def new_request(
+        self, prompt: str | None, prompt_token_ids: list[int] | None, params: SamplingParams, index: int = 0
+    ) -> Request:
+        """Validate and tokenize a prompt into a Request, without touching the scheduler (safe from any thread).
+        `index` numbers the completions of one prompt (n > 1): completion i samples with seed + i."""
         if prompt_token_ids is None:
             if not isinstance(prompt, str):
                 raise PromptError(f"a prompt must be a string, got {type(prompt).__name__}")
@@ -62,15 +79,14 @@ class LLMEngine:
                 f"the prompt has {len(prompt_token_ids)} tokens; this engine's max sequence length is "
                 f"{self.max_seq_len} (prompt + generated tokens), so at most {self.max_seq_len - 1} prompt tokens"
             )
-        request = Request(
+        return Request(
             request_id=str(next(self._ids)),
             prompt=prompt,
             prompt_token_ids=prompt_token_ids,
             params=params,
             detokenizer=IncrementalDetokenizer(self.codec),
-            rng=np.random.default_rng(params.seed),
+            rng=np.random.default_rng(None if params.seed is None else params.seed + index),
         )
-        self.scheduler.add(request)
         return request
 
     def abort(self, request: Request) -> None:
@@ -107,11 +123,17 @@ class LLMEngine:
 
     def _append_token(self, request: Request, logits: np.ndarray) -> TokenEvent:
         params = request.params
+        raw_logits = logits
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        logits = apply_penalties(logits, params, request.prompt_token_ids, request.output_token_ids)
         if len(request.output_token_ids) < params.min_tokens and stop_ids:
-            logits = logits.copy()
+            logits = logits.copy() if logits is raw_logits else logits
             logits[list(stop_ids)] = -np.inf
         token = sample_token(logits, params, request.rng)
+        if params.logprobs is not None:
+            # the model's own distribution, before penalties and sampling filters (vLLM's default)
+            logprobs, top = top_logprobs(raw_logits, params.logprobs)
+            request.logprobs.append(TokenLogprob(token, float(logprobs[token]), [(int(t), float(logprobs[t])) for t in top]))
         request.output_token_ids.append(token)
         request.detokenizer.push(token)
 

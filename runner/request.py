@@ -10,6 +10,13 @@ from runner.sampling import SamplingParams
 from runner.tokenizer import IncrementalDetokenizer
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob) of the most likely tokens, best first
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -18,6 +25,7 @@ class RequestOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    logprobs: list[TokenLogprob] | None = None  # one per generated token when asked for
 
 
 @dataclass
@@ -33,6 +41,7 @@ class Request:
     row: int | None = None  # KV cache row while running
     text: str = ""  # visible text: stop strings cut off, possible stop prefixes held back while running
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def prefilling(self) -> bool:
@@ -48,5 +57,6 @@ class Request:
 
     def output(self) -> RequestOutput:
         return RequestOutput(
-            self.request_id, self.prompt, self.prompt_token_ids, self.text, list(self.output_token_ids), self.finish_reason
+            self.request_id, self.prompt, self.prompt_token_ids, self.text, list(self.output_token_ids),
+            self.finish_reason, list(self.logprobs) if self.params.logprobs is not None else None,
         )

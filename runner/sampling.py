@@ -23,6 +23,11 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     min_tokens: int = 0
+    repetition_penalty: float = 1.0  # > 1 discourages tokens already in the prompt or output
+    presence_penalty: float = 0.0  # subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    logprobs: int | None = None  # return the sampled token's logprob and this many top alternatives
+    n: int = 1  # completions per prompt (the server's `n`)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -46,12 +51,48 @@ class SamplingParams:
             problems.append(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             problems.append("stop must be a list of non-empty strings")
+        if not isinstance(self.repetition_penalty, (int, float)) or not 0.0 < self.repetition_penalty <= 10.0:
+            problems.append(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not -2.0 <= value <= 2.0:
+                problems.append(f"{name} must be in [-2, 2], got {value!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            problems.append(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        if not isinstance(self.n, int) or not 1 <= self.n <= 16:
+            problems.append(f"n must be an integer in [1, 16], got {self.n!r}")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            problems.append("stop_token_ids must be non-negative integers")
         if problems:
             raise ValueError("; ".join(problems))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def apply_penalties(logits: np.ndarray, params: SamplingParams, prompt_ids: list[int], output_ids: list[int]) -> np.ndarray:
+    """vLLM's penalties: repetition over prompt + output (divide positive logits, multiply negative ones), then
+    presence and frequency over the output only. Returns `logits` itself when no penalty is set."""
+    if params.repetition_penalty == 1.0 and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0:
+        return logits
+    logits = logits.astype(np.float32, copy=True)
+    if params.repetition_penalty != 1.0:
+        seen = np.unique(np.asarray(prompt_ids + output_ids, dtype=np.int64))
+        values = logits[seen]
+        logits[seen] = np.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
+    if output_ids and (params.presence_penalty or params.frequency_penalty):
+        tokens, counts = np.unique(np.asarray(output_ids, dtype=np.int64), return_counts=True)
+        logits[tokens] -= params.frequency_penalty * counts + params.presence_penalty
+    return logits
+
+
+def top_logprobs(logits: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """Log-softmax of the model's logits and the ids of the `count` most likely tokens."""
+    shifted = logits.astype(np.float64) - logits.max()
+    logprobs = shifted - np.log(np.exp(shifted).sum())
+    top = np.argsort(-logprobs, kind="stable")[:count]
+    return logprobs, top
 
 
 def processed_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:

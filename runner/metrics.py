@@ -1,0 +1,40 @@
+"""Prometheus metrics of one engine: queue, running requests, latencies, token throughput.
+
+Each server owns its registry (no process-global state), exported at /metrics."""
+
+from __future__ import annotations
+
+import collections
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_THROUGHPUT_WINDOW_S = 10.0
+
+
+class EngineMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.waiting = Gauge("engine_requests_waiting", "Requests queued for a cache row", registry=r)
+        self.running = Gauge("engine_requests_running", "Requests holding a cache row", registry=r)
+        self.ttft = Histogram("engine_time_to_first_token_seconds", "Submission to first token", buckets=_LATENCY_BUCKETS, registry=r)
+        self.inter_token = Histogram("engine_inter_token_latency_seconds", "Between two tokens of a request", buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("engine_prompt_tokens", "Prompt tokens admitted", registry=r)
+        self.generation_tokens = Counter("engine_generation_tokens", "Tokens generated", registry=r)
+        self.rejected = Counter("engine_requests_rejected", "Requests refused because the queue was full", registry=r)
+        self.tokens_per_second = Gauge("engine_generation_tokens_per_second", f"Generated tokens/s over the last {_THROUGHPUT_WINDOW_S:.0f} s", registry=r)
+        self._recent: collections.deque[tuple[float, int]] = collections.deque()
+
+    def observe_step(self, waiting: int, running: int, tokens: int, now: float) -> None:
+        self.waiting.set(waiting)
+        self.running.set(running)
+        self.generation_tokens.inc(tokens)
+        self._recent.append((now, tokens))
+        while self._recent and self._recent[0][0] < now - _THROUGHPUT_WINDOW_S:
+            self._recent.popleft()
+        span = max(now - self._recent[0][0], 1e-3) if len(self._recent) > 1 else _THROUGHPUT_WINDOW_S
+        self.tokens_per_second.set(sum(t for _, t in self._recent) / span)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,349 @@
+"""OpenAI-compatible HTTP API over an AsyncEngine: /v1/models, /v1/completions, /v1/chat/completions (JSON or
+Server-Sent Events), /health and /metrics. Errors are OpenAI error objects with a 4xx/5xx status; a request that
+fails never disturbs the others."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from runner.async_engine import AsyncEngine, EngineOverloaded, EngineStopped
+from runner.llm_engine import PromptError, TokenEvent
+from runner.request import Request as EngineRequest
+from runner.sampling import SamplingParams
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+
+
+def error_response(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status_code=status)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """The sampling fields both endpoints share (OpenAI's names, plus vLLM's extras)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    user: str | None = None
+
+
+class CompletionBody(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatBody(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+def _sampling(body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens if max_tokens is not None else 16,
+            temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p, n=body.n,
+            seed=body.seed, stop=body.stop or [], stop_token_ids=body.stop_token_ids or [],
+            presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty, ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
+            logprobs=logprobs,
+        )
+    except ValueError as err:
+        raise APIError(400, str(err)) from None
+
+
+def _message_text(content: str | list[dict[str, Any]] | None) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for part in content:
+        if part.get("type") != "text":
+            raise APIError(400, f"unsupported content part type {part.get('type')!r}: this model reads text only", param="messages")
+        parts.append(str(part.get("text", "")))
+    return "".join(parts)
+
+
+def create_app(engine: AsyncEngine, model_name: str, shutdown_grace: float = 10.0) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        # on shutdown: no new requests, running ones get `shutdown_grace` seconds, then are aborted
+        await asyncio.to_thread(engine.shutdown, shutdown_grace)
+
+    app = FastAPI(title="llm-engine-builder runner", version="0.1.0", lifespan=lifespan)
+    llm = engine.engine
+    created = int(time.time())
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, err: APIError) -> JSONResponse:
+        return error_response(err.status, err.message, err.kind, err.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, err: RequestValidationError) -> JSONResponse:
+        first = err.errors()[0] if err.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        if first.get("type") == "json_invalid":
+            return error_response(400, f"malformed JSON body: {first.get('ctx', {}).get('error', 'invalid')}", "invalid_request_error")
+        return error_response(400, f"{where}: {first.get('msg', 'invalid')}", "invalid_request_error", where or None)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "local", "max_model_len": llm.max_seq_len}]}
+
+    def check_model(body: SamplingFields) -> None:
+        if body.model != model_name:
+            raise APIError(404, f"the model {body.model!r} does not exist; this server serves {model_name!r}", "not_found_error", "model")
+
+    def make_requests(prompt: str | None, ids: list[int] | None, params: SamplingParams) -> list[EngineRequest]:
+        try:
+            return [llm.new_request(prompt, ids, params, index) for index in range(params.n)]
+        except PromptError as err:
+            raise APIError(400, str(err), param="prompt") from None
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionBody, http: Request):
+        check_model(body)
+        params = _sampling(body, body.max_tokens, body.logprobs)
+        prompts = _completion_prompts(body.prompt)
+        groups = [make_requests(text, ids, params) for text, ids in prompts]
+        return await _respond(engine, http, body, groups, "text_completion", _completion_choice, _completion_chunk)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatBody, http: Request):
+        check_model(body)
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = _sampling(body, body.max_completion_tokens or body.max_tokens, logprobs)
+        messages = [{"role": m.role, "content": _message_text(m.content)} for m in body.messages]
+        try:
+            prompt = llm.codec.apply_chat_template(messages)
+        except Exception as err:  # ChatTemplateError, or anything else a jinja template raises
+            raise APIError(400, f"cannot apply the chat template: {err}", param="messages") from None
+        groups = [make_requests(prompt, None, params)]
+        return await _respond(engine, http, body, groups, "chat.completion", _chat_choice, _chat_chunk)
+
+    return app
+
+
+def _completion_prompts(prompt) -> list[tuple[str | None, list[int] | None]]:
+    if isinstance(prompt, str):
+        return [(prompt, None)]
+    if not prompt:
+        raise APIError(400, "the prompt is empty", param="prompt")
+    if all(isinstance(t, int) for t in prompt):
+        return [(None, list(prompt))]
+    if all(isinstance(p, str) for p in prompt):
+        return [(p, None) for p in prompt]
+    if all(isinstance(p, list) for p in prompt):
+        return [(None, list(p)) for p in prompt]
+    raise APIError(400, "prompt must be a string, a list of strings, a list of token ids or a list of lists", param="prompt")
+
+
+def _logprobs_content(codec, request: EngineRequest, start: int, stop: int) -> list[dict]:
+    return [
+        {
+            "token": codec.decode([lp.token_id]), "logprob": lp.logprob,
+            "top_logprobs": [{"token": codec.decode([t]), "logprob": v} for t, v in lp.top],
+        }
+        for lp in request.logprobs[start:stop]
+    ]
+
+
+def _completion_choice(codec, index: int, request: EngineRequest) -> dict:
+    # the same fields as the last chunk of a stream, over all of the request's tokens
+    final = TokenEvent(request, request.text, True)
+    return _completion_chunk(codec, index, final, True, 0)
+
+
+def _chat_choice(codec, index: int, request: EngineRequest) -> dict:
+    choice = {"index": index, "message": {"role": "assistant", "content": request.text}, "finish_reason": request.finish_reason, "logprobs": None}
+    if request.params.logprobs is not None:
+        choice["logprobs"] = {"content": _logprobs_content(codec, request, 0, len(request.logprobs))}
+    return choice
+
+
+def _completion_chunk(codec, index: int, event: TokenEvent, first: bool, logprob_from: int) -> dict:
+    request = event.request
+    chunk = {"index": index, "text": event.delta, "finish_reason": request.finish_reason if event.finished else None, "logprobs": None}
+    if request.params.logprobs is not None:
+        content = _logprobs_content(codec, request, logprob_from, len(request.logprobs))
+        chunk["logprobs"] = {
+            "tokens": [c["token"] for c in content], "token_logprobs": [c["logprob"] for c in content],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in c["top_logprobs"]} for c in content],
+        }
+    return chunk
+
+
+def _chat_chunk(codec, index: int, event: TokenEvent, first: bool, logprob_from: int) -> dict:
+    delta = {"role": "assistant", "content": event.delta} if first else {"content": event.delta}
+    chunk = {"index": index, "delta": delta, "finish_reason": event.request.finish_reason if event.finished else None, "logprobs": None}
+    if event.request.params.logprobs is not None:
+        chunk["logprobs"] = {"content": _logprobs_content(codec, event.request, logprob_from, len(event.request.logprobs))}
+    return chunk
+
+
+def _usage(groups: list[list[EngineRequest]]) -> dict:
+    prompt = sum(len(g[0].prompt_token_ids) for g in groups)
+    completion = sum(len(r.output_token_ids) for g in groups for r in g)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+async def _events(engine: AsyncEngine, groups: list[list[EngineRequest]]) -> AsyncIterator[TokenEvent]:
+    """Events of all requests of one HTTP call, as they come."""
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def pump(group: list[EngineRequest]) -> None:
+        try:
+            async for event in engine.generate(group):
+                await merged.put(event)
+        except BaseException as err:  # noqa: BLE001 - handed to the consumer, which re-raises it
+            await merged.put(err)
+        finally:
+            await merged.put(None)
+
+    tasks = [asyncio.create_task(pump(g)) for g in groups]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await merged.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()  # aborts whatever the client no longer waits for
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _respond(engine, http: Request, body: SamplingFields, groups, kind: str, choice, chunk):
+    codec = engine.engine.codec
+    response_id = f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}"
+    created = int(time.time())
+    flat = [r for g in groups for r in g]
+    index_of = {r.request_id: i for i, r in enumerate(flat)}
+
+    def engine_error(err: BaseException) -> APIError:
+        if isinstance(err, EngineOverloaded):
+            return APIError(503, str(err), "server_overloaded")
+        if isinstance(err, EngineStopped):
+            return APIError(503, str(err), "server_shutting_down")
+        return APIError(500, f"generation failed: {err}", "server_error")
+
+    if not body.stream:
+        watcher = asyncio.create_task(_watch_disconnect(http))
+        collector = asyncio.create_task(_collect(_events(engine, groups)))
+        done, _ = await asyncio.wait({watcher, collector}, return_when=asyncio.FIRST_COMPLETED)
+        if collector not in done:  # the client left: stop generating for it
+            collector.cancel()
+            await asyncio.gather(collector, return_exceptions=True)
+            return Response(status_code=499)
+        watcher.cancel()
+        if collector.exception() is not None:
+            raise engine_error(collector.exception())
+        return {
+            "id": response_id, "object": kind, "created": created, "model": body.model,
+            "choices": [choice(codec, index_of[r.request_id], r) for r in flat], "usage": _usage(groups),
+        }
+
+    # Streaming: capacity errors must become an HTTP error before the 200 of the stream is sent.
+    events = _events(engine, groups)
+    try:
+        first_event = await events.__anext__()
+    except StopAsyncIteration:
+        first_event = None
+    except Exception as err:
+        raise engine_error(err) from None
+
+    async def sse() -> AsyncIterator[str]:
+        chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
+        started: set[str] = set()
+        logprobs_sent: dict[str, int] = {}
+
+        def frame(choices: list[dict], usage: dict | None = None) -> str:
+            payload = {"id": response_id, "object": chunk_kind, "created": created, "model": body.model, "choices": choices}
+            if usage is not None:
+                payload["usage"] = usage
+            return f"data: {json.dumps(payload)}\n\n"
+
+        try:
+            event = first_event
+            while event is not None:
+                rid = event.request.request_id
+                first = rid not in started
+                started.add(rid)
+                sent = logprobs_sent.get(rid, 0)
+                yield frame([chunk(codec, index_of[rid], event, first, sent)])
+                logprobs_sent[rid] = len(event.request.logprobs)
+                event = await anext(events, None)
+            if body.stream_options is not None and body.stream_options.include_usage:
+                yield frame([], _usage(groups))
+            yield "data: [DONE]\n\n"
+        except Exception as err:  # after the 200: report in-band, as OpenAI does
+            error = engine_error(err)
+            yield f"data: {json.dumps({'error': {'message': error.message, 'type': error.kind, 'code': error.status}})}\n\n"
+        finally:
+            await events.aclose()
+
+    return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def _collect(events: AsyncIterator[TokenEvent]) -> None:
+    async for _ in events:
+        pass
+
+
+async def _watch_disconnect(http: Request) -> None:
+    while not await http.is_disconnected():
+        await asyncio.sleep(0.25)
