@@ -1,0 +1,192 @@
+"""The real server on a loopback port, driven by the official `openai` client (and raw HTTP for bad input)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from runner.async_engine import AsyncEngine, EngineOverloaded
+from runner.llm_engine import LLMEngine
+
+MODEL = "tiny"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class LiveServer:
+    def __init__(self, engine_dir, max_batch=None, max_waiting=64) -> None:
+        import uvicorn
+
+        from runner.server import create_app
+
+        self.engine = AsyncEngine(LLMEngine(engine_dir, max_batch=max_batch), max_waiting=max_waiting)
+        self.port = free_port()
+        config = uvicorn.Config(create_app(self.engine, MODEL, shutdown_grace=2.0), host="127.0.0.1", port=self.port, log_level="error")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=60)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(engine_factory):
+    live = LiveServer(engine_factory("gqa"))
+    yield live
+    live.stop()
+
+
+def chat(server, content="hello", **kwargs):
+    kwargs.setdefault("temperature", 0.0)
+    kwargs.setdefault("max_tokens", 12)
+    return server.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}], **kwargs)
+
+
+def test_models_health_and_metrics(server):
+    assert [m.id for m in server.client.models.list().data] == [MODEL]
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    chat(server)
+    metrics = httpx.get(f"{server.url}/metrics").text
+    for name in ("engine_requests_waiting", "engine_requests_running", "engine_time_to_first_token_seconds_bucket",
+                 "engine_inter_token_latency_seconds_bucket", "engine_generation_tokens_total", "engine_generation_tokens_per_second"):
+        assert name in metrics
+
+
+def test_chat_streaming_equals_non_streaming_with_usage(server):
+    full = chat(server, extra_body={"ignore_eos": True})
+    assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 12
+    stream = chat(server, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert chunks[-2].choices[0].finish_reason == "length"
+
+
+def test_completions_streaming_and_not(server):
+    full = server.client.completions.create(model=MODEL, prompt="The quick brown", max_tokens=10, temperature=0.0, extra_body={"ignore_eos": True})
+    streamed = server.client.completions.create(model=MODEL, prompt="The quick brown", max_tokens=10, temperature=0.0, stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in streamed) == full.choices[0].text
+    assert full.usage.completion_tokens == 10
+    batch = server.client.completions.create(model=MODEL, prompt=["hello", "The quick brown"], max_tokens=10, temperature=0.0, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in batch.choices) == [0, 1]
+    assert next(c for c in batch.choices if c.index == 1).text == full.choices[0].text
+
+
+def test_n_seeds_and_logprobs(server):
+    first = chat(server, temperature=1.0, seed=11, n=3, extra_body={"ignore_eos": True})
+    again = chat(server, temperature=1.0, seed=11, n=3, extra_body={"ignore_eos": True})
+    texts = [c.message.content for c in sorted(first.choices, key=lambda c: c.index)]
+    assert texts == [c.message.content for c in sorted(again.choices, key=lambda c: c.index)]
+    assert len(set(texts)) > 1  # completion i samples with seed + i
+    with_logprobs = chat(server, logprobs=True, top_logprobs=3, max_tokens=4)
+    content = with_logprobs.choices[0].logprobs.content
+    assert len(content) == len(with_logprobs.choices[0].message.content) or len(content) == 4
+    assert all(len(c.top_logprobs) == 3 and c.logprob <= 0 for c in content)
+    assert all(c.logprob == pytest.approx(c.top_logprobs[0].logprob) for c in content)  # greedy takes the top
+
+
+def test_16_concurrent_streams_equal_the_same_requests_run_one_at_a_time(server):
+    prompts = [f"request {i}: " + "hello world " * (i % 5) for i in range(16)]
+
+    def stream(prompt):
+        chunks = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0.0, stream=True, extra_body={"ignore_eos": True})
+        return "".join(c.choices[0].text for c in chunks)
+
+    alone = [stream(p) for p in prompts]
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        together = list(pool.map(stream, prompts))
+    assert together == alone
+
+
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
+    def post(body, path="/v1/chat/completions"):
+        return httpx.post(f"{server.url}{path}", content=body, headers={"content-type": "application/json"})
+
+    with pytest.raises(openai.NotFoundError):
+        server.client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError, match="max sequence length"):
+        chat(server, content="hello " * 600)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        chat(server, temperature=-2)
+    with pytest.raises(openai.BadRequestError, match="top_p"):
+        chat(server, top_p=7)
+    response = post("{not json")
+    assert response.status_code == 400 and "malformed JSON" in response.json()["error"]["message"]
+    response = post('{"model": "tiny"}')
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+    response = post('{"model": "tiny", "prompt": [[]]}', "/v1/completions")
+    assert response.status_code == 400 and "empty" in response.json()["error"]["message"]
+    assert chat(server).choices[0].message.content is not None
+
+
+def test_a_disconnected_stream_frees_its_row(engine_factory):
+    live = LiveServer(engine_factory("gqa"), max_batch=1)
+    try:
+        scheduler = live.engine.engine.scheduler
+        with httpx.stream("POST", f"{live.url}/v1/completions", json={
+            "model": MODEL, "prompt": "hello", "max_tokens": 200, "stream": True, "ignore_eos": True, "temperature": 0,
+        }) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+        # the one row was taken by the abandoned stream; the next request is served only if it was freed
+        deadline = time.monotonic() + 10
+        while scheduler.running and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not scheduler.running
+        assert chat(live, max_tokens=3).choices[0].finish_reason in ("length", "stop")
+    finally:
+        live.stop()
+
+
+def test_a_full_queue_answers_503(engine_factory):
+    live = LiveServer(engine_factory("gqa"), max_batch=1, max_waiting=0)
+    llm = live.engine.engine
+    fast_step = llm.step
+    llm.step = lambda: (time.sleep(0.02), fast_step())[1]  # a slow model: the first request holds its row for 3 s
+    try:
+        body = {"model": MODEL, "prompt": "hello", "max_tokens": 150, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", f"{live.url}/v1/completions", json=body) as response:
+            lines = response.iter_lines()  # kept referenced: a discarded iterator closes the connection
+            next(lines)  # it holds the only row
+            rejected = httpx.post(f"{live.url}/v1/completions", json={**body, "stream": False})
+            assert rejected.status_code == 503 and rejected.json()["error"]["type"] == "server_overloaded", rejected.text
+    finally:
+        live.stop()
+
+
+def test_async_engine_refuses_when_full(engine_factory):
+    import asyncio
+
+    engine = AsyncEngine(LLMEngine(engine_factory("gqa"), max_batch=1), max_waiting=0)
+    llm = engine.engine
+    from runner.sampling import SamplingParams
+
+    async def scenario():
+        params = SamplingParams(max_tokens=100, ignore_eos=True)
+        first = engine.generate([llm.new_request("hello", None, params)])
+        await first.__anext__()
+        with pytest.raises(EngineOverloaded):
+            await engine.generate([llm.new_request("hello", None, params)]).__anext__()
+        await first.aclose()
+
+    asyncio.run(scenario())
+    engine.shutdown(grace_seconds=1)
