@@ -51,3 +51,34 @@ def test_the_runner_needs_no_torch(engine_factory):
     )
     result = run([sys.executable, "-c", script])
     assert result.returncode == 0, result.stderr
+
+
+def test_serve_answers_and_stops_cleanly_on_sigint(engine_factory):
+    import signal
+    import socket
+    import time
+
+    import httpx
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen(RUNNER + ["serve", str(engine_factory("gqa")), "--port", str(port), "--model-name", "tiny"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() is not None else "timeout"
+                time.sleep(0.2)
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
+                           json={"model": "tiny", "prompt": "hello", "max_tokens": 3}, timeout=30).json()
+        assert reply["usage"]["completion_tokens"] == 3
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 0, stderr
+    assert "serving 'tiny'" in stderr and "Traceback" not in stderr

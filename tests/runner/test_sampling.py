@@ -66,3 +66,25 @@ def test_same_seed_same_tokens():
     first = [sample_token(LOGITS, params, np.random.default_rng(7)) for _ in range(1)]
     again = [sample_token(LOGITS, params, np.random.default_rng(7)) for _ in range(1)]
     assert first == again
+
+
+def test_penalties_follow_vllm_semantics():
+    from runner.sampling import apply_penalties
+
+    logits = np.array([2.0, -1.0, 0.5, 3.0], dtype=np.float32)
+    same = apply_penalties(logits, SamplingParams(), [0], [1])
+    assert same is logits  # no penalty: no copy, no change
+    repeated = apply_penalties(logits, SamplingParams(repetition_penalty=2.0), [0], [1])
+    np.testing.assert_allclose(repeated, [1.0, -2.0, 0.5, 3.0])  # positive / 2, negative * 2, unseen untouched
+    penalised = apply_penalties(logits, SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), [2], [3, 3, 1])
+    np.testing.assert_allclose(penalised, [2.0, -1.0 - 0.75, 0.5, 3.0 - 1.0])  # output only; prompt token 2 untouched
+    np.testing.assert_allclose(logits, [2.0, -1.0, 0.5, 3.0])  # the caller's logits are not modified
+
+
+def test_top_logprobs_are_normalised_and_sorted():
+    from runner.sampling import top_logprobs
+
+    logprobs, top = top_logprobs(LOGITS, 3)
+    np.testing.assert_allclose(np.exp(logprobs).sum(), 1.0)
+    assert list(top) == [0, 1, 2]
+    np.testing.assert_allclose(logprobs[0], np.log(0.4))

@@ -190,3 +190,22 @@ def test_async_engine_refuses_when_full(engine_factory):
 
     asyncio.run(scenario())
     engine.shutdown(grace_seconds=1)
+
+
+def test_shutdown_lets_running_streams_finish_and_refuses_new_ones(engine_factory):
+    live = LiveServer(engine_factory("gqa"), max_batch=2)
+    llm = live.engine.engine
+    fast_step = llm.step
+    llm.step = lambda: (time.sleep(0.02), fast_step())[1]
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 40, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{live.url}/v1/completions", json=body) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+        stopper = threading.Thread(target=live.stop)
+        stopper.start()
+        rest = [line for line in lines if line]
+    stopper.join(timeout=30)
+    assert rest[-1] == "data: [DONE]" and '"finish_reason": "length"' in rest[-2]
+    assert not live.thread.is_alive()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{live.url}/health")
