@@ -46,11 +46,17 @@ def kv_ladder(start: int, stop: int, step: int = 256) -> list[int]:
     return values
 
 
+def prefill_steps(chunk: int, step: int = 16) -> list[int]:
+    """Prompt-chunk buckets: every multiple of 16 up to the chunk (prefill is compute-bound: padding a 37-token
+    prompt to 64 would cost 40% more than to 48)."""
+    return list(range(step, chunk, step)) + [chunk] if chunk > step else [chunk]
+
+
 def plan_phases(shapes: BuildShapes) -> dict[str, PhaseSpec]:
     past = kv_ladder(shapes.min_past_len, shapes.max_seq_len)
     batches = doubling(1, shapes.max_batch)
     return {
-        "prefill": PhaseSpec("prefill", STEP_GRAPH, [1], doubling(min(16, shapes.prefill_chunk), shapes.prefill_chunk), past, "last"),
+        "prefill": PhaseSpec("prefill", STEP_GRAPH, [1], prefill_steps(shapes.prefill_chunk), past, "last"),
         "decode": PhaseSpec("decode", STEP_GRAPH, batches, [1], past, "all"),
         "verify": PhaseSpec("verify", STEP_GRAPH, batches, [shapes.verify_tokens], past, "all"),
     }

@@ -88,3 +88,7 @@ def serve(engine, host, port, max_batch, max_waiting, threads, model_name, shutd
     app = create_app(async_engine, name, shutdown_grace)
     click.echo(f"serving {name!r} ({llm_engine.scheduler.max_rows} rows, max_seq_len {llm_engine.max_seq_len}) on http://{host}:{port}/v1", err=True)
     uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=shutdown_grace)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,8 +1,8 @@
 """The static KV cache the runner owns and feeds to every graph call.
 
-Buffers are sized to a (batch bucket, KV-length bucket) pair and re-sized only when the needed bucket changes,
-so each step feeds graph inputs that are plain views of them (no copy) and its attention cost follows the
-KV-length bucket in use, not the engine's maximum. The graphs return only the new tokens' K/V, written here in
+Buffers are sized to a (batch bucket, KV-length bucket) pair and re-sized only when the needed buckets grow (or
+the length can halve), so each step feeds graph inputs that are plain views of them (no copy) and its attention
+cost follows the KV-length bucket in use, not the engine's maximum. The graphs return only the new tokens' K/V, written here in
 place. Layouts (per layer): keys [rows, kv_heads, head_dim, length], values [rows, kv_heads, length, head_dim].
 """
 
@@ -52,9 +52,14 @@ class KVCache:
         return np.zeros((s.num_layers, rows, s.num_kv_heads, length, s.head_dim), self.dtype)
 
     def fit(self, rows: int, length: int) -> None:
-        """Size the buffers to the buckets holding `rows` rows of `length` positions, keeping what fits."""
-        rows = bucket_for(max(rows, 1), self.row_buckets)
-        length = bucket_for(max(length, 1), self.length_buckets)
+        """Make room for `rows` rows of `length` positions, keeping the cached contents.
+
+        Rows only grow (a decode call reads just the rows it uses, so spare rows cost memory, not time). The
+        length grows to the needed bucket at once and shrinks only to a bucket at most half the current one, so
+        requests coming and going cannot make the buffers (hundreds of MB at 16 rows) flip back and forth."""
+        rows = max(bucket_for(max(rows, 1), self.row_buckets), self.rows)
+        needed = bucket_for(max(length, 1), self.length_buckets)
+        length = needed if needed > self.length or 2 * needed <= self.length else self.length
         if (rows, length) == (self.rows, self.length):
             return
         keys, values = self._alloc_keys(rows, length), self._alloc_values(rows, length)
@@ -62,6 +67,10 @@ class KVCache:
         keys[:, :keep_rows, :, :, :keep_len] = self.keys[:, :keep_rows, :, :, :keep_len]
         values[:, :keep_rows, :, :keep_len] = self.values[:, :keep_rows, :, :keep_len]
         self.keys, self.values = keys, values
+
+    def release(self) -> None:
+        """Give the memory back (nothing is cached any more)."""
+        self.keys, self.values = self._alloc_keys(0, 0), self._alloc_values(0, 0)
 
     def views(self, start_row: int, stop_row: int, length: int | None = None) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """Per-layer caches of rows [start_row, stop_row): views of the buffers (no copy) at the full length, or

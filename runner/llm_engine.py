@@ -119,6 +119,8 @@ class LLMEngine:
             request.num_computed += count
             if not request.prefilling:
                 events.append(self._append_token(request, row_logits))
+        if not self.scheduler.running:
+            self.executor.cache.release()
         return events
 
     def _append_token(self, request: Request, logits: np.ndarray) -> TokenEvent:
