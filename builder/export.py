@@ -18,6 +18,7 @@ import torch
 
 from builder.model import LlamaForCausalLM
 from engines.format import GraphSpec, TensorSpec
+from plugins.quant_linear import onnx_translations
 
 GRAPH_FILE = "model.onnx"
 OPSET = 18
@@ -97,6 +98,7 @@ def export_step_graph(model: LlamaForCausalLM, out_dir: Path, max_seq_len: int) 
             dynamo=True,
             optimize=True,
             verbose=False,
+            custom_translation_table=onnx_translations(),
         )
     graph = onnx.load(str(out_dir / GRAPH_FILE), load_external_data=False).graph
     return GraphSpec(GRAPH_FILE, [_spec(v) for v in graph.input], [_spec(v) for v in graph.output])

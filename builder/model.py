@@ -24,6 +24,7 @@ from torch import nn
 
 from engines.model_config import ModelConfig
 from plugins.linear import make_linear
+from plugins.quant_linear import QuantSpec
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -70,15 +71,16 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, quant: QuantSpec | None) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         hidden, bias = config.hidden_size, config.attention_bias
         # q, k and v in one matmul (the checkpoint's q_proj/k_proj/v_proj are stacked by row at load time)
-        self.qkv_proj = make_linear(hidden, (config.num_heads + 2 * config.num_kv_heads) * config.head_dim, bias, dtype)
-        self.o_proj = make_linear(config.num_heads * config.head_dim, hidden, bias, dtype)
+        qkv_rows = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+        self.qkv_proj = make_linear(hidden, qkv_rows, bias, dtype, quant)
+        self.o_proj = make_linear(config.num_heads * config.head_dim, hidden, bias, dtype, quant)
 
     def forward(
         self,
@@ -117,13 +119,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, quant: QuantSpec | None) -> None:
         super().__init__()
         hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
         self.inner = inner
         # gate and up in one matmul (gate_proj/up_proj stacked by row at load time)
-        self.gate_up_proj = make_linear(hidden, 2 * inner, bias, dtype)
-        self.down_proj = make_linear(inner, hidden, bias, dtype)
+        self.gate_up_proj = make_linear(hidden, 2 * inner, bias, dtype, quant)
+        self.down_proj = make_linear(inner, hidden, bias, dtype, quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split([self.inner, self.inner], dim=-1)
@@ -131,12 +133,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, quant: QuantSpec | None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = Attention(config, dtype)
+        self.self_attn = Attention(config, dtype, quant)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = MLP(config, dtype)
+        self.mlp = MLP(config, dtype, quant)
 
     def forward(self, x, cos, sin, rotation, mask_bias, past_key, past_value):
         attn_out, new_key, new_value = self.self_attn(
@@ -148,25 +150,29 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, quant: QuantSpec | None) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype, quant) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
 
 class LlamaForCausalLM(nn.Module):
     """Inputs and outputs are those of the engine's step graph (see the module docstring)."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype = torch.float32, quant: QuantSpec | None = None,
+        quantize_lm_head: bool = False,
+    ) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
-        self.model = Backbone(config, dtype)
-        self.lm_head = None if config.tie_word_embeddings else make_linear(
-            config.hidden_size, config.vocab_size, False, dtype
-        )
+        self.model = Backbone(config, dtype, quant)
+        # A quantized LM head is its own (quantized) copy even when tied: the embedding stays float for lookups.
+        head_quant = quant if quantize_lm_head else None
+        untied = not config.tie_word_embeddings or head_quant is not None
+        self.lm_head = make_linear(config.hidden_size, config.vocab_size, False, dtype, head_quant) if untied else None
         self.register_buffer("rope_inv_freq", rope_inv_freq(config), persistent=False)
         self.register_buffer("rope_rotation", rotate_half_matrix(config.head_dim, dtype), persistent=False)
 

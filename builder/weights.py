@@ -15,6 +15,7 @@ from torch import nn
 from builder.loaders.checkpoint import CheckpointError
 from builder.model import LlamaForCausalLM
 from engines.model_config import ModelConfig
+from plugins.quant_linear import QuantizedLinear, QuantSpec
 
 # Checkpoint entries that carry no model weight (rotary tables some exporters save).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -39,13 +40,26 @@ def _set_parameter(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
     setattr(model.get_submodule(owner), leaf, nn.Parameter(tensor, requires_grad=False))
 
 
-def load_model(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype) -> LlamaForCausalLM:
-    """Build the model on the meta device and give each parameter its checkpoint tensor as it streams by."""
+def load_model(
+    config: ModelConfig,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    dtype: torch.dtype,
+    quant: QuantSpec | None = None,
+    quantize_lm_head: bool = False,
+) -> LlamaForCausalLM:
+    """Build the model on the meta device and give each parameter its checkpoint tensor as it streams by.
+    Quantized projections quantize each tensor (or fused slice) on arrival: no float copy of them is kept."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, dtype)
-    expected = dict(model.named_parameters())
+        model = LlamaForCausalLM(config, dtype, quant, quantize_lm_head)
+    quantized = {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    for module in quantized.values():
+        module.to_empty(device="cpu")
+    # every weight to load and its row count (a quantized linear's weight lives in its qweight/scales buffers)
+    expected = {n: p.shape for n, p in model.named_parameters()}
+    expected.update({f"{n}.weight": (m.out_features, m.in_features) for n, m in quantized.items()})
+    copy_embedding_to_head = config.tie_word_embeddings and "lm_head" in quantized
     rows = fused_rows(config)
-    filled: dict[str, int] = {}  # parameter -> rows (or whole tensors) loaded
+    filled: dict[str, int] = {}  # weight -> rows (or whole tensors) loaded
     for name, tensor in tensors:
         if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and config.tie_word_embeddings):
             continue
@@ -57,21 +71,26 @@ def load_model(config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]],
             target = f"{prefix}.{fused_name}.{kind}"
         if target not in expected:
             raise CheckpointError(f"unexpected tensor {name!r} in checkpoint (not a Llama weight)")
-        want = expected[target].shape
+        want = expected[target]
         want = want if stop is None else (stop - start, *want[1:])
         if tuple(tensor.shape) != tuple(want):
             raise CheckpointError(f"tensor {name!r} has shape {tuple(tensor.shape)}, config implies {tuple(want)}")
-        if stop is None:
+        owner_name, _, leaf = target.rpartition(".")
+        if owner_name in quantized and leaf == "weight":
+            quantized[owner_name].load_rows(start, tensor)
+        elif stop is None:
             _set_parameter(model, target, tensor.to(dtype))
-            filled[target] = expected[target].shape[0] if expected[target].dim() else 1
-            continue
-        param = model.get_parameter(target)
-        if param.is_meta:
-            _set_parameter(model, target, torch.empty(expected[target].shape, dtype=dtype))
+        else:
             param = model.get_parameter(target)
-        param.data[start:stop] = tensor.to(dtype)
-        filled[target] = filled.get(target, 0) + (stop - start)
-    missing = sorted(n for n, p in expected.items() if filled.get(n, 0) != (p.shape[0] if p.dim() else 1))
+            if param.is_meta:
+                _set_parameter(model, target, torch.empty(expected[target], dtype=dtype))
+                param = model.get_parameter(target)
+            param.data[start:stop] = tensor.to(dtype)
+        filled[target] = filled.get(target, 0) + (len(tensor) if tensor.dim() else 1)
+        if copy_embedding_to_head and name == "model.embed_tokens.weight":
+            quantized["lm_head"].load_rows(0, tensor)
+            filled["lm_head.weight"] = len(tensor)
+    missing = sorted(n for n, shape in expected.items() if filled.get(n, 0) != (shape[0] if len(shape) else 1))
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise CheckpointError(f"checkpoint is missing weights for {', '.join(missing[:3])}{more}")

@@ -1,9 +1,9 @@
 """The linear layer every projection of the model goes through.
 
-The model never calls `nn.Linear` itself: it asks `make_linear` for its projections, so a quantized variant
-(int8/int4 weights lowered to a fused quantized matmul) replaces this one without touching the model code.
-`FloatLinear` is the unquantized member of that family: plain `x @ W^T (+ b)`, which the ONNX exporter lowers to
-a MatMul on the weight initializer.
+The model never calls `nn.Linear` itself: it asks `make_linear` for its projections, so the quantized variant
+(plugins/quant_linear.py: int8/int4 weights lowered to a fused quantized matmul) replaces the float one without
+touching the model code. `FloatLinear` is plain `x @ W^T (+ b)`, which the ONNX exporter lowers to a MatMul on the
+weight initializer.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from plugins.quant_linear import QuantizedLinear, QuantSpec
 
 
 class FloatLinear(nn.Module):
@@ -27,5 +29,7 @@ class FloatLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-def make_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> nn.Module:
-    return FloatLinear(in_features, out_features, bias, dtype)
+def make_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype, quant: QuantSpec | None = None) -> nn.Module:
+    if quant is None:
+        return FloatLinear(in_features, out_features, bias, dtype)
+    return QuantizedLinear(in_features, out_features, bias, dtype, quant)

@@ -32,11 +32,17 @@ def engine_factory(tmp_path_factory, checkpoint_factory):
 
     built: dict[tuple, Path] = {}
 
-    def build(name: str = "gqa", max_seq_len: int = 256, max_batch: int = 4, prefill_chunk: int = 32) -> Path:
-        key = (name, max_seq_len, max_batch, prefill_chunk)
+    def build(
+        name: str = "gqa", max_seq_len: int = 256, max_batch: int = 4, prefill_chunk: int = 32, quant: str = "none",
+        int8_compute: bool = True,
+    ) -> Path:
+        key = (name, max_seq_len, max_batch, prefill_chunk, quant, int8_compute)
         if key not in built:
             out = tmp_path_factory.mktemp(f"engine_{name}") / "engine"
-            options = BuildOptions(str(checkpoint_factory(name)), out, "fp32", max_seq_len, max_batch, prefill_chunk)
+            options = BuildOptions(
+                str(checkpoint_factory(name)), out, "fp32", max_seq_len, max_batch, prefill_chunk,
+                quant=quant, int8_compute=int8_compute,
+            )
             build_engine(options, log=lambda line: None)
             built[key] = out
         return built[key]

@@ -1,0 +1,88 @@
+"""The quantized linear plugin: packing bit-exact against an independent numpy reference, the reference op, and
+its ONNX lowering to com.microsoft::MatMulNBits run by onnxruntime."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from plugins.quant_linear import QuantizedLinear, QuantSpec, dequantize_blockwise, onnx_translations, quantize_blockwise
+
+
+def numpy_reference_quantize(weight: np.ndarray, bits: int, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """Written from the MatMulNBits spec, independently of the plugin: q = round(w / s) + 2^(bits-1), s = max|w| / qmax."""
+    n, k = weight.shape
+    blocks = -(-k // block)
+    padded = np.zeros((n, blocks * block), np.float32)
+    padded[:, :k] = weight
+    grouped = padded.reshape(n, blocks, block)
+    qmax = 2 ** (bits - 1) - 1
+    scales = np.abs(grouped).max(-1) / qmax
+    scales[scales == 0] = 1.0
+    q = (np.clip(np.round(grouped / scales[..., None]), -(qmax + 1), qmax) + qmax + 1).astype(np.uint8)
+    if bits == 4:
+        packed = np.zeros((n, blocks, block // 2), np.uint8)
+        for i in range(block // 2):
+            packed[..., i] = q[..., 2 * i] | (q[..., 2 * i + 1] << 4)  # low nibble first
+        q = packed
+    return q, scales.reshape(-1)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("block", [16, 32, 64, 128])
+@pytest.mark.parametrize("shape", [(48, 64), (7, 200), (1, 576)])  # 200 and 576 are not multiples of every block
+def test_packing_is_bit_exact_and_round_trips(bits, block, shape):
+    weight = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    qweight, scales = quantize_blockwise(weight, bits, block)
+    expected_q, expected_scales = numpy_reference_quantize(weight.numpy(), bits, block)
+    np.testing.assert_array_equal(qweight.numpy(), expected_q)
+    np.testing.assert_array_equal(scales.numpy(), expected_scales.astype(np.float32))
+    restored = dequantize_blockwise(qweight, scales, shape[1], bits)
+    step = scales.view(shape[0], -1).repeat_interleave(block, dim=1)[:, : shape[1]]
+    assert torch.all((restored - weight).abs() <= step / 2 + 1e-6)  # round to nearest: at most half a step
+
+
+def export_one_linear(tmp_path, linear: QuantizedLinear, batch_shape=(2, 3)):
+    class Wrapper(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = linear
+
+        def forward(self, x):
+            return self.linear(x)
+
+    x = torch.randn(*batch_shape, linear.in_features)
+    path = tmp_path / "linear.onnx"
+    torch.onnx.export(Wrapper(), (x,), str(path), dynamo=True, custom_translation_table=onnx_translations(),
+                      dynamic_shapes=({0: torch.export.Dim("b"), 1: torch.export.Dim("t")},))
+    return path, x
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("accuracy_level, tolerance", [(0, 1e-5), (4, 3e-2)])
+def test_onnx_lowering_is_one_fused_matmulnbits_matching_the_reference(tmp_path, bits, accuracy_level, tolerance):
+    import onnx
+    import onnxruntime as ort
+
+    torch.manual_seed(1)
+    linear = QuantizedLinear(200, 48, bias=True, dtype=torch.float32, spec=QuantSpec(bits, 32, accuracy_level))
+    linear.load_rows(0, torch.randn(30, 200))
+    linear.load_rows(30, torch.randn(18, 200))  # fused weights arrive in row slices
+    linear.bias.data.normal_()
+    path, x = export_one_linear(tmp_path, linear)
+    graph = onnx.load(str(path)).graph
+    assert [n.op_type for n in graph.node if n.op_type != "Add"] == ["MatMulNBits"]
+    assert not any(i.data_type == onnx.TensorProto.FLOAT and len(i.dims) == 2 for i in graph.initializer)  # no float weight
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    ours = session.run(None, {session.get_inputs()[0].name: x.numpy()})[0]
+    reference = linear(x).detach().numpy()
+    scale = np.abs(reference).max()
+    np.testing.assert_allclose(ours, reference, rtol=0, atol=tolerance * scale)
+
+
+def test_invalid_specs_are_refused():
+    with pytest.raises(ValueError, match="bits"):
+        QuantSpec(3, 32)
+    with pytest.raises(ValueError, match="group size"):
+        QuantSpec(4, 48)
