@@ -82,3 +82,17 @@ def test_serve_answers_and_stops_cleanly_on_sigint(engine_factory):
         _, stderr = proc.communicate(timeout=30)
     assert proc.returncode == 0, stderr
     assert "serving 'tiny'" in stderr and "Traceback" not in stderr
+
+
+def test_build_quantized_from_the_command_line(checkpoint_factory, tmp_path):
+    import json
+
+    out = tmp_path / "int4"
+    built = run(BUILDER + ["build", str(checkpoint_factory("gqa")), "--out", str(out), "--quant", "int4", "--group-size", "64",
+                           "--float-lm-head", "--max-seq-len", "128", "--max-batch", "1"])
+    assert built.returncode == 0, built.stderr
+    assert "int4 (group 64, LM head float, int8 activations" in built.stderr
+    quantization = json.loads((out / "manifest.json").read_text())["quantization"]
+    assert (quantization["bits"], quantization["group_size"], quantization["lm_head"]) == (4, 64, False)
+    generated = run(RUNNER + ["generate", str(out), "hello", "--max-tokens", "4"])
+    assert generated.returncode == 0, generated.stderr
