@@ -117,6 +117,7 @@ class AsyncEngine:
             elif command == "abort":
                 for request in payload:
                     self._abort(request)
+                self._after_aborts()
             if command is not None:
                 continue  # drain every command before the next step
             if self.engine.scheduler.has_work:
@@ -134,6 +135,12 @@ class AsyncEngine:
             self._deliver(event, now)
         scheduler = self.engine.scheduler
         self.metrics.observe_step(len(scheduler.waiting) + self._pending, len(scheduler.running), len(events), now)
+
+    def _after_aborts(self) -> None:
+        scheduler = self.engine.scheduler
+        if not scheduler.running:
+            self.engine.executor.cache.release()
+        self.metrics.observe_step(len(scheduler.waiting) + self._pending, len(scheduler.running), 0, time.perf_counter())
 
     def _deliver(self, event: TokenEvent, now: float) -> None:
         stream = self._streams.get(event.request.request_id)

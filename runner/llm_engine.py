@@ -87,7 +87,6 @@ class LLMEngine:
             detokenizer=IncrementalDetokenizer(self.codec),
             rng=np.random.default_rng(None if params.seed is None else params.seed + index),
         )
-        return request
 
     def abort(self, request: Request) -> None:
         if not request.finished:

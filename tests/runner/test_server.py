@@ -148,10 +148,15 @@ def test_a_disconnected_stream_frees_its_row(engine_factory):
             lines = response.iter_lines()
             assert next(lines).startswith("data: ")
         # the one row was taken by the abandoned stream; the next request is served only if it was freed
+        def freed() -> bool:
+            metrics = httpx.get(f"{live.url}/metrics").text
+            return not scheduler.running and "engine_requests_running 0.0" in metrics
+
         deadline = time.monotonic() + 10
-        while scheduler.running and time.monotonic() < deadline:
+        while not freed() and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not scheduler.running
+        assert freed()
+        assert live.engine.engine.executor.cache.nbytes == 0  # released: nothing is cached any more
         assert chat(live, max_tokens=3).choices[0].finish_reason in ("length", "stop")
     finally:
         live.stop()
