@@ -25,9 +25,6 @@ QUANT_BITS = {"int8": 8, "int4": 4}
 # Measured for a 576x1536 MatMulNBits at batch 1 with int8 compute on the 2-core AVX2 CI machine: int4 group 32:
 # 37 us, group 128: 70 us; int8 group 32: 290 us (a slow path), group 128: 52 us.
 DEFAULT_GROUP = {"int4": 32, "int8": 128}
-# int8 weights with int8 compute gave wrong answers on the default model here (first tokens differ from fp32 at
-# group 32 and 128, although single-op parity holds at ~0.7%); until that is understood int8 computes in fp32
-# by default (correct, but onnxruntime's fp32-compute MatMulNBits path is slow on CPU).
 TOKENIZER_FILE = "tokenizer.json"
 
 
@@ -43,8 +40,7 @@ class BuildOptions:
     quant: str = "none"  # "none" | "int8" | "int4" (round-to-nearest, symmetric, per group)
     group_size: int | None = None  # default: 32 for int4, 128 for int8 (the fastest MatMulNBits kernels here)
     quantize_lm_head: bool = True
-    # quantized matmuls quantize activations to int8 (onnxruntime accuracy_level 4); default: int4 yes, int8 no
-    int8_compute: bool | None = None
+    int8_compute: bool = True  # quantized matmuls quantize activations to int8 (onnxruntime accuracy_level 4)
 
     def quant_spec(self) -> QuantSpec | None:
         if self.quant == "none":
@@ -52,8 +48,7 @@ class BuildOptions:
         if self.quant not in QUANT_BITS:
             raise ValueError(f"unknown quantization {self.quant!r}; choose one of none, {', '.join(QUANT_BITS)}")
         group = self.group_size or DEFAULT_GROUP[self.quant]
-        int8_compute = self.int8_compute if self.int8_compute is not None else self.quant == "int4"
-        return QuantSpec(QUANT_BITS[self.quant], group, 4 if int8_compute else 0)
+        return QuantSpec(QUANT_BITS[self.quant], group, 4 if self.int8_compute else 0)
 
     def quantization(self) -> dict:
         spec = self.quant_spec()

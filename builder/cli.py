@@ -30,9 +30,9 @@ def main() -> None:
 @click.option("--group-size", type=click.Choice(["16", "32", "64", "128", "256"]), default=None,
               help="Input features per quantization group (default: 32 for int4, 128 for int8).")
 @click.option("--quant-lm-head/--float-lm-head", default=True, show_default=True, help="Quantize the LM head too.")
-@click.option("--int8-compute/--fp32-compute", default=None,
-              help="Quantized matmuls quantize activations to int8 (onnxruntime accuracy_level 4: much faster on CPU). "
-                   "Default: on for int4, off for int8 (see README).")
+@click.option("--int8-compute/--fp32-compute", default=True, show_default=True,
+              help="Quantized matmuls quantize activations to int8 (onnxruntime accuracy_level 4: much faster on CPU; "
+                   "onnxruntime's fp32-compute path for 8-bit weights is a slow fallback).")
 def build(checkpoint, out, dtype, max_seq_len, max_batch, prefill_chunk, overwrite, quant, group_size, quant_lm_head, int8_compute) -> None:
     """Build an engine from CHECKPOINT: a Hugging Face directory, a .gguf file, or `default`."""
     options = BuildOptions(

@@ -34,7 +34,7 @@ def engine_factory(tmp_path_factory, checkpoint_factory):
 
     def build(
         name: str = "gqa", max_seq_len: int = 256, max_batch: int = 4, prefill_chunk: int = 32, quant: str = "none",
-        int8_compute: bool | None = None,
+        int8_compute: bool = True,
     ) -> Path:
         key = (name, max_seq_len, max_batch, prefill_chunk, quant, int8_compute)
         if key not in built:
