@@ -59,4 +59,6 @@ def plan_phases(shapes: BuildShapes) -> dict[str, PhaseSpec]:
         "prefill": PhaseSpec("prefill", STEP_GRAPH, [1], prefill_steps(shapes.prefill_chunk), past, "last"),
         "decode": PhaseSpec("decode", STEP_GRAPH, batches, [1], past, "all"),
         "verify": PhaseSpec("verify", STEP_GRAPH, batches, [shapes.verify_tokens], past, "all"),
+        # prompt chunks with logits at every position: perplexity evaluation (`runner eval`)
+        "score": PhaseSpec("score", STEP_GRAPH, [1], prefill_steps(shapes.prefill_chunk), past, "all"),
     }

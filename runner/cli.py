@@ -90,5 +90,32 @@ def serve(engine, host, port, max_batch, max_waiting, threads, model_name, shutd
     uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=shutdown_grace)
 
 
+@main.command(name="eval")
+@click.argument("engine", type=click.Path())
+@click.option("--text", "text_file", required=True, type=click.Path(exists=True, dir_okay=False), help="UTF-8 text to score.")
+@click.option("--window", type=int, default=512, show_default=True, help="Tokens of context per window.")
+@click.option("--stride", type=int, default=256, show_default=True, help="Tokens between window starts.")
+@click.option("--max-tokens", type=int, default=None, help="Score only the first N tokens of the text.")
+@click.option("--threads", type=int, default=None)
+def evaluate(engine, text_file, window, stride, max_tokens, threads) -> None:
+    """Perplexity of ENGINE on a text file (sliding window)."""
+    from pathlib import Path
+
+    from runner.evaluate import perplexity
+    from runner.llm_engine import LLMEngine
+
+    try:
+        llm_engine = LLMEngine(engine, threads=threads)
+        ids = llm_engine.codec.encode(Path(text_file).read_text(encoding="utf-8"))[:max_tokens]
+        result = perplexity(llm_engine, ids, window, stride)
+    except (ArtifactError, ValueError, UnicodeDecodeError) as err:
+        click.echo(f"error: {err}", err=True)
+        sys.exit(2)
+    click.echo(
+        f"perplexity {result.perplexity:.4f} over {result.tokens_scored} tokens (window {window}, stride {stride}, "
+        f"mean NLL {result.mean_nll:.5f}, {result.seconds:.1f} s)"
+    )
+
+
 if __name__ == "__main__":
     main()

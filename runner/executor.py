@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engines.format import Artifact
+from engines.format import Artifact, PhaseSpec
 from runner.kv_cache import KVCache, bucket_for
 
 
@@ -16,6 +16,7 @@ class Executor:
         self.prefill_phase = manifest.phases["prefill"]
         self.decode_phase = manifest.phases["decode"]
         self.verify_phase = manifest.phases["verify"]
+        self.score_phase = manifest.phases.get("score")  # absent in engines built before `runner eval` existed
         self.max_rows = max(self.decode_phase.batch_sizes)
         self.max_chunk = max(self.prefill_phase.steps)
         self.cache = KVCache(manifest.kv_cache, self.decode_phase.batch_sizes, self.decode_phase.past_lengths)
@@ -39,8 +40,15 @@ class Executor:
 
     def prefill(self, row: int, token_ids: list[int], start: int) -> np.ndarray:
         """Run one prompt chunk of one row whose first `start` tokens are cached; returns the last token's logits."""
+        return self._chunk(self.prefill_phase, row, token_ids, start)[0]
+
+    def score(self, row: int, token_ids: list[int], start: int) -> np.ndarray:
+        """Like `prefill`, but returns the logits after every token of the chunk: [n, vocab]."""
+        return self._chunk(self.score_phase, row, token_ids, start)
+
+    def _chunk(self, phase: PhaseSpec, row: int, token_ids: list[int], start: int) -> np.ndarray:
         count = len(token_ids)
-        steps = bucket_for(count, self.prefill_phase.steps)
+        steps = bucket_for(count, phase.steps)
         input_ids = np.zeros((1, steps), np.int64)
         input_ids[0, :count] = token_ids
         positions = np.full((1, steps), start, np.int64)
@@ -48,13 +56,12 @@ class Executor:
         # causal among the real tokens; padding tokens see only themselves, so no row is fully masked
         tree_mask = np.eye(steps, dtype=bool)[None]
         tree_mask[0, :count, :count] = np.tril(np.ones((count, count), dtype=bool))
-        past = bucket_for(max(start, 1), self.prefill_phase.past_lengths)
-        feeds = self._feeds(
-            input_ids, positions, np.array([start], np.int64), tree_mask, np.array([[count - 1]], np.int64), row, row + 1, past
-        )
-        out = self.backend.run(self.prefill_phase.graph, feeds)
+        logits_index = np.arange(count)[None] if phase.logits == "all" else np.array([[count - 1]])
+        past = bucket_for(max(start, 1), phase.past_lengths)
+        feeds = self._feeds(input_ids, positions, np.array([start], np.int64), tree_mask, logits_index, row, row + 1, past)
+        out = self.backend.run(phase.graph, feeds)
         self.cache.write(row, start, out["new_keys"][:, 0, :count], out["new_values"][:, 0, :count])
-        return out["logits"][0, 0]
+        return out["logits"][0]
 
     def decode(self, rows: list[int], token_ids: list[int], positions: list[int]) -> np.ndarray:
         """One token for each of `rows` (token at `positions`, i.e. that many cached); returns [len(rows), vocab]."""

@@ -1,0 +1,65 @@
+"""Perplexity over a text with a sliding window, on the engine's `score` phase (logits at every position).
+
+Windows of `window` tokens start every `stride` tokens; each window scores only the tokens no earlier window
+scored, with the rest of the window as context (the usual strided evaluation, as in Hugging Face's guide). With
+stride == window, the first token of each window is not scored (it has no context)."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from runner.llm_engine import LLMEngine
+
+
+@dataclass(frozen=True)
+class Perplexity:
+    tokens_scored: int
+    mean_nll: float
+    seconds: float
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.mean_nll)
+
+
+def _nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    shifted = logits.astype(np.float64) - logits.max(axis=-1, keepdims=True)
+    log_norm = np.log(np.exp(shifted).sum(axis=-1))
+    return log_norm - shifted[np.arange(len(targets)), targets]
+
+
+def perplexity(engine: LLMEngine, token_ids: list[int], window: int, stride: int) -> Perplexity:
+    executor = engine.executor
+    if executor.score_phase is None:
+        raise ValueError("this engine has no `score` phase (built by an older builder): rebuild it to evaluate")
+    if not 1 < window <= engine.max_seq_len or not 0 < stride <= window:
+        raise ValueError(f"need 1 < window <= {engine.max_seq_len} and 0 < stride <= window")
+    if len(token_ids) < 2:
+        raise ValueError("the text has fewer than 2 tokens")
+    if engine.scheduler.has_work:
+        raise RuntimeError("evaluate on an idle engine: it uses cache row 0")
+    chunk = max(executor.score_phase.steps)
+    start_time = time.perf_counter()
+    total, count, scored_until = 0.0, 0, 1  # token 0 is never predicted
+    begin = 0
+    while scored_until < len(token_ids):
+        end = min(begin + window, len(token_ids))
+        executor.reserve(1, end - begin)
+        logits = np.concatenate(
+            [executor.score(0, token_ids[i:min(i + chunk, end)], i - begin) for i in range(begin, end, chunk)]
+        )
+        # logits row j (position begin + j) predicts token begin + j + 1; a window's first token has no context in
+        # it, so it is scored only if an earlier window did (when stride == window it is skipped, as in HF's recipe)
+        target_from = max(scored_until, begin + 1)
+        first = target_from - begin - 1
+        targets = np.asarray(token_ids[target_from:end])
+        total += float(_nll(logits[first:first + len(targets)], targets).sum())
+        count += len(targets)
+        scored_until = end
+        begin += stride
+    executor.cache.release()
+    return Perplexity(count, total / count, time.perf_counter() - start_time)
