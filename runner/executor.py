@@ -48,14 +48,8 @@ class Executor:
 
     def _chunk(self, phase: PhaseSpec, row: int, token_ids: list[int], start: int) -> np.ndarray:
         count = len(token_ids)
-        steps = bucket_for(count, phase.steps)
-        input_ids = np.zeros((1, steps), np.int64)
-        input_ids[0, :count] = token_ids
-        positions = np.full((1, steps), start, np.int64)
-        positions[0, :count] = np.arange(start, start + count)
-        # causal among the real tokens; padding tokens see only themselves, so no row is fully masked
-        tree_mask = np.eye(steps, dtype=bool)[None]
-        tree_mask[0, :count, :count] = np.tril(np.ones((count, count), dtype=bool))
+        causal = np.tril(np.ones((count, count), dtype=bool))
+        input_ids, positions, tree_mask = _row_inputs(token_ids, start, causal, bucket_for(count, phase.steps))
         logits_index = np.arange(count)[None] if phase.logits == "all" else np.array([[count - 1]])
         past = bucket_for(max(start, 1), phase.past_lengths)
         feeds = self._feeds(input_ids, positions, np.array([start], np.int64), tree_mask, logits_index, row, row + 1, past)
@@ -85,15 +79,22 @@ class Executor:
         cache, since only the accepted candidates belong there (the caller commits them with `cache.write`)."""
         count = len(token_ids)
         steps = bucket_for(count, self.verify_phase.steps)
-        input_ids = np.zeros((1, steps), np.int64)
-        input_ids[0, :count] = token_ids
-        depth = tree_mask.sum(axis=1) - 1  # a candidate's position is its depth in the tree
-        positions = np.full((1, steps), start, np.int64)
-        positions[0, :count] = start + depth
-        mask = np.eye(steps, dtype=bool)[None]
-        mask[0, :count, :count] = tree_mask
-        index = np.zeros((1, steps), np.int64)
-        index[0] = np.arange(steps)
+        input_ids, positions, mask = _row_inputs(token_ids, start, tree_mask, steps)
+        index = np.arange(steps, dtype=np.int64)[None]
         feeds = self._feeds(input_ids, positions, np.array([start], np.int64), mask, index, row, row + 1)
         out = self.backend.run(self.verify_phase.graph, feeds)
         return out["logits"][0, :count], out["new_keys"][:, 0, :count], out["new_values"][:, 0, :count]
+
+
+def _row_inputs(token_ids: list[int], start: int, tree_mask: np.ndarray, steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One row of `steps` new tokens: the real ones padded with token 0. A token's position is `start` plus its
+    depth in the tree (its index for a causal chain); padding tokens see only themselves, so no row is fully
+    masked."""
+    count = len(token_ids)
+    input_ids = np.zeros((1, steps), np.int64)
+    input_ids[0, :count] = token_ids
+    positions = np.full((1, steps), start, np.int64)
+    positions[0, :count] = start + tree_mask.sum(axis=1) - 1
+    mask = np.eye(steps, dtype=bool)[None]
+    mask[0, :count, :count] = tree_mask
+    return input_ids, positions, mask
