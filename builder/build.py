@@ -13,8 +13,10 @@ from pathlib import Path
 import torch
 
 from builder import __version__
-from builder.export import export_step_graph
+from builder.draft_head import BeamSearchDrafter, load_draft_head
+from builder.export import export_draft_graph, export_step_graph
 from builder.loaders import load_checkpoint
+from builder.loaders.default import DEFAULT_MODEL_NAME
 from builder.phases import STEP_GRAPH, BuildShapes, plan_phases
 from builder.weights import load_model
 from plugins.quant_linear import QuantSpec
@@ -26,6 +28,10 @@ QUANT_BITS = {"int8": 8, "int4": 4}
 # 37 us, group 128: 70 us; int8 group 32: 290 us (a slow path), group 128: 52 us.
 DEFAULT_GROUP = {"int4": 32, "int8": 128}
 TOKENIZER_FILE = "tokenizer.json"
+DRAFT_GRAPH = "draft"
+SPECULATION_METHODS = ("none", "redrafter")
+# The head distilled for the embedded default model by `builder train-drafter` (see README, speculative decoding).
+SHIPPED_DRAFT_HEAD = Path(__file__).parent / "drafters" / "smollm2-135m-instruct.redrafter.safetensors"
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,26 @@ class BuildOptions:
     group_size: int | None = None  # default: 32 for int4, 128 for int8 (the fastest MatMulNBits kernels here)
     quantize_lm_head: bool = True
     int8_compute: bool = True  # quantized matmuls quantize activations to int8 (onnxruntime accuracy_level 4)
+    speculative: str = "none"  # "none" | "redrafter"
+    draft_head: Path | None = None  # default for `default`: the shipped head
+    beam_width: int = 3
+    draft_len: int = 4
+
+    def draft_head_path(self) -> Path | None:
+        if self.speculative == "none":
+            return None
+        if self.speculative not in SPECULATION_METHODS:
+            raise ValueError(f"unknown speculation {self.speculative!r}; choose one of {', '.join(SPECULATION_METHODS)}")
+        if self.draft_head is not None:
+            return Path(self.draft_head)
+        if self.source == DEFAULT_MODEL_NAME:
+            return SHIPPED_DRAFT_HEAD
+        raise ValueError("--speculative redrafter needs --draft-head (train one with `builder train-drafter ENGINE`)")
+
+    @property
+    def tree_nodes(self) -> int:
+        """The largest token tree a speculative step verifies: the root plus every beam's drafts."""
+        return 1 + self.beam_width * self.draft_len
 
     def quant_spec(self) -> QuantSpec | None:
         if self.quant == "none":
@@ -68,6 +94,7 @@ class BuildReport:
     files: dict[str, int] = field(default_factory=dict)
     phases: dict[str, str] = field(default_factory=dict)
     quantization: dict = field(default_factory=dict)
+    speculation: dict | None = None
 
     def lines(self) -> list[str]:
         total = sum(self.files.values())
@@ -76,6 +103,9 @@ class BuildReport:
         out.append(f"  {'total':<24} {total / 2**20:10.1f} MiB")
         out += [f"  phase {name:<10} {shape}" for name, shape in self.phases.items()]
         out.append(f"  quantization {self.quantization}")
+        if self.speculation:
+            facts = {k: v for k, v in self.speculation.items() if k != "head"}
+            out.append(f"  speculation {facts}")
         out.append(f"built in {self.seconds:.1f} s, peak RSS {self.peak_rss_mb:.0f} MiB")
         return out
 
@@ -97,10 +127,12 @@ def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> B
         raise ValueError(f"unknown dtype {options.dtype!r}; choose one of {', '.join(DTYPES)}")
     out = Path(options.out)
     _prepare_out(out, options.overwrite)
+    draft_head_path = options.draft_head_path()
+    total_steps = 4 if draft_head_path is None else 5
     start = time.perf_counter()
 
     def step(index: int, what: str) -> None:
-        log(f"[{index}/4] {what} (t={time.perf_counter() - start:.1f}s, rss={peak_rss_mb():.0f} MiB)")
+        log(f"[{index}/{total_steps}] {what} (t={time.perf_counter() - start:.1f}s, rss={peak_rss_mb():.0f} MiB)")
 
     step(1, f"reading checkpoint {options.source}")
     checkpoint = load_checkpoint(options.source)
@@ -108,7 +140,11 @@ def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> B
     max_seq_len = options.max_seq_len or min(2048, config.max_position_embeddings)
     if max_seq_len > config.max_position_embeddings:
         log(f"warning: --max-seq-len {max_seq_len} exceeds the model's {config.max_position_embeddings} positions")
-    shapes = BuildShapes(max_seq_len=max_seq_len, max_batch=options.max_batch, prefill_chunk=options.prefill_chunk)
+    shapes = BuildShapes(
+        max_seq_len=max_seq_len, max_batch=options.max_batch, prefill_chunk=options.prefill_chunk,
+        **({"verify_tokens": options.tree_nodes} if draft_head_path else {}),
+    )
+    drafter, speculation = _load_drafter(draft_head_path, config, options) if draft_head_path else (None, None)
     log(
         f"      {checkpoint.format} checkpoint: {config.num_layers} layers, hidden {config.hidden_size}, "
         f"{config.num_heads} heads / {config.num_kv_heads} KV heads, vocab {config.vocab_size}"
@@ -126,9 +162,12 @@ def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> B
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         step(3, "tracing the step graph with torch.export and emitting ONNX")
-        graph = export_step_graph(model, staging, max_seq_len)
+        graphs = {STEP_GRAPH: export_step_graph(model, staging, max_seq_len)}
         del model
-        step(4, "writing tokenizer, manifest and checksums")
+        if drafter is not None:
+            step(4, f"exporting the ReDrafter draft graph from {draft_head_path}")
+            graphs[DRAFT_GRAPH] = export_draft_graph(drafter, staging)
+        step(total_steps, "writing tokenizer, manifest and checksums")
         (staging / TOKENIZER_FILE).write_text(checkpoint.tokenizer.tokenizer_json)
         spec = checkpoint.tokenizer
         manifest = Manifest(
@@ -140,10 +179,11 @@ def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> B
             max_seq_len=max_seq_len,
             model=config,
             tokenizer=TokenizerInfo(TOKENIZER_FILE, spec.chat_template, spec.bos_token, spec.eos_token, spec.add_bos_token),
-            graphs={STEP_GRAPH: graph},
+            graphs=graphs,
             phases=plan_phases(shapes),
             kv_cache=KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, _numpy_dtype(options.dtype)),
             quantization=options.quantization(),
+            speculation=speculation,
         )
         write_manifest(staging, manifest)
         open_artifact(staging)  # what we wrote must pass the runner's own validation
@@ -157,6 +197,7 @@ def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> B
     report = BuildReport(out=out, seconds=time.perf_counter() - start, peak_rss_mb=peak_rss_mb())
     report.files = {p.name: p.stat().st_size for p in sorted(out.iterdir())}
     report.quantization = manifest.quantization
+    report.speculation = manifest.speculation
     report.phases = {
         name: f"batch {p.batch_sizes} x tokens {p.steps} x kv {p.past_lengths[0]}..{p.past_lengths[-1]} "
         f"({len(p.past_lengths)} buckets), logits={p.logits}"
@@ -167,3 +208,19 @@ def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> B
 
 def _numpy_dtype(dtype: str) -> str:
     return {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}[dtype]
+
+
+def _load_drafter(path: Path, config, options: BuildOptions) -> tuple[BeamSearchDrafter, dict]:
+    """Read and check the draft head before the long export, so a wrong head fails at once."""
+    head, facts = load_draft_head(path)
+    if (head.config.hidden_size, head.config.target_vocab_size) != (config.hidden_size, config.vocab_size):
+        raise ValueError(
+            f"draft head {path} was trained for hidden size {head.config.hidden_size} / vocab {head.config.target_vocab_size}, "
+            f"this model has {config.hidden_size} / {config.vocab_size}"
+        )
+    drafter = BeamSearchDrafter(head, options.beam_width, options.draft_len)
+    speculation = {
+        "method": "redrafter", "graph": DRAFT_GRAPH, "beam_width": options.beam_width, "draft_len": options.draft_len,
+        "draft_vocab_size": head.config.draft_vocab_size, "max_tree_nodes": options.tree_nodes, "head": facts,
+    }
+    return drafter, speculation

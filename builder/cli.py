@@ -33,11 +33,18 @@ def main() -> None:
 @click.option("--int8-compute/--fp32-compute", default=True, show_default=True,
               help="Quantized matmuls quantize activations to int8 (onnxruntime accuracy_level 4: much faster on CPU; "
                    "onnxruntime's fp32-compute path for 8-bit weights is a slow fallback).")
-def build(checkpoint, out, dtype, max_seq_len, max_batch, prefill_chunk, overwrite, quant, group_size, quant_lm_head, int8_compute) -> None:
+@click.option("--speculative", type=click.Choice(["none", "redrafter"]), default="none", show_default=True,
+              help="Speculative decoding inside the engine: redrafter = a recurrent draft head with beam search.")
+@click.option("--draft-head", type=click.Path(path_type=Path), default=None,
+              help="Draft head from `builder train-drafter` (default for `default`: the head shipped with the builder).")
+@click.option("--beam-width", type=int, default=3, show_default=True, help="Draft beams per step.")
+@click.option("--draft-len", type=int, default=4, show_default=True, help="Draft tokens per beam.")
+def build(checkpoint, out, dtype, max_seq_len, max_batch, prefill_chunk, overwrite, quant, group_size, quant_lm_head,
+          int8_compute, speculative, draft_head, beam_width, draft_len) -> None:
     """Build an engine from CHECKPOINT: a Hugging Face directory, a .gguf file, or `default`."""
     options = BuildOptions(
         checkpoint, out, dtype, max_seq_len, max_batch, prefill_chunk, overwrite, quant,
-        int(group_size) if group_size else None, quant_lm_head, int8_compute,
+        int(group_size) if group_size else None, quant_lm_head, int8_compute, speculative, draft_head, beam_width, draft_len,
     )
     try:
         report = build_engine(options, log=lambda line: click.echo(line, err=True))
@@ -46,3 +53,33 @@ def build(checkpoint, out, dtype, max_seq_len, max_batch, prefill_chunk, overwri
         sys.exit(2)
     for line in report.lines():
         click.echo(line)
+
+
+@main.command("train-drafter")
+@click.argument("engine", type=click.Path(path_type=Path))
+@click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="Draft head file to write (.safetensors).")
+@click.option("--prompts", type=int, default=240, show_default=True, help="Shipped chat prompts the target answers.")
+@click.option("--max-new-tokens", type=int, default=128, show_default=True, help="Longest target answer.")
+@click.option("--draft-vocab", type=int, default=4096, show_default=True, help="Tokens the head can propose.")
+@click.option("--horizon", type=int, default=4, show_default=True, help="Draft tokens trained per position.")
+@click.option("--blocks", type=int, default=2, show_default=True, help="Residual blocks in the head.")
+@click.option("--epochs", type=int, default=8, show_default=True)
+@click.option("--threads", type=int, default=None, help="CPU threads for the target engine.")
+@click.option("--checkpoint", default=None, help="Where the target's embeddings are read (default: the engine's source).")
+@click.option("--seed", type=int, default=0, show_default=True)
+def train_drafter_command(engine, out, prompts, max_new_tokens, draft_vocab, horizon, blocks, epochs, threads, checkpoint, seed) -> None:
+    """Distil a ReDrafter draft head for the target ENGINE from its own answers to the shipped prompts."""
+    from builder.train_drafter import DrafterTrainingOptions, train_drafter
+    from engines.format import ArtifactError
+
+    options = DrafterTrainingOptions(
+        engine, out, prompts=prompts, max_new_tokens=max_new_tokens, draft_vocab=draft_vocab, horizon=horizon,
+        num_blocks=blocks, epochs=epochs, threads=threads, checkpoint=checkpoint, seed=seed,
+    )
+    try:
+        facts = train_drafter(options, log=lambda line: click.echo(line, err=True))
+    except (ArtifactError, CheckpointError, ValueError) as err:
+        click.echo(f"error: {err}", err=True)
+        sys.exit(2)
+    click.echo(f"draft head: {out} ({out.stat().st_size / 2**20:.1f} MiB), held-out tokens per step: "
+               f"{facts['held_out_tokens_per_step']}")

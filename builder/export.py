@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from builder.draft_head import BeamSearchDrafter
 from builder.model import LlamaForCausalLM
 from engines.format import GraphSpec, TensorSpec
 from plugins.quant_linear import onnx_translations
@@ -33,6 +34,9 @@ def input_names(num_layers: int) -> list[str]:
 
 
 OUTPUT_NAMES = ["logits", "new_keys", "new_values", "hidden"]
+DRAFT_GRAPH_FILE = "draft.onnx"
+DRAFT_INPUT_NAMES = ["hidden", "last_token"]
+DRAFT_OUTPUT_NAMES = ["draft_tokens", "draft_scores"]
 
 
 def example_inputs(model: LlamaForCausalLM) -> tuple:
@@ -78,27 +82,45 @@ def _spec(value_info) -> TensorSpec:
 
 
 def export_step_graph(model: LlamaForCausalLM, out_dir: Path, max_seq_len: int) -> GraphSpec:
+    num_layers = model.config.num_layers
+    return _export(
+        model, example_inputs(model), dynamic_shapes(num_layers, max_seq_len), out_dir / GRAPH_FILE,
+        input_names(num_layers), OUTPUT_NAMES, external_data=True,
+    )
+
+
+def export_draft_graph(drafter: BeamSearchDrafter, out_dir: Path) -> GraphSpec:
+    """The draft head's beam search as its own small graph (its weights are its own: nothing is shared)."""
+    batch = torch.export.Dim("batch", min=1, max=1024)
+    hidden_size = drafter.head.config.hidden_size
+    args = (torch.zeros(2, hidden_size), torch.zeros(2, dtype=torch.long))
+    return _export(
+        drafter.eval(), args, {"hidden": {0: batch}, "last_token": {0: batch}}, out_dir / DRAFT_GRAPH_FILE,
+        DRAFT_INPUT_NAMES, DRAFT_OUTPUT_NAMES, external_data=False,
+    )
+
+
+def _export(module: torch.nn.Module, args: tuple, shapes: dict, path: Path, inputs: list[str], outputs: list[str],
+            external_data: bool) -> GraphSpec:
     import onnx
 
-    num_layers = model.config.num_layers
-    args = example_inputs(model)
     # The exporter narrates its passes on stdout; the build prints its own progress instead.
     with torch.no_grad(), warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
-        program = torch.export.export(model, args, dynamic_shapes=dynamic_shapes(num_layers, max_seq_len))
+        program = torch.export.export(module, args, dynamic_shapes=shapes)
         logging.getLogger("torch.onnx").setLevel(logging.ERROR)
         torch.onnx.export(
             program,
             args,
-            str(out_dir / GRAPH_FILE),
-            input_names=input_names(num_layers),
-            output_names=OUTPUT_NAMES,
+            str(path),
+            input_names=inputs,
+            output_names=outputs,
             opset_version=OPSET,
-            external_data=True,
+            external_data=external_data,
             dynamo=True,
             optimize=True,
             verbose=False,
             custom_translation_table=onnx_translations(),
         )
-    graph = onnx.load(str(out_dir / GRAPH_FILE), load_external_data=False).graph
-    return GraphSpec(GRAPH_FILE, [_spec(v) for v in graph.input], [_spec(v) for v in graph.output])
+    graph = onnx.load(str(path), load_external_data=False).graph
+    return GraphSpec(path.name, [_spec(v) for v in graph.input], [_spec(v) for v in graph.output])

@@ -41,6 +41,8 @@ class AsyncEngine:
         self.engine = engine
         self.max_waiting = max_waiting
         self.metrics = metrics or EngineMetrics()
+        if engine.speculation is not None:
+            self.metrics.track_speculation(engine.speculation_stats)
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._pending = 0  # submitted, not yet admitted by the loop thread

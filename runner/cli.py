@@ -1,4 +1,4 @@
-"""`runner generate ENGINE PROMPT ...` (and later `serve`, `bench`, `eval`)."""
+"""`runner generate | serve | bench | eval ENGINE ...`"""
 
 from __future__ import annotations
 
@@ -88,6 +88,40 @@ def serve(engine, host, port, max_batch, max_waiting, threads, model_name, shutd
     app = create_app(async_engine, name, shutdown_grace)
     click.echo(f"serving {name!r} ({llm_engine.scheduler.max_rows} rows, max_seq_len {llm_engine.max_seq_len}) on http://{host}:{port}/v1", err=True)
     uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=shutdown_grace)
+
+
+@main.command()
+@click.argument("engine", type=click.Path())
+@click.option("--prompt", default="What is the capital of France?", show_default=True)
+@click.option("--chat/--no-chat", default=True, show_default=True, help="Wrap the prompt in the chat template.")
+@click.option("--new-tokens", type=int, default=128, show_default=True, help="Tokens generated per run (EOS ignored).")
+@click.option("--runs", type=int, default=3, show_default=True, help="Timed runs after a warm-up (median).")
+@click.option("--threads", type=int, default=None, help="CPU threads (default: onnxruntime's choice).")
+def bench(engine, prompt, chat, new_tokens, runs, threads) -> None:
+    """Batch-1 greedy timing of ENGINE: time to first token, decode tokens/s, peak RSS; for a speculative engine
+    also tokens per verify step and the draft / verify time per step."""
+    from runner.bench import median_timing, peak_rss_mb
+    from runner.llm_engine import LLMEngine
+
+    try:
+        llm_engine = LLMEngine(engine, threads=threads)
+        text = llm_engine.codec.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
+        ids = llm_engine.codec.encode(text)
+        llm_engine.speculation_stats.__init__()
+        timing = median_timing(llm_engine, ids, new_tokens, runs)
+    except (ArtifactError, PromptError, ChatTemplateError, ValueError) as err:
+        click.echo(f"error: {err}", err=True)
+        sys.exit(2)
+    click.echo(f"prompt {timing.prompt_tokens} tokens, {timing.new_tokens} new: time to first token {timing.ttft_ms:.1f} ms, "
+               f"decode {timing.decode_tok_s:.1f} tok/s, peak RSS {peak_rss_mb():.0f} MiB")
+    stats = llm_engine.speculation_stats
+    if llm_engine.speculation is not None and stats.verify_steps:
+        step_ms = 1000 * stats.mean_accepted / timing.decode_tok_s
+        draft_ms, verify_ms = (1000 * s / stats.verify_steps for s in (stats.draft_seconds, stats.verify_seconds))
+        click.echo(f"speculation ({llm_engine.speculation['method']}, {llm_engine.speculation['beam_width']} beams x "
+                   f"{llm_engine.speculation['draft_len']}): {stats.mean_accepted:.2f} tokens per verify step; per step "
+                   f"{step_ms:.1f} ms = draft {draft_ms:.1f} ms ({draft_ms / step_ms:.0%}) + verify {verify_ms:.1f} ms "
+                   f"({verify_ms / step_ms:.0%}) + host")
 
 
 @main.command(name="eval")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,7 @@ from engines.format import open_artifact
 from runner.executor import Executor
 from runner.request import Request, TokenLogprob
 from runner.sampling import SamplingParams, apply_penalties, sample_token, top_logprobs
+from runner.speculative import SpeculationStats, choose_token, pack_tree
 from runner.scheduler import Scheduler
 from runner.tokenizer import IncrementalDetokenizer, TextCodec
 
@@ -45,6 +47,10 @@ class LLMEngine:
             raise ValueError(f"max_batch must be in [1, {self.executor.max_rows}] for this engine (built with --max-batch)")
         self.scheduler = Scheduler(rows, self.executor.max_chunk)
         self.eos_token_ids = set(manifest.model.eos_token_ids)
+        self.speculation = manifest.speculation  # None for a plain engine
+        self.speculation_stats = SpeculationStats()
+        # positions a generating request may add to the cache in one step: the root plus its accepted drafts
+        self.tokens_per_generation_step = 1 + (self.speculation["draft_len"] if self.speculation else 0)
         self._ids = itertools.count()
 
     @property
@@ -97,14 +103,17 @@ class LLMEngine:
         if step.empty:
             return []
         # every running request's cached positions must survive a re-size, not only this step's
-        scheduled = {id(r): 1 for r in step.decode}
+        scheduled = {id(r): self.tokens_per_generation_step for r in step.decode}
         if step.prefill is not None:
             scheduled[id(step.prefill[0])] = step.prefill[1]
-        length = max(r.num_computed + scheduled.get(id(r), 0) for r in self.scheduler.running)
+        length = min(self.max_seq_len, max(r.num_computed + scheduled.get(id(r), 0) for r in self.scheduler.running))
         self.executor.reserve(self.scheduler.rows_in_use(), length)
 
-        events = []
-        if step.decode:
+        events: list[TokenEvent] = []
+        to_draft: list[tuple[Request, np.ndarray]] = []  # requests that need new drafts, with their hidden states
+        if step.decode and self.speculation is not None:
+            events += self._verify(step.decode, to_draft)
+        elif step.decode:
             logits = self.executor.decode(
                 [r.row for r in step.decode], [r.output_token_ids[-1] for r in step.decode], [r.num_computed for r in step.decode]
             )
@@ -114,23 +123,79 @@ class LLMEngine:
         if step.prefill is not None:
             request, count = step.prefill
             start = request.num_computed
-            row_logits = self.executor.prefill(request.row, request.prompt_token_ids[start:start + count], start)
+            row_logits, hidden = self.executor.prefill(request.row, request.prompt_token_ids[start:start + count], start)
             request.num_computed += count
             if not request.prefilling:
                 events.append(self._append_token(request, row_logits))
+                if self.speculation is not None and not request.finished:
+                    to_draft.append((request, hidden))
+        if to_draft:
+            self._draft(to_draft)
         if not self.scheduler.running:
             self.executor.cache.release()
         return events
 
-    def _append_token(self, request: Request, logits: np.ndarray) -> TokenEvent:
+    def _verify(self, requests: list[Request], to_draft: list[tuple[Request, np.ndarray]]) -> list[TokenEvent]:
+        """One speculative step for generating requests: verify each one's draft tree, walk it with the exact
+        acceptance rule (runner/speculative.py), keep the accepted nodes' K/V, and queue the request for drafting
+        from its last accepted node."""
+        trees = []
+        for request in requests:
+            room = min(request.params.max_tokens - len(request.output_token_ids), self.max_seq_len - request.num_tokens)
+            trees.append(pack_tree(request.output_token_ids[-1], request.drafts, max_depth=max(room - 1, 0)))
+        started = time.perf_counter()
+        verified = self.executor.verify(
+            [r.row for r in requests], [(t.tokens, t.mask) for t in trees], [r.num_computed for r in requests]
+        )
+        self.speculation_stats.verify_seconds += time.perf_counter() - started
+        events = []
+        for index, (request, tree) in enumerate(zip(requests, trees)):
+            node, path = 0, [0]
+            while True:
+                children = tree.children(node)
+                logits = verified.logits[index, node]
+                token, accepted = choose_token(
+                    self._adjusted_logits(request, logits), request.params, request.rng, [tree.tokens[c] for c in children]
+                )
+                events.append(self._emit(request, token, logits))
+                if request.finished or accepted is None:
+                    break
+                node = children[accepted]
+                path.append(node)
+            self.speculation_stats.record(len(path))
+            if not request.finished:
+                self.executor.commit(request.row, request.num_computed, verified, index, path)
+                request.num_computed += len(path)
+                to_draft.append((request, verified.hidden[index, node]))
+        return events
+
+    def _draft(self, requests: list[tuple[Request, np.ndarray]]) -> None:
+        started = time.perf_counter()
+        beams = self.executor.draft(np.stack([hidden for _, hidden in requests]), [r.output_token_ids[-1] for r, _ in requests])
+        self.speculation_stats.draft_seconds += time.perf_counter() - started
+        for (request, _), request_beams in zip(requests, beams):
+            request.drafts = request_beams
+
+    def _stop_ids(self, params: SamplingParams) -> set[int]:
+        return set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+
+    def _adjusted_logits(self, request: Request, logits: np.ndarray) -> np.ndarray:
+        """The logits the next token is chosen from: penalties, and stop tokens banned until min_tokens."""
         params = request.params
-        raw_logits = logits
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
-        logits = apply_penalties(logits, params, request.prompt_token_ids, request.output_token_ids)
+        adjusted = apply_penalties(logits, params, request.prompt_token_ids, request.output_token_ids)
+        stop_ids = self._stop_ids(params)
         if len(request.output_token_ids) < params.min_tokens and stop_ids:
-            logits = logits.copy() if logits is raw_logits else logits
-            logits[list(stop_ids)] = -np.inf
-        token = sample_token(logits, params, request.rng)
+            adjusted = adjusted.copy() if adjusted is logits else adjusted
+            adjusted[list(stop_ids)] = -np.inf
+        return adjusted
+
+    def _append_token(self, request: Request, logits: np.ndarray) -> TokenEvent:
+        token = sample_token(self._adjusted_logits(request, logits), request.params, request.rng)
+        return self._emit(request, token, logits)
+
+    def _emit(self, request: Request, token: int, raw_logits: np.ndarray) -> TokenEvent:
+        """Append a chosen token: logprobs, detokenization, stop strings/tokens and length limits."""
+        params = request.params
         if params.logprobs is not None:
             # the model's own distribution, before penalties and sampling filters (vLLM's default)
             logprobs, top = top_logprobs(raw_logits, params.logprobs)
@@ -141,7 +206,7 @@ class LLMEngine:
         reason = None
         full_text = request.detokenizer.text
         visible = full_text
-        if token in stop_ids:
+        if token in self._stop_ids(params):
             reason = "stop"
         for stop in params.stop:
             index = full_text.find(stop)

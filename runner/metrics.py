@@ -8,6 +8,8 @@ import collections
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from runner.speculative import SpeculationStats
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _THROUGHPUT_WINDOW_S = 10.0
 
@@ -25,6 +27,17 @@ class EngineMetrics:
         self.rejected = Counter("engine_requests_rejected", "Requests refused because the queue was full", registry=r)
         self.tokens_per_second = Gauge("engine_generation_tokens_per_second", f"Generated tokens/s over the last {_THROUGHPUT_WINDOW_S:.0f} s", registry=r)
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
+
+    def track_speculation(self, stats: SpeculationStats) -> None:
+        """A speculative engine's acceptance and draft/verify time, read from its counters at scrape time."""
+        r = self.registry
+        for name, doc, read in (
+            ("engine_speculative_verify_steps", "Rows verified (one per request and step)", lambda: stats.verify_steps),
+            ("engine_speculative_tokens_per_step", "Mean tokens emitted per verify step (accepted drafts + 1)", lambda: stats.mean_accepted),
+            ("engine_speculative_draft_seconds", "Seconds spent in the draft graph", lambda: stats.draft_seconds),
+            ("engine_speculative_verify_seconds", "Seconds spent in verify graph calls", lambda: stats.verify_seconds),
+        ):
+            Gauge(name, doc, registry=r).set_function(read)
 
     def observe_step(self, waiting: int, running: int, tokens: int, now: float) -> None:
         self.waiting.set(waiting)

@@ -120,7 +120,11 @@ def processed_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
 def sample_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
     if params.greedy:
         return int(np.argmax(logits))
-    probs = processed_probs(logits, params)
-    # inverse-CDF with one uniform draw per token: the draw sequence depends only on the request's seed
+    return sample_from(processed_probs(logits, params), rng)
+
+
+def sample_from(probs: np.ndarray, rng: np.random.Generator) -> int:
+    """Inverse-CDF with one uniform draw per token (the draw sequence depends only on the request's seed); `probs`
+    need not be normalised."""
     index = int(np.searchsorted(np.cumsum(probs), rng.random() * probs.sum(), side="right"))
     return min(index, probs.shape[-1] - 1)

@@ -34,14 +34,17 @@ def engine_factory(tmp_path_factory, checkpoint_factory):
 
     def build(
         name: str = "gqa", max_seq_len: int = 256, max_batch: int = 4, prefill_chunk: int = 32, quant: str = "none",
-        int8_compute: bool = True,
+        int8_compute: bool = True, draft_head: Path | None = None, beam_width: int = 3, draft_len: int = 4,
     ) -> Path:
-        key = (name, max_seq_len, max_batch, prefill_chunk, quant, int8_compute)
+        key = (name, max_seq_len, max_batch, prefill_chunk, quant, int8_compute, draft_head, beam_width, draft_len)
         if key not in built:
             out = tmp_path_factory.mktemp(f"engine_{name}") / "engine"
+            speculation = {} if draft_head is None else dict(
+                speculative="redrafter", draft_head=draft_head, beam_width=beam_width, draft_len=draft_len
+            )
             options = BuildOptions(
                 str(checkpoint_factory(name)), out, "fp32", max_seq_len, max_batch, prefill_chunk,
-                quant=quant, int8_compute=int8_compute,
+                quant=quant, int8_compute=int8_compute, **speculation,
             )
             build_engine(options, log=lambda line: None)
             built[key] = out
@@ -57,3 +60,17 @@ def default_engine():
     if not path or not (Path(path) / "manifest.json").is_file():
         pytest.skip("DEFAULT_ENGINE_DIR does not point at a built default engine (.ci/run builds one)")
     return Path(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft_head(tmp_path_factory, engine_factory):
+    """A draft head distilled from the tiny gqa engine's own answers (a few seconds: tiny prompts and model)."""
+    from builder.train_drafter import DrafterTrainingOptions, train_drafter
+
+    out = tmp_path_factory.mktemp("drafter") / "head.safetensors"
+    options = DrafterTrainingOptions(
+        engine_factory("gqa"), out, prompts=32, max_new_tokens=32, draft_vocab=128, horizon=4, epochs=6,
+        batch_size=64, learning_rate=3e-3,
+    )
+    facts = train_drafter(options, log=lambda line: None)
+    return out, facts

@@ -27,7 +27,7 @@ def test_prefill_and_20_decode_steps_match_transformers(name, engine_factory, ch
     tokens = engine.codec.encode(TEXT)
     executor.reserve(1, len(tokens) + 20)
 
-    logits = executor.prefill(0, tokens, 0)
+    logits, _ = executor.prefill(0, tokens, 0)
     assert_logits_close(logits, reference_logits(reference, tokens)[-1])
     for _ in range(20):
         tokens.append(int(np.argmax(logits)))
@@ -57,21 +57,26 @@ def test_alone_batched_and_chunked_prefill_give_the_same_tokens(engine_factory, 
     assert alone[0] == reference_greedy(reference, prompts[0], 24)
 
 
-def test_verify_phase_scores_a_chain_and_a_tree_like_the_reference(engine_factory, checkpoint_factory):
+def test_verify_phase_scores_chains_and_trees_in_one_batch_like_the_reference(engine_factory, checkpoint_factory):
     engine = LLMEngine(engine_factory("gqa"))
     reference = load_reference(checkpoint_factory("gqa"))
     executor = engine.executor
     prompt = engine.codec.encode(TEXT)
-    executor.reserve(1, len(prompt) + 8)
+    other = prompt[:7]
+    executor.reserve(2, len(prompt) + 8)
     executor.prefill(0, prompt, 0)
+    executor.prefill(1, other, 0)
 
     chain = [5, 17, 42, 9]
-    logits, _, _ = executor.verify(0, chain, len(prompt), np.tril(np.ones((4, 4), dtype=bool)))
-    expected = reference_logits(reference, prompt + chain)[len(prompt):]
-    assert_logits_close(logits, expected)
-
+    chain_mask = np.tril(np.ones((4, 4), dtype=bool))
     # a tree: root 5 with two children 17 and 42; 9 follows 42
     tree = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=bool)
-    logits, _, _ = executor.verify(0, chain, len(prompt), tree)
-    assert_logits_close(logits[1], reference_logits(reference, prompt + [5, 17])[-1])
-    assert_logits_close(logits[3], reference_logits(reference, prompt + [5, 42, 9])[-1])
+    verified = executor.verify([0, 1], [(chain, chain_mask), (chain, tree)], [len(prompt), len(other)])
+    assert_logits_close(verified.logits[0], reference_logits(reference, prompt + chain)[len(prompt):])
+    assert_logits_close(verified.logits[1, 1], reference_logits(reference, other + [5, 17])[-1])
+    assert_logits_close(verified.logits[1, 3], reference_logits(reference, other + [5, 42, 9])[-1])
+
+    # keep only the path 5 -> 42 -> 9 of row 1; the next token then sees exactly that history
+    executor.commit(1, len(other), verified, 1, [0, 2, 3])
+    logits = executor.decode([1], [11], [len(other) + 3])[0]
+    assert_logits_close(logits, reference_logits(reference, other + [5, 42, 9, 11])[-1])

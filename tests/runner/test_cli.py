@@ -1,4 +1,4 @@
-"""The command lines, run as a user would: `builder build` and `runner generate`."""
+"""The command lines, run as a user would: `builder build | train-drafter` and `runner generate | bench | serve`."""
 
 from __future__ import annotations
 
@@ -40,17 +40,47 @@ def test_clear_one_line_errors(tmp_path, engine_factory):
     assert too_long.returncode == 2 and "max sequence length" in too_long.stderr
 
 
-def test_the_runner_needs_no_torch(engine_factory):
+def test_the_runner_needs_no_torch(engine_factory, tiny_draft_head):
     """A serving image carries onnxruntime + numpy + tokenizers only: torch is made unimportable here."""
-    script = (
-        "import sys; sys.modules['torch'] = None\n"
-        "from runner import LLM, SamplingParams\n"
-        f"out = LLM({str(engine_factory('gqa'))!r}).generate('hello', SamplingParams(max_tokens=4, temperature=0))\n"
-        "assert len(out[0].token_ids) == 4\n"
-        "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
-    )
-    result = run([sys.executable, "-c", script])
-    assert result.returncode == 0, result.stderr
+    for engine in (engine_factory("gqa"), engine_factory("gqa", draft_head=tiny_draft_head[0])):
+        script = (
+            "import sys; sys.modules['torch'] = None\n"
+            "from runner import LLM, SamplingParams\n"
+            f"out = LLM({str(engine)!r}).generate('hello', SamplingParams(max_tokens=8, temperature=0))\n"
+            "assert len(out[0].token_ids) == 8\n"
+            "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
+        )
+        result = run([sys.executable, "-c", script])
+        assert result.returncode == 0, result.stderr
+
+
+def test_train_drafter_then_build_and_bench_a_speculative_engine(checkpoint_factory, engine_factory, tmp_path):
+    head = tmp_path / "head.safetensors"
+    trained = run(BUILDER + ["train-drafter", str(engine_factory("gqa")), "--out", str(head), "--prompts", "12",
+                             "--max-new-tokens", "16", "--epochs", "1", "--draft-vocab", "64"])
+    assert trained.returncode == 0, trained.stderr
+    assert "draft head:" in trained.stdout and "held-out tokens per step" in trained.stdout
+    out = tmp_path / "engine"
+    built = run(BUILDER + ["build", str(checkpoint_factory("gqa")), "--out", str(out), "--max-seq-len", "128",
+                           "--speculative", "redrafter", "--draft-head", str(head), "--beam-width", "2", "--draft-len", "3"])
+    assert built.returncode == 0, built.stderr
+    assert "[4/5] exporting the ReDrafter draft graph" in built.stderr and "draft.onnx" in built.stdout
+    assert "'beam_width': 2, 'draft_len': 3" in built.stdout
+    bench = run(RUNNER + ["bench", str(out), "--prompt", "hello", "--new-tokens", "12", "--runs", "1"])
+    assert bench.returncode == 0, bench.stderr
+    assert "decode" in bench.stdout and "tokens per verify step" in bench.stdout and "draft" in bench.stdout
+
+
+def test_speculative_build_errors(checkpoint_factory, tiny_draft_head, tmp_path):
+    no_head = run(BUILDER + ["build", str(checkpoint_factory("gqa")), "--out", str(tmp_path / "a"), "--speculative", "redrafter"])
+    assert no_head.returncode == 2 and "needs --draft-head" in no_head.stderr
+    missing = run(BUILDER + ["build", str(checkpoint_factory("gqa")), "--out", str(tmp_path / "b"), "--speculative",
+                             "redrafter", "--draft-head", str(tmp_path / "nope.safetensors")])
+    assert missing.returncode == 2 and "draft head not found" in missing.stderr
+    foreign = run(BUILDER + ["build", str(checkpoint_factory("odd")), "--out", str(tmp_path / "c"), "--speculative",
+                             "redrafter", "--draft-head", str(tiny_draft_head[0])])
+    assert foreign.returncode == 2 and "was trained for hidden size 64" in foreign.stderr
+    assert not (tmp_path / "c").exists()  # nothing half-built is left behind
 
 
 def test_serve_answers_and_stops_cleanly_on_sigint(engine_factory):

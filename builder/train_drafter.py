@@ -1,0 +1,200 @@
+"""`builder train-drafter`: distil a ReDrafter draft head from a built target engine's own greedy answers.
+
+1. The target engine answers the shipped chat prompts (builder/drafter_prompts.py) greedily, batched.
+2. The engine's `score` phase gives the target's final hidden state at every position of prompt + answer.
+3. At every answer position t, the head sees (h_t, the target's next token x_{t+1}) and learns to predict
+   x_{t+2} .. x_{t+1+horizon} (teacher forcing, cross-entropy), over a draft vocabulary of the target's most
+   frequent output tokens, starting from the target's own embeddings.
+4. On held-out answers it reports the greedy acceptance the engine would see: beam search from (h_t, x_{t+1}), the
+   longest beam prefix equal to the target's continuation, plus the target's own token.
+
+This tool sits above both halves of the project: it runs the target through the runner (the engine is the
+target) and writes a head the builder folds into a speculative engine.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from builder.draft_head import BeamSearchDrafter, DraftHead, DraftHeadConfig, save_draft_head
+from builder.drafter_prompts import drafter_prompts
+
+IGNORE = -100
+
+
+@dataclass(frozen=True)
+class DrafterTrainingOptions:
+    engine: Path
+    out: Path
+    prompts: int = 240
+    max_new_tokens: int = 128
+    draft_vocab: int = 4096
+    horizon: int = 4  # draft tokens trained per position (an engine may draft fewer)
+    num_blocks: int = 2
+    epochs: int = 8
+    batch_size: int = 256
+    learning_rate: float = 2e-3
+    holdout: float = 0.1  # share of answers kept out of training to measure acceptance
+    beam_width: int = 3  # for the held-out acceptance estimate
+    seed: int = 0
+    threads: int | None = None
+    checkpoint: str | None = None  # where the target's embeddings come from (default: the engine's source)
+
+
+@dataclass(frozen=True)
+class Trace:
+    """One answer: tokens[0] is the prompt's last token, hidden[i] the target's state after tokens[i] (it predicts
+    tokens[i + 1])."""
+
+    tokens: np.ndarray  # [n] int64
+    hidden: np.ndarray  # [n, hidden] float32
+
+
+def collect_traces(engine_dir: Path, prompts: list[str], max_new_tokens: int, threads: int | None, log: Callable[[str], None]) -> list[Trace]:
+    from runner.llm import LLM
+    from runner.sampling import SamplingParams
+
+    llm = LLM(engine_dir, threads=threads)
+    texts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    start = time.perf_counter()
+    outputs = llm.generate(texts, SamplingParams(max_tokens=max_new_tokens, temperature=0.0))
+    generated = sum(len(o.token_ids) for o in outputs)
+    log(f"      target answered {len(prompts)} prompts: {generated} tokens in {time.perf_counter() - start:.0f} s")
+    executor = llm.engine.executor
+    chunk = max(executor.score_phase.steps)
+    traces = []
+    for output in outputs:
+        tokens = output.prompt_token_ids + output.token_ids
+        executor.reserve(1, len(tokens))
+        hidden = np.concatenate([executor.score(0, tokens[i:i + chunk], i)[1] for i in range(0, len(tokens), chunk)])
+        first = len(output.prompt_token_ids) - 1
+        traces.append(Trace(np.asarray(tokens[first:], np.int64), hidden[first:].astype(np.float32)))
+    executor.cache.release()
+    return traces
+
+
+def draft_vocabulary(traces: list[Trace], size: int, target_vocab: int) -> torch.Tensor:
+    """The `size` most frequent answer tokens (ties by id), topped up with the lowest unused ids if too few."""
+    counts = Counter(int(t) for trace in traces for t in trace.tokens[1:])
+    ranked = [token for token, _ in sorted(counts.items(), key=lambda item: (-item[1], item[0]))][:size]
+    seen = set(ranked)
+    ranked += [t for t in range(target_vocab) if t not in seen][: size - len(ranked)]
+    return torch.tensor(ranked, dtype=torch.long)
+
+
+def training_examples(traces: list[Trace], horizon: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """hidden [N, C], input tokens [N, horizon] (x_{t+1} ..), labels [N, horizon] (x_{t+2} .., IGNORE past the end)."""
+    hidden, inputs, labels = [], [], []
+    for trace in traces:
+        n = len(trace.tokens)
+        padded = np.concatenate((trace.tokens, np.full(horizon + 1, IGNORE, np.int64)))
+        for t in range(n - 1):
+            hidden.append(trace.hidden[t])
+            inputs.append(padded[t + 1:t + 1 + horizon])
+            labels.append(padded[t + 2:t + 2 + horizon])
+    inputs = np.stack(inputs)
+    return torch.from_numpy(np.stack(hidden)), torch.from_numpy(np.where(inputs == IGNORE, 0, inputs)), torch.from_numpy(np.stack(labels))
+
+
+def greedy_acceptance(head: DraftHead, hidden: torch.Tensor, inputs: torch.Tensor, labels: torch.Tensor,
+                      beam_width: int, draft_len: int) -> float:
+    """Mean tokens per verify step under greedy decoding: the best beam's matching prefix + the target's token."""
+    drafter = BeamSearchDrafter(head, beam_width, draft_len).eval()
+    with torch.no_grad():
+        beams, _ = drafter(hidden, inputs[:, 0])  # [N, W, K]
+    matches = (beams == labels[:, None, :draft_len]).long().cumprod(dim=-1).sum(-1)  # [N, W]
+    return 1.0 + matches.max(dim=1).values.float().mean().item()
+
+
+def first_draft_accuracy(head: DraftHead, hidden: torch.Tensor, inputs: torch.Tensor, labels: torch.Tensor) -> float:
+    """How often the head's first draft token is the target's next-but-one token (teacher forced, held out)."""
+    with torch.no_grad():
+        best = head.teacher_forced(hidden, inputs[:, :1])[:, 0].argmax(-1)
+    valid = labels[:, 0] != IGNORE
+    return (head.draft_to_target[best] == labels[:, 0])[valid].float().mean().item()
+
+
+def target_embedding(source: str) -> torch.Tensor:
+    from builder.loaders import load_checkpoint
+
+    for name, tensor in load_checkpoint(source).read_tensors():
+        if name == "model.embed_tokens.weight":
+            return tensor.float()
+    raise ValueError(f"{source} has no model.embed_tokens.weight")
+
+
+def train_drafter(options: DrafterTrainingOptions, log: Callable[[str], None] = print) -> dict:
+    from engines.format import open_artifact
+
+    torch.manual_seed(options.seed)
+    manifest = open_artifact(options.engine).manifest
+    config = manifest.model
+    begin = time.perf_counter()
+    log(f"[1/3] target {options.engine} answers {options.prompts} shipped prompts (greedy, {options.max_new_tokens} tokens max)")
+    traces = collect_traces(options.engine, drafter_prompts(options.prompts), options.max_new_tokens, options.threads, log)
+    held = max(1, int(len(traces) * options.holdout))
+    train_traces, held_traces = traces[held:], traces[:held]
+
+    vocab_size = min(options.draft_vocab, config.vocab_size)
+    head = DraftHead(DraftHeadConfig(config.hidden_size, config.vocab_size, vocab_size, options.num_blocks))
+    head.set_vocabulary(draft_vocabulary(train_traces, vocab_size, config.vocab_size))
+    head.init_from_target(target_embedding(options.checkpoint or manifest.source))
+    covered = head.target_to_draft < vocab_size
+    answer_tokens = torch.from_numpy(np.concatenate([t.tokens[1:] for t in held_traces]))
+    log(f"      draft vocabulary {vocab_size} tokens covers {covered[answer_tokens].float().mean().item():.1%} of held-out answer tokens")
+
+    hidden, inputs, labels = training_examples(train_traces, options.horizon)
+    draft_labels = torch.where(labels == IGNORE, IGNORE, head.target_to_draft[labels.clamp(min=0)])
+    draft_labels = torch.where(draft_labels == vocab_size, IGNORE, draft_labels)
+    held_hidden, held_inputs, held_labels = training_examples(held_traces, options.horizon)
+    log(f"[2/3] training on {len(hidden)} positions ({len(held_hidden)} held out), {sum(p.numel() for p in head.parameters()) / 1e6:.2f} M parameters")
+
+    probe = torch.randperm(len(hidden))[:4096]  # training positions the fit is measured on
+    splits = {"train": (hidden[probe], inputs[probe], labels[probe]), "held_out": (held_hidden, held_inputs, held_labels)}
+    accuracy = {f"{name}_before": first_draft_accuracy(head, *split) for name, split in splits.items()}
+    optimizer = torch.optim.AdamW(head.parameters(), lr=options.learning_rate, weight_decay=0.0)
+    batches = math.ceil(len(hidden) / options.batch_size)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, options.learning_rate, total_steps=options.epochs * batches)
+    for epoch in range(options.epochs):
+        head.train()
+        order = torch.randperm(len(hidden))
+        total = 0.0
+        for index in range(batches):
+            pick = order[index * options.batch_size:(index + 1) * options.batch_size]
+            logprobs = head.teacher_forced(hidden[pick], inputs[pick])
+            loss = torch.nn.functional.nll_loss(logprobs.flatten(0, 1), draft_labels[pick].flatten(), ignore_index=IGNORE)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+            total += loss.item()
+        head.eval()
+        accepted = greedy_acceptance(head, held_hidden, held_inputs, held_labels, options.beam_width, options.horizon)
+        log(f"      epoch {epoch + 1}/{options.epochs}: loss {total / batches:.3f}, held-out tokens per step "
+            f"{accepted:.2f} (beams {options.beam_width} x {options.horizon})")
+
+    acceptance = {
+        f"beams{w}_len{k}": round(greedy_acceptance(head, held_hidden, held_inputs, held_labels, w, k), 3)
+        for w in (1, 2, 3, 4) for k in range(1, options.horizon + 1)
+    }
+    facts = {
+        "target": manifest.source, "prompts": options.prompts, "answer_tokens": int(sum(len(t.tokens) - 1 for t in traces)),
+        "epochs": options.epochs, "horizon": options.horizon, "held_out_tokens_per_step": acceptance,
+        "first_draft_accuracy": {
+            **{k: round(v, 4) for k, v in accuracy.items()},
+            **{f"{name}_after": round(first_draft_accuracy(head, *split), 4) for name, split in splits.items()},
+        },
+        "seconds": round(time.perf_counter() - begin, 1),
+    }
+    log(f"[3/3] writing {options.out}")
+    Path(options.out).parent.mkdir(parents=True, exist_ok=True)
+    save_draft_head(head, Path(options.out), facts)
+    return facts

@@ -1,0 +1,89 @@
+"""The host side of speculative decoding: draft beams -> a token tree to verify, and the exact acceptance rule.
+
+Draft beams share prefixes (every beam starts after the same root, and beam search keeps siblings), so they are
+packed into a trie: one node per distinct prefix, node 0 the root (the last emitted token, not yet in the cache).
+The target scores every node in one verify call with an ancestors-only mask.
+
+Acceptance walks the tree from the root. At a node, the target's distribution q (after penalties, temperature,
+top-k, top-p, min-p: exactly what plain decoding would sample from) picks the next token among the node's children,
+which are deterministic drafts (a point mass each): child c is accepted with probability r(c) / sum(r), else r(c) is
+set to 0 and the next child is tried; when none is accepted the token is drawn from r / sum(r). Every token x comes
+out with probability q(x) (for a child c_j: prod of the rejections times r(c_j)/sum(r) telescopes to q(c_j)), which is
+modified rejection sampling with p = a point mass per candidate. Greedy is the same walk with q = one-hot(argmax):
+accept the child equal to the target's argmax, so greedy output is plain greedy decoding's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from runner.sampling import SamplingParams, processed_probs, sample_from
+
+
+@dataclass(frozen=True)
+class TokenTree:
+    tokens: list[int]  # node -> token; node 0 is the root
+    parents: list[int]  # node -> parent node (-1 for the root)
+    mask: np.ndarray  # [n, n] bool: node t attends to node s (its ancestors and itself)
+
+    def children(self, node: int) -> list[int]:
+        return [child for child, parent in enumerate(self.parents) if parent == node]
+
+
+def pack_tree(root_token: int, beams: np.ndarray, max_depth: int) -> TokenTree:
+    """Merge draft beams [W, K] (best first) under `root_token` into a trie of at most `max_depth` draft levels."""
+    tokens, parents = [int(root_token)], [-1]
+    node_of: dict[tuple[int, ...], int] = {(): 0}
+    for beam in np.asarray(beams)[:, :max_depth]:
+        prefix: tuple[int, ...] = ()
+        for token in beam.tolist():
+            parent = node_of[prefix]
+            prefix = prefix + (token,)
+            if prefix not in node_of:
+                node_of[prefix] = len(tokens)
+                tokens.append(token)
+                parents.append(parent)
+    size = len(tokens)
+    mask = np.eye(size, dtype=bool)
+    for node in range(1, size):
+        mask[node] |= mask[parents[node]]  # parents come before their children
+    return TokenTree(tokens, parents, mask)
+
+
+def choose_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, candidates: list[int]) -> tuple[int, int | None]:
+    """The next token given the target's (penalised) logits at a node and the node's draft children.
+
+    Returns the token and the index of the accepted candidate (None when no draft was taken)."""
+    if params.greedy:
+        token = int(np.argmax(logits))
+        return token, candidates.index(token) if token in candidates else None
+    residual = processed_probs(logits, params)
+    for index, candidate in enumerate(candidates):
+        mass = residual.sum()
+        if rng.random() * mass < residual[candidate]:
+            return candidate, index
+        residual[candidate] = 0.0
+    return sample_from(residual, rng), None
+
+
+@dataclass
+class SpeculationStats:
+    """Counters for reporting: verify steps (one per row and step), tokens they emitted, and time shares."""
+
+    verify_steps: int = 0
+    emitted_tokens: int = 0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    accepted_histogram: dict[int, int] = field(default_factory=dict)  # drafts accepted per step -> count
+
+    @property
+    def mean_accepted(self) -> float:
+        """Tokens emitted per verify step (accepted drafts + the target's own token)."""
+        return self.emitted_tokens / self.verify_steps if self.verify_steps else 0.0
+
+    def record(self, emitted: int) -> None:
+        self.verify_steps += 1
+        self.emitted_tokens += emitted
+        self.accepted_histogram[emitted - 1] = self.accepted_histogram.get(emitted - 1, 0) + 1

@@ -1,0 +1,181 @@
+"""Speculative decoding: tree packing, the exactness of the acceptance rule (chi-square, fixed seeds), and a
+ReDrafter engine against the plain engine of the same tiny model: greedy identical alone and in inflight batches,
+sampled output distributed as the target's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from runner import LLM, SamplingParams
+from runner.sampling import processed_probs
+from runner.speculative import choose_token, pack_tree
+
+PROMPTS = ["hello world", "The quick brown fox", "Engines compile graphs", "0123456789 hello", "runners batch"]
+
+
+def test_pack_tree_merges_shared_prefixes():
+    beams = np.array([[5, 6, 7], [5, 6, 8], [9, 6, 7]])
+    tree = pack_tree(1, beams, max_depth=3)
+    assert tree.tokens == [1, 5, 6, 7, 8, 9, 6, 7]
+    assert tree.parents == [-1, 0, 1, 2, 2, 0, 5, 6]
+    assert tree.children(0) == [1, 5] and tree.children(2) == [3, 4]
+    # a node sees exactly its ancestors and itself
+    assert tree.mask[4].tolist() == [True, True, True, False, True, False, False, False]
+    assert tree.mask[7].tolist() == [True, False, False, False, False, True, True, True]
+    shallow = pack_tree(1, beams, max_depth=1)
+    assert shallow.tokens == [1, 5, 9] and shallow.parents == [-1, 0, 0]
+    assert pack_tree(1, beams, max_depth=0).tokens == [1]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.8), SamplingParams(temperature=1.3, top_k=5)],
+    ids=["t1", "t0.7_top_p", "t1.3_top_k"],
+)
+def test_acceptance_rule_reproduces_the_target_distribution(params):
+    rng = np.random.default_rng(1234)
+    logits = rng.normal(0.0, 0.6, size=12).astype(np.float32)
+    target = processed_probs(logits, params)
+    order = np.argsort(-target)
+    candidates = [int(order[1]), int(order[0]), int(order[6])]  # distinct drafts (siblings), not the best first
+    draws = 30000
+    counts = np.zeros(12)
+    accepted = 0
+    for _ in range(draws):
+        token, index = choose_token(logits, params, rng, candidates)
+        counts[token] += 1
+        accepted += index is not None
+    keep = target > 0
+    assert keep.sum() >= 4  # a distribution worth testing
+    assert counts[~keep].sum() == 0  # nothing outside top-k / top-p ever comes out
+    assert accepted / draws == pytest.approx(target[candidates].sum(), abs=0.01)  # each draft taken w.p. q(draft)
+    _, p_value = stats.chisquare(counts[keep], target[keep] / target[keep].sum() * draws)
+    assert p_value > 0.001
+
+
+def test_greedy_acceptance_takes_the_argmax_child():
+    logits = np.array([0.0, 3.0, 1.0, 2.0], np.float32)
+    greedy = SamplingParams(temperature=0.0)
+    rng = np.random.default_rng(0)
+    assert choose_token(logits, greedy, rng, [3, 1]) == (1, 1)
+    assert choose_token(logits, greedy, rng, [3, 2]) == (1, None)
+    assert choose_token(logits, greedy, rng, []) == (1, None)
+
+
+@pytest.fixture(scope="module")
+def plain(engine_factory):
+    return LLM(engine_factory("gqa"))
+
+
+@pytest.fixture(scope="module")
+def spec_engine_dir(engine_factory, tiny_draft_head):
+    return engine_factory("gqa", prefill_chunk=8, draft_head=tiny_draft_head[0], beam_width=3, draft_len=4)
+
+
+@pytest.fixture(scope="module")
+def oracle(plain, spec_engine_dir):
+    """A speculative engine whose drafts come from the plain engine's own greedy continuation, corrupted from a
+    depth that varies with the position (so every acceptance length, 0 to 4, occurs), plus two poor beams.
+    Exactness must hold whatever the drafts are; good drafts make the acceptance paths run often."""
+    spec = LLM(spec_engine_dir)
+    vocab = spec.engine.manifest.model.vocab_size
+    continuations: dict[tuple[int, ...], list[int]] = {}
+
+    def continuation(context: list[int]) -> list[int]:
+        key = tuple(context)
+        if key not in continuations:
+            params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+            continuations[key] = plain.generate(prompt_token_ids=[context], sampling_params=params)[0].token_ids
+        return continuations[key]
+
+    def draft(requests):
+        for request, _ in requests:
+            context = request.prompt_token_ids + request.output_token_ids
+            best = continuation(context)
+            cut = len(context) % 5
+            corrupted = best[:cut] + [(t + 1) % vocab for t in best[cut:]]
+            request.drafts = np.array([corrupted, best[:1] + [(t + 2) % vocab for t in best[1:]], [(t + 3) % vocab for t in best]])
+
+    spec.engine._draft = draft
+    return spec
+
+
+def test_distillation_fits_the_targets_answers(tiny_draft_head):
+    """A random tiny model's answers have no structure to generalise from, so on it this checks that distillation
+    fits what it is shown (generalisation is measured on the default model: README, speculative decoding)."""
+    _, facts = tiny_draft_head
+    accuracy = facts["first_draft_accuracy"]
+    assert accuracy["train_after"] > 3 * accuracy["train_before"] + 0.1, accuracy
+
+
+def test_greedy_speculative_output_equals_plain_greedy(plain, spec_engine_dir, oracle):
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    expected = [o.token_ids for o in plain.generate(PROMPTS, params)]
+    for spec in (LLM(spec_engine_dir), oracle):  # the distilled head's draft graph, then oracle drafts
+        spec.engine.speculation_stats.__init__()
+        assert [spec.generate(p, params)[0].token_ids for p in PROMPTS] == expected
+        # inflight: prompts of different lengths join while others generate (prefill chunks of 8 tokens
+        # interleave with verify steps), rows accept different numbers of drafts
+        assert [o.token_ids for o in spec.generate(PROMPTS * 2, params)] == expected * 2
+    histogram = oracle.engine.speculation_stats.accepted_histogram
+    assert oracle.engine.speculation_stats.mean_accepted > 2.0 and set(histogram) == {0, 1, 2, 3, 4}, histogram
+
+
+def test_limits_stops_and_logprobs_match_plain_decoding(plain, oracle):
+    spec = oracle
+    for params in (
+        SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True, logprobs=2),
+        SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=["o"]),
+        SamplingParams(max_tokens=30, temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.5, min_tokens=10),
+    ):
+        for prompt in PROMPTS[:3]:
+            a, b = plain.generate(prompt, params)[0], spec.generate(prompt, params)[0]
+            assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
+            if params.logprobs is not None:
+                assert [x.token_id for x in a.logprobs] == [x.token_id for x in b.logprobs]
+                np.testing.assert_allclose([x.logprob for x in a.logprobs], [x.logprob for x in b.logprobs], atol=1e-4)
+
+
+def test_sequence_end_limits_the_tree(engine_factory, tiny_draft_head):
+    head, _ = tiny_draft_head
+    plain = LLM(engine_factory("gqa", max_seq_len=64))
+    spec = LLM(engine_factory("gqa", max_seq_len=64, draft_head=head))
+    params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    a, b = plain.generate(PROMPTS[0], params)[0], spec.generate(PROMPTS[0], params)[0]
+    assert a.token_ids == b.token_ids and b.finish_reason == "length"
+    assert len(b.prompt_token_ids) + len(b.token_ids) == 64
+
+
+def test_sampled_second_token_follows_the_target_distribution(plain, oracle):
+    """The first token comes from prefill, the second from the first verify step (accepted draft or residual
+    sample): over many seeds its histogram must match sum_x p(x | prompt) p(y | prompt, x), computed exactly
+    from the plain engine's logits."""
+    spec = oracle
+    params = SamplingParams(temperature=1.0, top_p=0.95)
+    prompt = plain.tokenizer.encode(PROMPTS[1])
+    executor = plain.engine.executor
+    executor.reserve(1, len(prompt) + 2)
+    first_logits, _ = executor.prefill(0, prompt, 0)
+    first = processed_probs(first_logits, params)
+    expected = np.zeros_like(first)
+    for token in np.flatnonzero(first > 1e-6):
+        logits = executor.decode([0], [int(token)], [len(prompt)])[0]
+        expected += first[token] * processed_probs(logits, params)
+    executor.cache.release()
+
+    runs = 2400
+    spec.engine.speculation_stats.__init__()
+    outputs = spec.generate(
+        prompt_token_ids=[prompt] * runs,
+        sampling_params=[SamplingParams(max_tokens=3, temperature=1.0, top_p=0.95, seed=s, ignore_eos=True) for s in range(runs)],
+    )
+    counts = np.bincount([o.token_ids[1] for o in outputs], minlength=len(expected)).astype(float)
+    # a real share of second tokens are accepted drafts, not only residual samples
+    assert spec.engine.speculation_stats.accepted_histogram.get(1, 0) > runs / 10
+    frequent = expected * runs >= 5
+    observed = np.append(counts[frequent], counts[~frequent].sum())
+    wanted = np.append(expected[frequent], expected[~frequent].sum()) * runs
+    _, p_value = stats.chisquare(observed, wanted * observed.sum() / wanted.sum())
+    assert p_value > 0.001
