@@ -33,18 +33,21 @@ def main() -> None:
 @click.option("--int8-compute/--fp32-compute", default=True, show_default=True,
               help="Quantized matmuls quantize activations to int8 (onnxruntime accuracy_level 4: much faster on CPU; "
                    "onnxruntime's fp32-compute path for 8-bit weights is a slow fallback).")
-@click.option("--speculative", type=click.Choice(["none", "redrafter"]), default="none", show_default=True,
-              help="Speculative decoding inside the engine: redrafter = a recurrent draft head with beam search.")
+@click.option("--speculative", type=click.Choice(["none", "redrafter", "prompt-lookup"]), default="none", show_default=True,
+              help="Speculative decoding: redrafter = a recurrent draft head with beam search in a draft graph; "
+                   "prompt-lookup = drafts copied from the request's own context after a matching n-gram.")
 @click.option("--draft-head", type=click.Path(path_type=Path), default=None,
               help="Draft head from `builder train-drafter` (default for `default`: the head shipped with the builder).")
-@click.option("--beam-width", type=int, default=3, show_default=True, help="Draft beams per step.")
+@click.option("--beam-width", type=int, default=3, show_default=True, help="Draft beams per step (redrafter).")
 @click.option("--draft-len", type=int, default=4, show_default=True, help="Draft tokens per beam.")
+@click.option("--draft-quant", type=click.Choice(["int8", "none"]), default="int8", show_default=True,
+              help="The draft graph's matmuls: int8 (fused, int8 compute; drafts only propose, so output is unchanged).")
 def build(checkpoint, out, dtype, max_seq_len, max_batch, prefill_chunk, overwrite, quant, group_size, quant_lm_head,
-          int8_compute, speculative, draft_head, beam_width, draft_len) -> None:
+          int8_compute, speculative, draft_head, beam_width, draft_len, draft_quant) -> None:
     """Build an engine from CHECKPOINT: a Hugging Face directory, a .gguf file, or `default`."""
     options = BuildOptions(
         checkpoint, out, dtype, max_seq_len, max_batch, prefill_chunk, overwrite, quant,
-        int(group_size) if group_size else None, quant_lm_head, int8_compute, speculative, draft_head, beam_width, draft_len,
+        int(group_size) if group_size else None, quant_lm_head, int8_compute, speculative, draft_head, beam_width, draft_len, draft_quant,
     )
     try:
         report = build_engine(options, log=lambda line: click.echo(line, err=True))
@@ -58,28 +61,34 @@ def build(checkpoint, out, dtype, max_seq_len, max_batch, prefill_chunk, overwri
 @main.command("train-drafter")
 @click.argument("engine", type=click.Path(path_type=Path))
 @click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="Draft head file to write (.safetensors).")
-@click.option("--prompts", type=int, default=240, show_default=True, help="Shipped chat prompts the target answers.")
+@click.option("--prompts", type=int, default=1200, show_default=True, help="Shipped training prompts the target answers.")
+@click.option("--validation", type=int, default=40, show_default=True, help="Validation prompts (unseen templates and topics).")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True, help="Longest target answer.")
 @click.option("--draft-vocab", type=int, default=4096, show_default=True, help="Tokens the head can propose.")
 @click.option("--horizon", type=int, default=4, show_default=True, help="Draft tokens trained per position.")
 @click.option("--blocks", type=int, default=2, show_default=True, help="Residual blocks in the head.")
-@click.option("--epochs", type=int, default=8, show_default=True)
+@click.option("--epochs", type=int, default=6, show_default=True, help="The best epoch on validation is kept.")
+@click.option("--dropout", type=float, default=0.1, show_default=True, help="On the head's input while training.")
+@click.option("--traces", type=click.Path(path_type=Path), default=None,
+              help="Cache of the target's answers and hidden states: read if it exists, else written.")
 @click.option("--threads", type=int, default=None, help="CPU threads for the target engine.")
 @click.option("--checkpoint", default=None, help="Where the target's embeddings are read (default: the engine's source).")
 @click.option("--seed", type=int, default=0, show_default=True)
-def train_drafter_command(engine, out, prompts, max_new_tokens, draft_vocab, horizon, blocks, epochs, threads, checkpoint, seed) -> None:
+def train_drafter_command(engine, out, prompts, validation, max_new_tokens, draft_vocab, horizon, blocks, epochs, dropout,
+                          traces, threads, checkpoint, seed) -> None:
     """Distil a ReDrafter draft head for the target ENGINE from its own answers to the shipped prompts."""
     from builder.train_drafter import DrafterTrainingOptions, train_drafter
     from engines.format import ArtifactError
 
     options = DrafterTrainingOptions(
-        engine, out, prompts=prompts, max_new_tokens=max_new_tokens, draft_vocab=draft_vocab, horizon=horizon,
-        num_blocks=blocks, epochs=epochs, threads=threads, checkpoint=checkpoint, seed=seed,
+        engine, out, prompts=prompts, validation=validation, max_new_tokens=max_new_tokens, draft_vocab=draft_vocab,
+        horizon=horizon, num_blocks=blocks, epochs=epochs, dropout=dropout, traces=traces, threads=threads,
+        checkpoint=checkpoint, seed=seed,
     )
     try:
         facts = train_drafter(options, log=lambda line: click.echo(line, err=True))
     except (ArtifactError, CheckpointError, ValueError) as err:
         click.echo(f"error: {err}", err=True)
         sys.exit(2)
-    click.echo(f"draft head: {out} ({out.stat().st_size / 2**20:.1f} MiB), held-out tokens per step: "
-               f"{facts['held_out_tokens_per_step']}")
+    click.echo(f"draft head: {out} ({out.stat().st_size / 2**20:.1f} MiB), kept epoch {facts['kept_epoch']}, "
+               f"validation tokens per step: {facts['validation_tokens_per_step']}")

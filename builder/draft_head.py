@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from plugins.quant_linear import QuantizedLinear, QuantSpec
+
 
 @dataclass(frozen=True)
 class DraftHeadConfig:
@@ -47,6 +49,8 @@ class DraftHead(nn.Module):
         self.rnn_state = nn.Linear(width, width, bias=False)  # U
         self.head_in = nn.Linear(2 * width, width)
         self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(config.num_blocks))
+        self.output: nn.Module | None = None  # a quantized copy of the table for the projection (see `quantize`)
+        self.dropout = nn.Dropout(0.0)  # on [h ; s] while training (set by the trainer); gone in the exported graph
         # draft token index -> target token id, and target token id -> draft input row
         self.register_buffer("draft_to_target", torch.arange(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("target_to_draft", torch.full((config.target_vocab_size,), config.draft_vocab_size, dtype=torch.long))
@@ -67,13 +71,24 @@ class DraftHead(nn.Module):
             self.embed.weight[:-1] = rows
             self.embed.weight[-1] = target_embedding.float().mean(0)
 
+    def quantize(self, spec: QuantSpec) -> DraftHead:
+        """For export: every linear, and the output projection, as a fused quantized matmul (a draft step is as
+        memory-bound as a target step: fp32 reads 9.4 MB of table per step). The float table stays for input
+        lookups. Drafts only propose: exactness does not depend on them, only acceptance does."""
+        for name in ("rnn_input", "rnn_state", "head_in"):
+            setattr(self, name, _quantized(getattr(self, name).weight, getattr(self, name).bias, spec))
+        self.blocks = nn.ModuleList(_quantized(block.weight, block.bias, spec) for block in self.blocks)
+        self.output = _quantized(self.embed.weight, None, spec)
+        return self
+
     def step(self, hidden: torch.Tensor, state: torch.Tensor, draft_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One recurrence step: (h, s_{t-1}, draft row of g_{t-1}) -> (s_t, draft log-probs over the draft vocab)."""
         state = nn.functional.silu(self.rnn_input(self.embed(draft_token)) + self.rnn_state(state))
-        x = self.head_in(torch.cat((hidden, state), dim=-1))
+        x = self.head_in(self.dropout(torch.cat((hidden, state), dim=-1)))
         for block in self.blocks:
             x = x + nn.functional.silu(block(x))
-        logits = x @ self.embed.weight[:-1].t()
+        # against the whole table, then drop the "other token" column: slicing the table would copy it every step
+        logits = (self.output(x) if self.output is not None else nn.functional.linear(x, self.embed.weight))[..., :-1]
         return state, torch.log_softmax(logits.float(), dim=-1)
 
     def teacher_forced(self, hidden: torch.Tensor, input_tokens: torch.Tensor) -> torch.Tensor:
@@ -85,6 +100,14 @@ class DraftHead(nn.Module):
             state, logprobs = self.step(hidden, state, draft_inputs[:, k])
             out.append(logprobs)
         return torch.stack(out, dim=1)
+
+
+def _quantized(weight: torch.Tensor, bias: torch.Tensor | None, spec: QuantSpec) -> QuantizedLinear:
+    layer = QuantizedLinear(weight.shape[1], weight.shape[0], bias is not None, torch.float32, spec)
+    layer.load_rows(0, weight.detach().float())
+    if bias is not None:
+        layer.bias.data.copy_(bias.detach())
+    return layer
 
 
 class BeamSearchDrafter(nn.Module):

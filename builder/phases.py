@@ -55,9 +55,10 @@ def prefill_steps(chunk: int, step: int = 16) -> list[int]:
 
 
 def verify_steps(max_nodes: int, step: int = 4) -> list[int]:
-    """Token-tree buckets for verification: every 4 nodes up to the largest tree (a verify call's cost grows with
-    its node count: ~1.3x a decode step at 8 nodes, ~1.9x at 16 for the default model on the CI CPU)."""
-    return list(range(step, max_nodes, step)) + [max_nodes]
+    """Token-tree buckets for verification: 1 and 2 (rows with no or one draft), then every 4 nodes up to the
+    largest tree (a verify call's cost grows with its node count: ~1.3x a decode step at 8 nodes, ~1.9x at 16 for
+    the default model on the CI CPU)."""
+    return sorted({1, 2, *range(step, max_nodes, step), max_nodes} - {n for n in (1, 2) if n > max_nodes})
 
 
 def plan_phases(shapes: BuildShapes) -> dict[str, PhaseSpec]:

@@ -3,10 +3,14 @@
 1. The target engine answers the shipped chat prompts (builder/drafter_prompts.py) greedily, batched.
 2. The engine's `score` phase gives the target's final hidden state at every position of prompt + answer.
 3. At every answer position t, the head sees (h_t, the target's next token x_{t+1}) and learns to predict
-   x_{t+2} .. x_{t+1+horizon} (teacher forcing, cross-entropy), over a draft vocabulary of the target's most
-   frequent output tokens, starting from the target's own embeddings.
-4. On held-out answers it reports the greedy acceptance the engine would see: beam search from (h_t, x_{t+1}), the
-   longest beam prefix equal to the target's continuation, plus the target's own token.
+   x_{t+2} .. x_{t+1+horizon} (teacher forcing, cross-entropy, dropout on its input), over a draft vocabulary of
+   the target's most frequent output tokens, starting from the target's own embeddings.
+4. On the answers to validation prompts (templates and topics training never saw) it measures after every epoch
+   the greedy acceptance the engine would see: beam search from (h_t, x_{t+1}), the longest beam prefix equal to
+   the target's continuation, plus the target's own token; the best epoch's head is kept.
+
+Answers and hidden states can be kept in a trace file (`traces`), so trying other training settings does not
+regenerate them.
 
 This tool sits above both halves of the project: it runs the target through the runner (the engine is the
 target) and writes a head the builder folds into a speculative engine.
@@ -25,7 +29,7 @@ import numpy as np
 import torch
 
 from builder.draft_head import BeamSearchDrafter, DraftHead, DraftHeadConfig, save_draft_head
-from builder.drafter_prompts import drafter_prompts
+from builder.drafter_prompts import drafter_prompts, validation_prompts
 
 IGNORE = -100
 
@@ -34,19 +38,21 @@ IGNORE = -100
 class DrafterTrainingOptions:
     engine: Path
     out: Path
-    prompts: int = 240
+    prompts: int = 1200
+    validation: int = 40  # validation prompts (unseen templates and topics)
     max_new_tokens: int = 128
     draft_vocab: int = 4096
     horizon: int = 4  # draft tokens trained per position (an engine may draft fewer)
     num_blocks: int = 2
-    epochs: int = 8
+    epochs: int = 6
     batch_size: int = 256
     learning_rate: float = 2e-3
-    holdout: float = 0.1  # share of answers kept out of training to measure acceptance
-    beam_width: int = 3  # for the held-out acceptance estimate
+    dropout: float = 0.1
+    beam_width: int = 3  # for the validation acceptance that picks the best epoch
     seed: int = 0
     threads: int | None = None
     checkpoint: str | None = None  # where the target's embeddings come from (default: the engine's source)
+    traces: Path | None = None  # answers + hidden states: read if the file exists, else written there
 
 
 @dataclass(frozen=True)
@@ -79,6 +85,27 @@ def collect_traces(engine_dir: Path, prompts: list[str], max_new_tokens: int, th
         traces.append(Trace(np.asarray(tokens[first:], np.int64), hidden[first:].astype(np.float32)))
     executor.cache.release()
     return traces
+
+
+def save_traces(path: Path, key: str, groups: dict[str, list[Trace]]) -> None:
+    arrays = {"key": np.array(key)}
+    for name, traces in groups.items():
+        arrays[f"{name}_lengths"] = np.array([len(t.tokens) for t in traces])
+        arrays[f"{name}_tokens"] = np.concatenate([t.tokens for t in traces])
+        arrays[f"{name}_hidden"] = np.concatenate([t.hidden for t in traces]).astype(np.float16)
+    np.savez(path, **arrays)
+
+
+def load_traces(path: Path, key: str) -> dict[str, list[Trace]]:
+    data = np.load(path)
+    if str(data["key"]) != key:
+        raise ValueError(f"{path} holds traces of another engine or prompt set ({data['key']}); delete it or pass another --traces")
+    groups = {}
+    for name in ("train", "validation"):
+        bounds = np.cumsum(np.concatenate(([0], data[f"{name}_lengths"])))
+        tokens, hidden = data[f"{name}_tokens"], data[f"{name}_hidden"].astype(np.float32)
+        groups[name] = [Trace(tokens[a:b], hidden[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+    return groups
 
 
 def draft_vocabulary(traces: list[Trace], size: int, target_vocab: int) -> torch.Tensor:
@@ -115,7 +142,7 @@ def greedy_acceptance(head: DraftHead, hidden: torch.Tensor, inputs: torch.Tenso
 
 
 def first_draft_accuracy(head: DraftHead, hidden: torch.Tensor, inputs: torch.Tensor, labels: torch.Tensor) -> float:
-    """How often the head's first draft token is the target's next-but-one token (teacher forced, held out)."""
+    """How often the head's first draft token is the target's next-but-one token (teacher forced)."""
     with torch.no_grad():
         best = head.teacher_forced(hidden, inputs[:, :1])[:, 0].argmax(-1)
     valid = labels[:, 0] != IGNORE
@@ -138,10 +165,19 @@ def train_drafter(options: DrafterTrainingOptions, log: Callable[[str], None] = 
     manifest = open_artifact(options.engine).manifest
     config = manifest.model
     begin = time.perf_counter()
-    log(f"[1/3] target {options.engine} answers {options.prompts} shipped prompts (greedy, {options.max_new_tokens} tokens max)")
-    traces = collect_traces(options.engine, drafter_prompts(options.prompts), options.max_new_tokens, options.threads, log)
-    held = max(1, int(len(traces) * options.holdout))
-    train_traces, held_traces = traces[held:], traces[:held]
+    key = f"{manifest.source}|{manifest.files[manifest.graphs['step'].file].sha256[:16]}|{options.prompts}|{options.validation}|{options.max_new_tokens}"
+    if options.traces is not None and Path(options.traces).is_file():
+        log(f"[1/3] reading the target's answers from {options.traces}")
+        groups = load_traces(Path(options.traces), key)
+    else:
+        log(f"[1/3] target {options.engine} answers {options.prompts} + {options.validation} validation prompts "
+            f"(greedy, {options.max_new_tokens} tokens max)")
+        prompts = drafter_prompts(options.prompts) + validation_prompts(options.validation)
+        traces = collect_traces(options.engine, prompts, options.max_new_tokens, options.threads, log)
+        groups = {"train": traces[:options.prompts], "validation": traces[options.prompts:]}
+        if options.traces is not None:
+            save_traces(Path(options.traces), key, groups)
+    train_traces, held_traces = groups["train"], groups["validation"]
 
     vocab_size = min(options.draft_vocab, config.vocab_size)
     head = DraftHead(DraftHeadConfig(config.hidden_size, config.vocab_size, vocab_size, options.num_blocks))
@@ -149,18 +185,21 @@ def train_drafter(options: DrafterTrainingOptions, log: Callable[[str], None] = 
     head.init_from_target(target_embedding(options.checkpoint or manifest.source))
     covered = head.target_to_draft < vocab_size
     answer_tokens = torch.from_numpy(np.concatenate([t.tokens[1:] for t in held_traces]))
-    log(f"      draft vocabulary {vocab_size} tokens covers {covered[answer_tokens].float().mean().item():.1%} of held-out answer tokens")
+    log(f"      draft vocabulary {vocab_size} tokens covers {covered[answer_tokens].float().mean().item():.1%} of validation answer tokens")
 
     hidden, inputs, labels = training_examples(train_traces, options.horizon)
     draft_labels = torch.where(labels == IGNORE, IGNORE, head.target_to_draft[labels.clamp(min=0)])
     draft_labels = torch.where(draft_labels == vocab_size, IGNORE, draft_labels)
     held_hidden, held_inputs, held_labels = training_examples(held_traces, options.horizon)
-    log(f"[2/3] training on {len(hidden)} positions ({len(held_hidden)} held out), {sum(p.numel() for p in head.parameters()) / 1e6:.2f} M parameters")
+    log(f"[2/3] training on {len(hidden)} positions ({len(held_hidden)} for validation), {sum(p.numel() for p in head.parameters()) / 1e6:.2f} M parameters")
 
     probe = torch.randperm(len(hidden))[:4096]  # training positions the fit is measured on
-    splits = {"train": (hidden[probe], inputs[probe], labels[probe]), "held_out": (held_hidden, held_inputs, held_labels)}
+    splits = {"train": (hidden[probe], inputs[probe], labels[probe]), "validation": (held_hidden, held_inputs, held_labels)}
     accuracy = {f"{name}_before": first_draft_accuracy(head, *split) for name, split in splits.items()}
+    head.dropout.p = options.dropout
     optimizer = torch.optim.AdamW(head.parameters(), lr=options.learning_rate, weight_decay=0.0)
+    best = (0.0, None, 0)  # validation tokens per step, weights, epoch
+    epoch_losses = []
     batches = math.ceil(len(hidden) / options.batch_size)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, options.learning_rate, total_steps=options.epochs * batches)
     for epoch in range(options.epochs):
@@ -176,18 +215,25 @@ def train_drafter(options: DrafterTrainingOptions, log: Callable[[str], None] = 
             optimizer.step()
             schedule.step()
             total += loss.item()
+        epoch_losses.append(round(total / batches, 4))
         head.eval()
         accepted = greedy_acceptance(head, held_hidden, held_inputs, held_labels, options.beam_width, options.horizon)
-        log(f"      epoch {epoch + 1}/{options.epochs}: loss {total / batches:.3f}, held-out tokens per step "
+        log(f"      epoch {epoch + 1}/{options.epochs}: loss {total / batches:.3f}, validation tokens per step "
             f"{accepted:.2f} (beams {options.beam_width} x {options.horizon})")
+        if accepted > best[0]:
+            best = (accepted, {k: v.clone() for k, v in head.state_dict().items()}, epoch + 1)
+    head.load_state_dict(best[1])
+    log(f"      kept epoch {best[2]}")
 
     acceptance = {
         f"beams{w}_len{k}": round(greedy_acceptance(head, held_hidden, held_inputs, held_labels, w, k), 3)
         for w in (1, 2, 3, 4) for k in range(1, options.horizon + 1)
     }
     facts = {
-        "target": manifest.source, "prompts": options.prompts, "answer_tokens": int(sum(len(t.tokens) - 1 for t in traces)),
-        "epochs": options.epochs, "horizon": options.horizon, "held_out_tokens_per_step": acceptance,
+        "target": manifest.source, "prompts": options.prompts, "validation_prompts": options.validation,
+        "answer_tokens": int(sum(len(t.tokens) - 1 for t in train_traces)), "epochs": options.epochs,
+        "kept_epoch": best[2], "epoch_losses": epoch_losses, "horizon": options.horizon, "dropout": options.dropout,
+        "validation_tokens_per_step": acceptance,
         "first_draft_accuracy": {
             **{k: round(v, 4) for k, v in accuracy.items()},
             **{f"{name}_after": round(first_draft_accuracy(head, *split), 4) for name, split in splits.items()},

@@ -15,7 +15,7 @@ from engines.format import open_artifact
 from runner.executor import Executor
 from runner.request import Request, TokenLogprob
 from runner.sampling import SamplingParams, apply_penalties, sample_token, top_logprobs
-from runner.speculative import SpeculationStats, choose_token, pack_tree
+from runner.speculative import SpeculationStats, choose_token, pack_tree, prompt_lookup_draft
 from runner.scheduler import Scheduler
 from runner.tokenizer import IncrementalDetokenizer, TextCodec
 
@@ -170,11 +170,18 @@ class LLMEngine:
         return events
 
     def _draft(self, requests: list[tuple[Request, np.ndarray]]) -> None:
+        """New drafts for the next step: the draft graph from each request's hidden state (ReDrafter), or the
+        continuation of the latest earlier match of the context's last tokens (prompt lookup)."""
         started = time.perf_counter()
-        beams = self.executor.draft(np.stack([hidden for _, hidden in requests]), [r.output_token_ids[-1] for r, _ in requests])
+        if self.speculation["method"] == "prompt-lookup":
+            for request, _ in requests:
+                context = request.prompt_token_ids + request.output_token_ids
+                request.drafts = [prompt_lookup_draft(context, self.speculation["draft_len"], self.speculation["max_ngram"])]
+        else:
+            beams = self.executor.draft(np.stack([hidden for _, hidden in requests]), [r.output_token_ids[-1] for r, _ in requests])
+            for (request, _), request_beams in zip(requests, beams):
+                request.drafts = request_beams
         self.speculation_stats.draft_seconds += time.perf_counter() - started
-        for (request, _), request_beams in zip(requests, beams):
-            request.drafts = request_beams
 
     def _stop_ids(self, params: SamplingParams) -> set[int]:
         return set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)

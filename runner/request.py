@@ -42,7 +42,7 @@ class Request:
     text: str = ""  # visible text: stop strings cut off, possible stop prefixes held back while running
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    drafts: np.ndarray | None = None  # speculative engines: draft beams [beams, draft_len] for the next step
+    drafts: list | np.ndarray | None = None  # speculative engines: draft beams (token id sequences) for the next step
 
     @property
     def prefilling(self) -> bool:

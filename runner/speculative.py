@@ -32,13 +32,14 @@ class TokenTree:
         return [child for child, parent in enumerate(self.parents) if parent == node]
 
 
-def pack_tree(root_token: int, beams: np.ndarray, max_depth: int) -> TokenTree:
-    """Merge draft beams [W, K] (best first) under `root_token` into a trie of at most `max_depth` draft levels."""
+def pack_tree(root_token: int, beams, max_depth: int) -> TokenTree:
+    """Merge draft beams (sequences of token ids, best first; any lengths) under `root_token` into a trie of at
+    most `max_depth` draft levels."""
     tokens, parents = [int(root_token)], [-1]
     node_of: dict[tuple[int, ...], int] = {(): 0}
-    for beam in np.asarray(beams)[:, :max_depth]:
+    for beam in beams:
         prefix: tuple[int, ...] = ()
-        for token in beam.tolist():
+        for token in [int(t) for t in beam][:max_depth]:
             parent = node_of[prefix]
             prefix = prefix + (token,)
             if prefix not in node_of:
@@ -66,6 +67,20 @@ def choose_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Gene
             return candidate, index
         residual[candidate] = 0.0
     return sample_from(residual, rng), None
+
+
+def prompt_lookup_draft(tokens: list[int], draft_len: int, max_ngram: int = 3) -> list[int]:
+    """Prompt lookup: the tokens that followed the latest earlier occurrence of the context's last n tokens (the
+    longest n up to `max_ngram` that occurs), at most `draft_len` of them; [] when nothing matches."""
+    context = np.asarray(tokens)
+    for n in range(min(max_ngram, len(tokens) - 1), 0, -1):
+        suffix = context[-n:]
+        windows = np.lib.stride_tricks.sliding_window_view(context[:-1], n)  # every n-gram that has a successor
+        starts = np.flatnonzero((windows == suffix).all(axis=1))
+        if len(starts):
+            follow = int(starts[-1]) + n
+            return context[follow:follow + draft_len].tolist()
+    return []
 
 
 @dataclass

@@ -35,13 +35,14 @@ def engine_factory(tmp_path_factory, checkpoint_factory):
     def build(
         name: str = "gqa", max_seq_len: int = 256, max_batch: int = 4, prefill_chunk: int = 32, quant: str = "none",
         int8_compute: bool = True, draft_head: Path | None = None, beam_width: int = 3, draft_len: int = 4,
+        speculative: str = "none",
     ) -> Path:
-        key = (name, max_seq_len, max_batch, prefill_chunk, quant, int8_compute, draft_head, beam_width, draft_len)
+        """An engine of a tiny checkpoint; a `draft_head` makes it a ReDrafter engine."""
+        speculative = "redrafter" if draft_head is not None else speculative
+        key = (name, max_seq_len, max_batch, prefill_chunk, quant, int8_compute, draft_head, beam_width, draft_len, speculative)
         if key not in built:
             out = tmp_path_factory.mktemp(f"engine_{name}") / "engine"
-            speculation = {} if draft_head is None else dict(
-                speculative="redrafter", draft_head=draft_head, beam_width=beam_width, draft_len=draft_len
-            )
+            speculation = dict(speculative=speculative, draft_head=draft_head, beam_width=beam_width, draft_len=draft_len)
             options = BuildOptions(
                 str(checkpoint_factory(name)), out, "fp32", max_seq_len, max_batch, prefill_chunk,
                 quant=quant, int8_compute=int8_compute, **speculation,
@@ -69,8 +70,8 @@ def tiny_draft_head(tmp_path_factory, engine_factory):
 
     out = tmp_path_factory.mktemp("drafter") / "head.safetensors"
     options = DrafterTrainingOptions(
-        engine_factory("gqa"), out, prompts=32, max_new_tokens=32, draft_vocab=128, horizon=4, epochs=6,
-        batch_size=64, learning_rate=3e-3,
+        engine_factory("gqa"), out, prompts=32, validation=8, max_new_tokens=32, draft_vocab=128, horizon=4, epochs=6,
+        batch_size=64, learning_rate=3e-3, dropout=0.0,
     )
     facts = train_drafter(options, log=lambda line: None)
     return out, facts

@@ -57,9 +57,9 @@ def test_the_runner_needs_no_torch(engine_factory, tiny_draft_head):
 def test_train_drafter_then_build_and_bench_a_speculative_engine(checkpoint_factory, engine_factory, tmp_path):
     head = tmp_path / "head.safetensors"
     trained = run(BUILDER + ["train-drafter", str(engine_factory("gqa")), "--out", str(head), "--prompts", "12",
-                             "--max-new-tokens", "16", "--epochs", "1", "--draft-vocab", "64"])
+                             "--validation", "4", "--max-new-tokens", "16", "--epochs", "1", "--draft-vocab", "64"])
     assert trained.returncode == 0, trained.stderr
-    assert "draft head:" in trained.stdout and "held-out tokens per step" in trained.stdout
+    assert "draft head:" in trained.stdout and "validation tokens per step" in trained.stdout
     out = tmp_path / "engine"
     built = run(BUILDER + ["build", str(checkpoint_factory("gqa")), "--out", str(out), "--max-seq-len", "128",
                            "--speculative", "redrafter", "--draft-head", str(head), "--beam-width", "2", "--draft-len", "3"])

@@ -214,3 +214,21 @@ def test_shutdown_lets_running_streams_finish_and_refuses_new_ones(engine_factor
     assert not live.thread.is_alive()
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{live.url}/health")
+
+
+def test_a_speculative_engine_serves_the_same_streams_and_reports_acceptance(server, engine_factory, tiny_draft_head):
+    """Several tokens per step come out as several stream chunks, with the plain engine's text; /metrics reports
+    the verify steps and tokens per step."""
+    live = LiveServer(engine_factory("gqa", draft_head=tiny_draft_head[0]))
+    try:
+        prompts = ["hello world", "The quick brown fox", "Engines compile graphs"]
+        for prompt in prompts:
+            expected = chat(server, prompt, max_tokens=24).choices[0].message.content
+            stream = chat(live, prompt, max_tokens=24, stream=True)
+            assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected
+        metrics = httpx.get(f"{live.url}/metrics").text
+        assert "engine_speculative_verify_steps" in metrics and "engine_speculative_tokens_per_step" in metrics
+        steps = float(next(line.split()[1] for line in metrics.splitlines() if line.startswith("engine_speculative_verify_steps ")))
+        assert steps > 0
+    finally:
+        live.stop()
