@@ -38,8 +38,8 @@ def main() -> None:
                    "prompt-lookup = drafts copied from the request's own context after a matching n-gram.")
 @click.option("--draft-head", type=click.Path(path_type=Path), default=None,
               help="Draft head from `builder train-drafter` (default for `default`: the head shipped with the builder).")
-@click.option("--beam-width", type=int, default=3, show_default=True, help="Draft beams per step (redrafter).")
-@click.option("--draft-len", type=int, default=4, show_default=True, help="Draft tokens per beam.")
+@click.option("--beam-width", type=int, default=2, show_default=True, help="Draft beams per step (redrafter).")
+@click.option("--draft-len", type=int, default=2, show_default=True, help="Draft tokens per beam.")
 @click.option("--draft-quant", type=click.Choice(["int8", "none"]), default="int8", show_default=True,
               help="The draft graph's matmuls: int8 (fused, int8 compute; drafts only propose, so output is unchanged).")
 def build(checkpoint, out, dtype, max_seq_len, max_batch, prefill_chunk, overwrite, quant, group_size, quant_lm_head,

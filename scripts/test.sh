@@ -14,6 +14,13 @@ if [ ! -f "$ENGINE/manifest.json" ] || [ -n "$(find builder engines plugins -nam
     builder build default --out "$ENGINE" --overwrite
 fi
 export DEFAULT_ENGINE_DIR="$ENGINE"
+# ... and the default model with the shipped ReDrafter head (speculative decoding on the real model)
+SPEC_ENGINE=${DEFAULT_REDRAFTER_ENGINE_DIR:-engines-out/default-redrafter}
+if [ ! -f "$SPEC_ENGINE/manifest.json" ] || [ -n "$(find builder engines plugins -name '*.py' -newer "$SPEC_ENGINE/manifest.json" | head -1)" ] \
+    || [ builder/drafters -nt "$SPEC_ENGINE/manifest.json" ]; then
+    builder build default --speculative redrafter --out "$SPEC_ENGINE" --overwrite
+fi
+export DEFAULT_REDRAFTER_ENGINE_DIR="$SPEC_ENGINE"
 
 set +e
 $PY -m pytest "$@"
