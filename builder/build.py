@@ -53,11 +53,12 @@ class BuildOptions:
     int8_compute: bool = True  # quantized matmuls quantize activations to int8 (onnxruntime accuracy_level 4)
     speculative: str = "none"  # "none" | "redrafter"
     draft_head: Path | None = None  # default for `default`: the shipped head
-    # 2 x 2 measured fastest for the default model on the CI CPU (1.18x; 3 x 4 accepts more, 1.63 vs 1.54 tokens
-    # per step, but its 13-node verify costs 1.6 decode steps there): README, speculative decoding
+    # 2 beams x 2 + a 4-token prompt-lookup beam measured fastest for the default model on the CI CPU (1.33x on
+    # chat, 1.67x on a summary; 3 x 4 accepts more per step but its 13-node verify costs 1.6 decode steps there)
     beam_width: int = 2
     draft_len: int = 2
     draft_quant: str = "int8"  # the draft graph's linears: "int8" (fused MatMulNBits, int8 compute) or "none"
+    prompt_lookup_len: int = 4  # redrafter: also draft this many tokens by prompt lookup, as one more beam
 
     def draft_head_path(self) -> Path | None:
         if self.speculative not in SPECULATION_METHODS:
@@ -73,7 +74,9 @@ class BuildOptions:
     @property
     def tree_nodes(self) -> int:
         """The largest token tree a speculative step verifies: the root plus every beam's drafts."""
-        return 1 + (self.beam_width if self.speculative == "redrafter" else 1) * self.draft_len
+        if self.speculative == "redrafter":
+            return 1 + self.beam_width * self.draft_len + self.prompt_lookup_len
+        return 1 + self.draft_len
 
     def prompt_lookup(self) -> dict | None:
         if self.speculative != "prompt-lookup":
@@ -231,6 +234,8 @@ def _load_drafter(path: Path, config, options: BuildOptions) -> tuple[BeamSearch
             f"draft head {path} was trained for hidden size {head.config.hidden_size} / vocab {head.config.target_vocab_size}, "
             f"this model has {config.hidden_size} / {config.vocab_size}"
         )
+    if options.prompt_lookup_len < 0:
+        raise ValueError("--prompt-lookup-len must be 0 (off) or more")
     if options.draft_quant not in ("none", "int8"):
         raise ValueError(f"unknown draft quantization {options.draft_quant!r}; choose none or int8")
     if options.draft_quant == "int8":
@@ -239,6 +244,7 @@ def _load_drafter(path: Path, config, options: BuildOptions) -> tuple[BeamSearch
     speculation = {
         "method": "redrafter", "graph": DRAFT_GRAPH, "beam_width": options.beam_width, "draft_len": options.draft_len,
         "draft_vocab_size": head.config.draft_vocab_size, "max_tree_nodes": options.tree_nodes,
-        "draft_quant": options.draft_quant, "head": facts,
+        "draft_quant": options.draft_quant, "prompt_lookup_len": options.prompt_lookup_len,
+        "max_ngram": PROMPT_LOOKUP_MAX_NGRAM, "head": facts,
     }
     return drafter, speculation

@@ -42,12 +42,14 @@ def main() -> None:
 @click.option("--draft-len", type=int, default=2, show_default=True, help="Draft tokens per beam.")
 @click.option("--draft-quant", type=click.Choice(["int8", "none"]), default="int8", show_default=True,
               help="The draft graph's matmuls: int8 (fused, int8 compute; drafts only propose, so output is unchanged).")
+@click.option("--prompt-lookup-len", type=int, default=4, show_default=True,
+              help="redrafter: also draft this many tokens by prompt lookup, as one more beam of the tree (0 = off).")
 def build(checkpoint, out, dtype, max_seq_len, max_batch, prefill_chunk, overwrite, quant, group_size, quant_lm_head,
-          int8_compute, speculative, draft_head, beam_width, draft_len, draft_quant) -> None:
+          int8_compute, speculative, draft_head, beam_width, draft_len, draft_quant, prompt_lookup_len) -> None:
     """Build an engine from CHECKPOINT: a Hugging Face directory, a .gguf file, or `default`."""
     options = BuildOptions(
         checkpoint, out, dtype, max_seq_len, max_batch, prefill_chunk, overwrite, quant,
-        int(group_size) if group_size else None, quant_lm_head, int8_compute, speculative, draft_head, beam_width, draft_len, draft_quant,
+        int(group_size) if group_size else None, quant_lm_head, int8_compute, speculative, draft_head, beam_width, draft_len, draft_quant, prompt_lookup_len,
     )
     try:
         report = build_engine(options, log=lambda line: click.echo(line, err=True))

@@ -170,17 +170,20 @@ class LLMEngine:
         return events
 
     def _draft(self, requests: list[tuple[Request, np.ndarray]]) -> None:
-        """New drafts for the next step: the draft graph from each request's hidden state (ReDrafter), or the
-        continuation of the latest earlier match of the context's last tokens (prompt lookup)."""
+        """New drafts for the next step: the draft graph's beams from each request's hidden state (ReDrafter), and/or
+        the continuation of the latest earlier match of the context's last tokens (prompt lookup)."""
         started = time.perf_counter()
-        if self.speculation["method"] == "prompt-lookup":
-            for request, _ in requests:
-                context = request.prompt_token_ids + request.output_token_ids
-                request.drafts = [prompt_lookup_draft(context, self.speculation["draft_len"], self.speculation["max_ngram"])]
+        spec = self.speculation
+        lookup_len = spec["draft_len"] if spec["method"] == "prompt-lookup" else spec.get("prompt_lookup_len", 0)
+        if spec["method"] == "prompt-lookup":
+            beams = [[] for _ in requests]
         else:
             beams = self.executor.draft(np.stack([hidden for _, hidden in requests]), [r.output_token_ids[-1] for r, _ in requests])
-            for (request, _), request_beams in zip(requests, beams):
-                request.drafts = request_beams
+        for (request, _), request_beams in zip(requests, beams):
+            request.drafts = list(request_beams)
+            if lookup_len:  # one more beam; the tree merges what it shares with the others
+                context = request.prompt_token_ids + request.output_token_ids
+                request.drafts.append(prompt_lookup_draft(context, lookup_len, spec["max_ngram"]))
         self.speculation_stats.draft_seconds += time.perf_counter() - started
 
     def _stop_ids(self, params: SamplingParams) -> set[int]:

@@ -123,7 +123,8 @@ def test_distillation_fits_the_targets_answers(tiny_draft_head):
 def test_greedy_speculative_output_equals_plain_greedy(plain, spec_engine_dir, oracle):
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     expected = [o.token_ids for o in plain.generate(PROMPTS, params)]
-    for spec in (LLM(spec_engine_dir), oracle):  # the distilled head's draft graph, then oracle drafts
+    assert LLM(spec_engine_dir).engine.speculation["prompt_lookup_len"] == 4  # beams + a prompt-lookup beam
+    for spec in (LLM(spec_engine_dir), oracle):  # the distilled head's draft graph + lookup, then oracle drafts
         spec.engine.speculation_stats.__init__()
         assert [spec.generate(p, params)[0].token_ids for p in PROMPTS] == expected
         # inflight: prompts of different lengths join while others generate (prefill chunks of 8 tokens
