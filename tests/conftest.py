@@ -54,13 +54,24 @@ def engine_factory(tmp_path_factory, checkpoint_factory):
     return build
 
 
+def prebuilt_engine(variable: str) -> Path:
+    """An engine CI builds once (scripts/test.sh) and names in an environment variable; skip where there is none."""
+    path = os.environ.get(variable)
+    if not path or not (Path(path) / "manifest.json").is_file():
+        pytest.skip(f"{variable} does not point at a built engine (.ci/run builds one)")
+    return Path(path)
+
+
 @pytest.fixture(scope="session")
 def default_engine():
-    """The engine of the default model: CI builds it once and points ENGINE_DIR at it."""
-    path = os.environ.get("DEFAULT_ENGINE_DIR")
-    if not path or not (Path(path) / "manifest.json").is_file():
-        pytest.skip("DEFAULT_ENGINE_DIR does not point at a built default engine (.ci/run builds one)")
-    return Path(path)
+    """The engine of the default model."""
+    return prebuilt_engine("DEFAULT_ENGINE_DIR")
+
+
+@pytest.fixture(scope="session")
+def default_redrafter_engine():
+    """The default model with the shipped ReDrafter head."""
+    return prebuilt_engine("DEFAULT_REDRAFTER_ENGINE_DIR")
 
 
 @pytest.fixture(scope="session")

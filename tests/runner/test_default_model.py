@@ -49,22 +49,10 @@ def test_chat_answers_sensibly_and_stops_at_end_of_turn(llm):
     assert out.finish_reason == "stop" and out.token_ids[-1] in llm.engine.eos_token_ids
 
 
-@pytest.fixture(scope="module")
-def redrafter_engine():
-    """The default model with the shipped draft head: CI builds it once and points DEFAULT_REDRAFTER_ENGINE_DIR at it."""
-    import os
-    from pathlib import Path
-
-    path = os.environ.get("DEFAULT_REDRAFTER_ENGINE_DIR")
-    if not path or not (Path(path) / "manifest.json").is_file():
-        pytest.skip("DEFAULT_REDRAFTER_ENGINE_DIR does not point at a built engine (.ci/run builds one)")
-    return Path(path)
-
-
-def test_shipped_draft_head_keeps_the_output_and_is_accepted(llm, redrafter_engine):
+def test_shipped_draft_head_keeps_the_output_and_is_accepted(llm, default_redrafter_engine):
     """The shipped ReDrafter head on the real model: greedy output identical to the plain engine's, and drafts are
     really accepted (its acceptance on new prompts is measured by benchmarks/speculative.py, not here)."""
-    spec = LLM(redrafter_engine)
+    spec = LLM(default_redrafter_engine)
     params = SamplingParams(max_tokens=48, temperature=0.0)
     for messages in CHATS:
         prompt = llm.tokenizer.apply_chat_template(messages)
