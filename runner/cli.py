@@ -107,7 +107,6 @@ def bench(engine, prompt, chat, new_tokens, runs, threads) -> None:
         llm_engine = LLMEngine(engine, threads=threads)
         text = llm_engine.codec.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
         ids = llm_engine.codec.encode(text)
-        llm_engine.speculation_stats.__init__()
         timing = median_timing(llm_engine, ids, new_tokens, runs)
     except (ArtifactError, PromptError, ChatTemplateError, ValueError) as err:
         click.echo(f"error: {err}", err=True)

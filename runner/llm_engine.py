@@ -49,8 +49,10 @@ class LLMEngine:
         self.eos_token_ids = set(manifest.model.eos_token_ids)
         self.speculation = manifest.speculation  # None for a plain engine
         self.speculation_stats = SpeculationStats()
-        # positions a generating request may add to the cache in one step: the root plus its accepted drafts
-        self.tokens_per_generation_step = 1 + (self.speculation["draft_len"] if self.speculation else 0)
+        # positions a generating request may add to the cache in one step: the root plus its accepted drafts, as
+        # deep as the deepest beam (the head's, or a longer prompt-lookup beam)
+        spec = self.speculation or {}
+        self.tokens_per_generation_step = 1 + max(spec.get("draft_len", 0), spec.get("prompt_lookup_len", 0))
         self._ids = itertools.count()
 
     @property

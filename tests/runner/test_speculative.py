@@ -83,12 +83,9 @@ def spec_engine_dir(engine_factory, tiny_draft_head):
     return engine_factory("gqa", prefill_chunk=8, draft_head=tiny_draft_head[0], beam_width=3, draft_len=4)
 
 
-@pytest.fixture(scope="module")
-def oracle(plain, spec_engine_dir):
-    """A speculative engine whose drafts come from the plain engine's own greedy continuation, corrupted from a
-    depth that varies with the position (so every acceptance length, 0 to 4, occurs), plus two poor beams.
-    Exactness must hold whatever the drafts are; good drafts make the acceptance paths run often."""
-    spec = LLM(spec_engine_dir)
+def with_oracle_drafts(spec: LLM, plain: LLM, beams) -> LLM:
+    """Replace the speculative engine's drafting: `beams(best, context_length, vocab)` gets the plain engine's own
+    greedy 4-token continuation of the context and returns the draft beams."""
     vocab = spec.engine.manifest.model.vocab_size
     continuations: dict[tuple[int, ...], list[int]] = {}
 
@@ -102,13 +99,35 @@ def oracle(plain, spec_engine_dir):
     def draft(requests):
         for request, _ in requests:
             context = request.prompt_token_ids + request.output_token_ids
-            best = continuation(context)
-            cut = len(context) % 5
-            corrupted = best[:cut] + [(t + 1) % vocab for t in best[cut:]]
-            request.drafts = np.array([corrupted, best[:1] + [(t + 2) % vocab for t in best[1:]], [(t + 3) % vocab for t in best]])
+            request.drafts = beams(continuation(context), len(context), vocab)
 
     spec.engine._draft = draft
     return spec
+
+
+@pytest.fixture(scope="module")
+def oracle(plain, spec_engine_dir):
+    """A speculative engine whose drafts are the plain engine's own greedy continuation, corrupted from a depth that
+    varies with the position (so every acceptance length, 0 to 4, occurs), plus two poor beams. Exactness must hold
+    whatever the drafts are; good drafts make the acceptance paths run often."""
+
+    def beams(best, length, vocab):
+        cut = length % 5
+        return [best[:cut] + [(t + 1) % vocab for t in best[cut:]], best[:1] + [(t + 2) % vocab for t in best[1:]],
+                [(t + 3) % vocab for t in best]]
+
+    return with_oracle_drafts(LLM(spec_engine_dir), plain, beams)
+
+
+def test_lookup_beam_deeper_than_the_head_beams_keeps_its_cache_room(plain, engine_factory, tiny_draft_head):
+    """Head beams of 1 token plus a prompt-lookup beam of 4: a step can accept 4 drafts, and the cache must have
+    room for all of them, also where the path crosses a KV-length bucket (64 positions here)."""
+    spec = LLM(engine_factory("gqa", draft_head=tiny_draft_head[0], beam_width=2, draft_len=1, prompt_lookup_len=4))
+    with_oracle_drafts(spec, plain, lambda best, length, vocab: [[(best[0] + 1) % vocab], best])
+    params = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)
+    for prompt in PROMPTS:
+        assert spec.generate(prompt, params)[0].token_ids == plain.generate(prompt, params)[0].token_ids
+    assert spec.engine.speculation_stats.accepted_histogram.get(4, 0) > 10
 
 
 def test_distillation_fits_the_targets_answers(tiny_draft_head):
