@@ -6,6 +6,7 @@ import resource
 import shutil
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +19,7 @@ from builder.export import export_draft_graph, export_step_graph
 from builder.loaders import load_checkpoint
 from builder.loaders.default import DEFAULT_MODEL_NAME
 from builder.phases import STEP_GRAPH, BuildShapes, plan_phases
-from builder.weights import load_model
+from builder.weights import kept_block_specs, linear_sources, load_model
 from plugins.quant_linear import QuantSpec
 from engines.format import SCHEMA_VERSION, KVCacheSpec, Manifest, TokenizerInfo, open_artifact, write_manifest
 
@@ -51,6 +52,7 @@ class BuildOptions:
     group_size: int | None = None  # default: 32 for int4, 128 for int8 (the fastest MatMulNBits kernels here)
     quantize_lm_head: bool = True
     int8_compute: bool = True  # quantized matmuls quantize activations to int8 (onnxruntime accuracy_level 4)
+    keep_source_blocks: bool = True  # GGUF Q4_0/Q4_1/Q8_0 weights that map exactly are taken as they are
     speculative: str = "none"  # "none" | "redrafter"
     draft_head: Path | None = None  # default for `default`: the shipped head
     # 2 beams x 2 + a 4-token prompt-lookup beam measured fastest for the default model on the CI CPU (1.33x on
@@ -97,7 +99,7 @@ class BuildOptions:
         if spec is None:
             return {"method": "none"}
         return {
-            "method": "rtn", "bits": spec.bits, "group_size": spec.block_size, "symmetric": True,
+            "method": "rtn", "bits": spec.bits, "group_size": spec.block_size,
             "lm_head": self.quantize_lm_head, "accuracy_level": spec.accuracy_level, "op": "com.microsoft::MatMulNBits",
         }
 
@@ -167,12 +169,27 @@ def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> B
     )
 
     quant = options.quant_spec()
+    kept = kept_block_specs(config, quant, options.quantize_lm_head, checkpoint.block_formats) if options.keep_source_blocks else {}
+    keep = frozenset(name for module in kept for name in linear_sources(config, options.quantize_lm_head)[module])
     what = options.dtype if quant is None else (
         f"{options.quant} (group {quant.block_size}, LM head {'quantized' if options.quantize_lm_head else 'float'}, "
         f"{'int8' if quant.accuracy_level == 4 else 'fp32'} activations in the quantized matmuls), rest {options.dtype}"
     )
     step(2, f"loading weights as {what}")
-    model = load_model(config, checkpoint.read_tensors(), DTYPES[options.dtype], quant, options.quantize_lm_head)
+    model = load_model(config, checkpoint.read_tensors(keep), DTYPES[options.dtype], quant, options.quantize_lm_head, kept)
+    quantization = options.quantization()
+    if quant is not None:
+        total = len(linear_sources(config, options.quantize_lm_head))
+        quantization.update(
+            method={0: "rtn", total: "gguf-blocks"}.get(len(kept), "gguf-blocks+rtn"),
+            source_blocks_kept=dict(sorted(Counter(checkpoint.block_formats[n] for n in keep).items())),
+            linears_kept=len(kept), linears_requantized=total - len(kept),
+            block_offsets=any(spec.offsets for spec in kept.values()),
+        )
+        log(
+            f"      quantized linears: {len(kept)} keep their GGUF blocks {quantization['source_blocks_kept'] or ''}, "
+            f"{total - len(kept)} quantized from float ({quantization['method']})"
+        )
 
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
@@ -198,7 +215,7 @@ def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> B
             graphs=graphs,
             phases=plan_phases(shapes),
             kv_cache=KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, _numpy_dtype(options.dtype)),
-            quantization=options.quantization(),
+            quantization=quantization,
             speculation=speculation,
         )
         write_manifest(staging, manifest)

@@ -33,6 +33,9 @@ def main() -> None:
 @click.option("--int8-compute/--fp32-compute", default=True, show_default=True,
               help="Quantized matmuls quantize activations to int8 (onnxruntime accuracy_level 4: much faster on CPU; "
                    "onnxruntime's fp32-compute path for 8-bit weights is a slow fallback).")
+@click.option("--keep-gguf-blocks/--requantize-gguf", default=True, show_default=True,
+              help="GGUF Q4_0/Q4_1/Q8_0 weights whose blocks map exactly onto --quant with groups of 32 are taken as "
+                   "they are (no float round trip); the build summary says which.")
 @click.option("--speculative", type=click.Choice(["none", "redrafter", "prompt-lookup"]), default="none", show_default=True,
               help="Speculative decoding: redrafter = a recurrent draft head with beam search in a draft graph; "
                    "prompt-lookup = drafts copied from the request's own context after a matching n-gram.")
@@ -45,11 +48,15 @@ def main() -> None:
 @click.option("--prompt-lookup-len", type=int, default=4, show_default=True,
               help="redrafter: also draft this many tokens by prompt lookup, as one more beam of the tree (0 = off).")
 def build(checkpoint, out, dtype, max_seq_len, max_batch, prefill_chunk, overwrite, quant, group_size, quant_lm_head,
-          int8_compute, speculative, draft_head, beam_width, draft_len, draft_quant, prompt_lookup_len) -> None:
+          int8_compute, keep_gguf_blocks, speculative, draft_head, beam_width, draft_len, draft_quant,
+          prompt_lookup_len) -> None:
     """Build an engine from CHECKPOINT: a Hugging Face directory, a .gguf file, or `default`."""
     options = BuildOptions(
-        checkpoint, out, dtype, max_seq_len, max_batch, prefill_chunk, overwrite, quant,
-        int(group_size) if group_size else None, quant_lm_head, int8_compute, speculative, draft_head, beam_width, draft_len, draft_quant, prompt_lookup_len,
+        source=checkpoint, out=out, dtype=dtype, max_seq_len=max_seq_len, max_batch=max_batch,
+        prefill_chunk=prefill_chunk, overwrite=overwrite, quant=quant, group_size=int(group_size) if group_size else None,
+        quantize_lm_head=quant_lm_head, int8_compute=int8_compute, keep_source_blocks=keep_gguf_blocks,
+        speculative=speculative, draft_head=draft_head, beam_width=beam_width, draft_len=draft_len,
+        draft_quant=draft_quant, prompt_lookup_len=prompt_lookup_len,
     )
     try:
         report = build_engine(options, log=lambda line: click.echo(line, err=True))

@@ -7,12 +7,14 @@ tensors are copied into row ranges of the fused weight as they stream by.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import replace
 
 import torch
 from torch import nn
 
 from builder.loaders.checkpoint import CheckpointError
+from builder.loaders.gguf_blocks import BLOCK, EXACT_FORMS, BlockQuantized
 from builder.model import LlamaForCausalLM
 from engines.model_config import ModelConfig
 from plugins.quant_linear import QuantizedLinear, QuantSpec
@@ -35,6 +37,41 @@ def fused_rows(config: ModelConfig) -> dict[str, tuple[str, int, int]]:
     }
 
 
+def linear_sources(config: ModelConfig, quantize_lm_head: bool) -> dict[str, list[str]]:
+    """Each quantized linear of the model -> the checkpoint weights it is made of."""
+    rows = fused_rows(config)
+    sources: dict[str, list[str]] = {}
+    projections = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                   "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+    for layer in range(config.num_layers):
+        prefix = f"model.layers.{layer}"
+        for projection in projections:
+            module = rows.get(projection, (projection,))[0]
+            sources.setdefault(f"{prefix}.{module}", []).append(f"{prefix}.{projection}.weight")
+    if quantize_lm_head:
+        sources["lm_head"] = ["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
+    return sources
+
+
+def kept_block_specs(
+    config: ModelConfig, quant: QuantSpec | None, quantize_lm_head: bool, block_formats: Mapping[str, str]
+) -> dict[str, QuantSpec]:
+    """Quantized linears whose checkpoint blocks map exactly onto the requested quantization -> their spec.
+
+    A linear keeps its source blocks when every weight it is made of is Q4_0/Q4_1/Q8_0 with the same number of
+    bits, the build asks for groups of 32, and the source has at least the requested bits (a Q8_0 LM head stays
+    int8 in an int4 build: more bits than asked, never fewer). Everything else is requantized from float."""
+    if quant is None or quant.block_size != BLOCK:
+        return {}
+    kept = {}
+    for module, names in linear_sources(config, quantize_lm_head).items():
+        forms = [EXACT_FORMS.get(block_formats.get(name, "")) for name in names]
+        if None in forms or len({bits for bits, _ in forms}) != 1 or forms[0][0] < quant.bits:
+            continue
+        kept[module] = replace(quant, bits=forms[0][0], offsets=any(offsets for _, offsets in forms))
+    return kept
+
+
 def _set_parameter(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
     owner, _, leaf = name.rpartition(".")
     setattr(model.get_submodule(owner), leaf, nn.Parameter(tensor, requires_grad=False))
@@ -42,15 +79,22 @@ def _set_parameter(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
 
 def load_model(
     config: ModelConfig,
-    tensors: Iterable[tuple[str, torch.Tensor]],
+    tensors: Iterable[tuple[str, torch.Tensor | BlockQuantized]],
     dtype: torch.dtype,
     quant: QuantSpec | None = None,
     quantize_lm_head: bool = False,
+    kept: Mapping[str, QuantSpec] | None = None,
 ) -> LlamaForCausalLM:
     """Build the model on the meta device and give each parameter its checkpoint tensor as it streams by.
-    Quantized projections quantize each tensor (or fused slice) on arrival: no float copy of them is kept."""
+    Quantized projections quantize each tensor (or fused slice) on arrival: no float copy of them is kept.
+    Linears in `kept` (see kept_block_specs) take their checkpoint blocks as they are; `tensors` must then yield
+    those weights as BlockQuantized."""
+    kept = kept or {}
     with torch.device("meta"):
         model = LlamaForCausalLM(config, dtype, quant, quantize_lm_head)
+        for name, spec in kept.items():
+            old = model.get_submodule(name)
+            model.set_submodule(name, QuantizedLinear(old.in_features, old.out_features, old.bias is not None, dtype, spec))
     quantized = {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
     for module in quantized.values():
         module.to_empty(device="cpu")
@@ -61,6 +105,7 @@ def load_model(
     rows = fused_rows(config)
     filled: dict[str, int] = {}  # weight -> rows (or whole tensors) loaded
     for name, tensor in tensors:
+        blocks = tensor if isinstance(tensor, BlockQuantized) else None
         if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and config.tie_word_embeddings):
             continue
         target, start, stop = name, 0, None
@@ -76,7 +121,11 @@ def load_model(
         if tuple(tensor.shape) != tuple(want):
             raise CheckpointError(f"tensor {name!r} has shape {tuple(tensor.shape)}, config implies {tuple(want)}")
         owner_name, _, leaf = target.rpartition(".")
-        if owner_name in quantized and leaf == "weight":
+        if blocks is not None and (owner_name not in kept or leaf != "weight"):
+            tensor = blocks.dequantize()
+        if blocks is not None and owner_name in kept and leaf == "weight":
+            quantized[owner_name].load_quantized_rows(start, *blocks.to_matmul_nbits())
+        elif owner_name in quantized and leaf == "weight":
             quantized[owner_name].load_rows(start, tensor)
         elif stop is None:
             _set_parameter(model, target, tensor.to(dtype))
@@ -86,10 +135,13 @@ def load_model(
                 _set_parameter(model, target, torch.empty(expected[target], dtype=dtype))
                 param = model.get_parameter(target)
             param.data[start:stop] = tensor.to(dtype)
-        filled[target] = filled.get(target, 0) + (len(tensor) if tensor.dim() else 1)
+        filled[target] = filled.get(target, 0) + (tensor.shape[0] if len(tensor.shape) else 1)
         if copy_embedding_to_head and name == "model.embed_tokens.weight":
-            quantized["lm_head"].load_rows(0, tensor)
-            filled["lm_head.weight"] = len(tensor)
+            if blocks is not None and "lm_head" in kept:
+                quantized["lm_head"].load_quantized_rows(0, *blocks.to_matmul_nbits())
+            else:
+                quantized["lm_head"].load_rows(0, tensor)
+            filled["lm_head.weight"] = tensor.shape[0]
     missing = sorted(n for n, shape in expected.items() if filled.get(n, 0) != (shape[0] if len(shape) else 1))
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""

@@ -75,3 +75,65 @@ def make_checkpoint(directory: Path, name: str = "gqa", seed: int = 0, shards: i
         json.dumps({"chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>", "bos_token": "<|im_start|>"})
     )
     return directory
+
+
+def make_gguf(path: Path, checkpoint: Path, linear_type: str = "Q4_1", embedding_type: str = "Q8_0") -> Path:
+    """The tiny HF checkpoint written as llama.cpp would: GGUF names, Q/K rows permuted, linears and the (tied)
+    embedding block-quantized by gguf-py's own quantizer, tokenizer and chat template in the metadata."""
+    import gguf
+    import numpy as np
+    import torch
+    from safetensors.torch import load_file
+
+    from builder.loaders import load_checkpoint
+
+    config = load_checkpoint(checkpoint).config
+    tokenizer = json.loads((checkpoint / "tokenizer.json").read_text())
+    weights = load_file(str(checkpoint / "model.safetensors"))
+    heads, kv_heads = config.num_heads, config.num_kv_heads
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(config.num_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_theta)
+    vocab = sorted(tokenizer["model"]["vocab"].items(), key=lambda item: item[1])
+    specials = {token["content"]: token["id"] for token in tokenizer["added_tokens"]}
+    vocab = dict(vocab) | specials
+    tokens = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]])
+    writer.add_token_types([3 if token in specials else 1 for token in tokens])
+    writer.add_bos_token_id(config.bos_token_id)
+    writer.add_eos_token_id(config.eos_token_ids[0])
+    writer.add_chat_template(CHAT_TEMPLATE)
+
+    def permute(weight: np.ndarray, n_heads: int) -> np.ndarray:  # llama.cpp's convert_hf_to_gguf.py
+        return weight.reshape(n_heads, 2, weight.shape[0] // n_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    for name, tensor in weights.items():
+        data = tensor.to(torch.float32).numpy()
+        if name == "model.embed_tokens.weight":
+            gguf_name, kind = "token_embd.weight", embedding_type
+        elif name == "model.norm.weight":
+            gguf_name, kind = "output_norm.weight", "F32"
+        else:
+            _, _, layer, *rest = name.split(".")
+            module = ".".join(rest[:-1])
+            gguf_name, kind = f"blk.{layer}.{names[module]}.{rest[-1]}", linear_type if data.ndim == 2 else "F32"
+            if module in ("self_attn.q_proj", "self_attn.k_proj"):
+                data = permute(data, heads if module == "self_attn.q_proj" else kv_heads)
+        qtype = gguf.GGMLQuantizationType[kind]
+        writer.add_tensor(gguf_name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -29,4 +30,7 @@ class Checkpoint:
     format: str  # "hf" | "gguf"
     config: ModelConfig
     tokenizer: TokenizerSpec
-    read_tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]]  # (HF name, tensor), one at a time
+    # (HF name, tensor), one at a time; tensors named in `keep` come as they are stored (BlockQuantized) if they
+    # are in `block_formats`, every other tensor as float
+    read_tensors: Callable[..., Iterator[tuple[str, Any]]]
+    block_formats: dict[str, str] = field(default_factory=dict)  # HF name -> GGUF type, for exactly mappable blocks

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from builder.loaders.checkpoint import Checkpoint, CheckpointError, TokenizerSpec
+from builder.loaders.gguf_blocks import EXACT_FORMS, BlockQuantized
 from engines.model_config import ModelConfig
 
 # GGUF tensor name -> Hugging Face name ("{}" is the layer index).
@@ -160,18 +161,29 @@ def load_gguf(path: Path) -> Checkpoint:
     config = _config(meta, tensor_names, path)
     tokenizer = _tokenizer(meta, path)
 
-    def read_tensors() -> Iterator[tuple[str, torch.Tensor]]:
+    def read_tensors(keep: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor | BlockQuantized]]:
         for tensor in reader.tensors:
             name = hf_tensor_name(tensor.name)
             if name is None:
                 continue
-            weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-            weight = weight.reshape([int(n) for n in reversed(tensor.shape)])
+            shape = [int(n) for n in reversed(tensor.shape)]
+            if name in keep:
+                weight = BlockQuantized(tensor.tensor_type.name, np.asarray(tensor.data), shape[1])
+                data = weight.rows
+            else:
+                data = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
             if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
-                weight = unpermute_rows(weight, config.num_heads)
+                data = unpermute_rows(data, config.num_heads)
             elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
-                weight = unpermute_rows(weight, config.num_kv_heads)
-            yield name, torch.from_numpy(np.array(weight, dtype=np.float32))
+                data = unpermute_rows(data, config.num_kv_heads)
+            if name in keep:
+                yield name, BlockQuantized(weight.kind, np.ascontiguousarray(data), weight.in_features)
+            else:
+                yield name, torch.from_numpy(np.array(data, dtype=np.float32))
 
-    return Checkpoint(str(path), "gguf", config, tokenizer, read_tensors)
+    block_formats = {
+        name: t.tensor_type.name for t in reader.tensors
+        if (name := hf_tensor_name(t.name)) is not None and t.tensor_type.name in EXACT_FORMS and len(t.shape) == 2
+    }
+    return Checkpoint(str(path), "gguf", config, tokenizer, read_tensors, block_formats)
 

@@ -138,7 +138,8 @@ def load_hf_directory(directory: Path) -> Checkpoint:
     tokenizer = _tokenizer(directory)
     files = _safetensors_files(directory)
 
-    def read_tensors() -> Iterator[tuple[str, torch.Tensor]]:
+    def read_tensors(keep: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+        del keep  # safetensors hold no block-quantized tensors: everything comes as stored
         for file in files:
             try:
                 with safe_open(str(file), framework="pt") as handle:

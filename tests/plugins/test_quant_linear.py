@@ -81,6 +81,31 @@ def test_onnx_lowering_is_one_fused_matmulnbits_matching_the_reference(tmp_path,
     np.testing.assert_allclose(ours, reference, rtol=0, atol=tolerance * scale)
 
 
+def test_block_offsets_add_one_small_float_matmul_and_stay_exact(tmp_path):
+    """w = scale * (q - 8) + offset per block (GGUF Q4_1): the fused MatMulNBits plus block sums x offsets."""
+    import onnx
+    import onnxruntime as ort
+
+    torch.manual_seed(2)
+    spec = QuantSpec(4, 32, 0, offsets=True)
+    linear = QuantizedLinear(96, 40, bias=False, dtype=torch.float32, spec=spec)
+    qweight, scales = quantize_blockwise(torch.randn(40, 96), 4, 32)
+    offsets = torch.randn(24, 3)
+    linear.load_quantized_rows(0, qweight[:24], scales[:72], offsets)
+    linear.load_rows(24, torch.randn(16, 96))  # rows without offsets get zero offsets
+    dense = dequantize_blockwise(linear.qweight, linear.scales, 96, 4) + linear.offsets.repeat_interleave(32, dim=1)
+    assert torch.all(linear.offsets[24:] == 0)
+    path, x = export_one_linear(tmp_path, linear)
+    graph = onnx.load(str(path)).graph
+    assert sorted(n.op_type for n in graph.node if n.op_type in ("MatMulNBits", "MatMul")) == ["MatMul", "MatMulNBits"]
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    ours = session.run(None, {session.get_inputs()[0].name: x.numpy()})[0]
+    reference = (x @ dense.t()).numpy()
+    np.testing.assert_allclose(ours, reference, rtol=0, atol=1e-5 * np.abs(reference).max())
+    with pytest.raises(ValueError, match="multiple of the block size"):
+        QuantizedLinear(100, 8, bias=False, dtype=torch.float32, spec=spec)
+
+
 def test_invalid_specs_are_refused():
     with pytest.raises(ValueError, match="bits"):
         QuantSpec(3, 32)
