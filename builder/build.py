@@ -12,10 +12,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer
 
 from builder import __version__
 from builder.draft_head import BeamSearchDrafter, load_draft_head
 from builder.export import export_draft_graph, export_step_graph
+from builder.gptq import GPTQOptions, calibration_tokens, gptq_model
 from builder.loaders import load_checkpoint
 from builder.loaders.default import DEFAULT_MODEL_NAME
 from builder.phases import STEP_GRAPH, BuildShapes, plan_phases
@@ -24,10 +26,10 @@ from plugins.quant_linear import QuantSpec
 from engines.format import SCHEMA_VERSION, KVCacheSpec, Manifest, TokenizerInfo, open_artifact, write_manifest
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-QUANT_BITS = {"int8": 8, "int4": 4}
+QUANT_BITS = {"int8": 8, "int4": 4, "gptq": 4}
 # Measured for a 576x1536 MatMulNBits at batch 1 with int8 compute on the 2-core AVX2 CI machine: int4 group 32:
 # 37 us, group 128: 70 us; int8 group 32: 290 us (a slow path), group 128: 52 us.
-DEFAULT_GROUP = {"int4": 32, "int8": 128}
+DEFAULT_GROUP = {"int4": 32, "int8": 128, "gptq": 32}
 TOKENIZER_FILE = "tokenizer.json"
 DRAFT_GRAPH = "draft"
 SPECULATION_METHODS = ("none", "redrafter", "prompt-lookup")
@@ -48,11 +50,12 @@ class BuildOptions:
     max_batch: int = 8
     prefill_chunk: int = 128
     overwrite: bool = False
-    quant: str = "none"  # "none" | "int8" | "int4" (round-to-nearest, symmetric, per group)
+    quant: str = "none"  # "none" | "int8" | "int4" (round-to-nearest, symmetric, per group) | "gptq" (int4)
     group_size: int | None = None  # default: 32 for int4, 128 for int8 (the fastest MatMulNBits kernels here)
     quantize_lm_head: bool = True
     int8_compute: bool = True  # quantized matmuls quantize activations to int8 (onnxruntime accuracy_level 4)
     keep_source_blocks: bool = True  # GGUF Q4_0/Q4_1/Q8_0 weights that map exactly are taken as they are
+    gptq: GPTQOptions = field(default_factory=GPTQOptions)
     speculative: str = "none"  # "none" | "redrafter"
     draft_head: Path | None = None  # default for `default`: the shipped head
     # 2 beams x 2 + a 4-token prompt-lookup beam measured fastest for the default model on the CI CPU (1.33x on
@@ -98,8 +101,13 @@ class BuildOptions:
         spec = self.quant_spec()
         if spec is None:
             return {"method": "none"}
+        gptq = {} if self.quant != "gptq" else {
+            "damping": self.gptq.damping, "act_order": self.gptq.act_order, "static_groups": True,
+            "calibration": f"{' + '.join(Path(p).name for p in self.gptq.calibration)}: "
+                           f"{self.gptq.samples} x {self.gptq.sample_len} tokens",
+        }
         return {
-            "method": "rtn", "bits": spec.bits, "group_size": spec.block_size,
+            "method": "gptq" if gptq else "rtn", **gptq, "bits": spec.bits, "group_size": spec.block_size,
             "lm_head": self.quantize_lm_head, "accuracy_level": spec.accuracy_level, "op": "com.microsoft::MatMulNBits",
         }
 
@@ -169,16 +177,27 @@ def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> B
     )
 
     quant = options.quant_spec()
-    kept = kept_block_specs(config, quant, options.quantize_lm_head, checkpoint.block_formats) if options.keep_source_blocks else {}
+    gptq = options.quant == "gptq"
+    kept = {} if gptq or not options.keep_source_blocks else kept_block_specs(
+        config, quant, options.quantize_lm_head, checkpoint.block_formats
+    )
     keep = frozenset(name for module in kept for name in linear_sources(config, options.quantize_lm_head)[module])
     what = options.dtype if quant is None else (
         f"{options.quant} (group {quant.block_size}, LM head {'quantized' if options.quantize_lm_head else 'float'}, "
         f"{'int8' if quant.accuracy_level == 4 else 'fp32'} activations in the quantized matmuls), rest {options.dtype}"
     )
     step(2, f"loading weights as {what}")
-    model = load_model(config, checkpoint.read_tensors(keep), DTYPES[options.dtype], quant, options.quantize_lm_head, kept)
     quantization = options.quantization()
-    if quant is not None:
+    if gptq:
+        # GPTQ needs each layer's float weights and inputs: the float model is held (not streamed) while it runs
+        model = load_model(config, checkpoint.read_tensors(), DTYPES[options.dtype])
+        tokenizer = Tokenizer.from_str(checkpoint.tokenizer.tokenizer_json)
+        tokens = calibration_tokens(lambda text: tokenizer.encode(text).ids, options.gptq)
+        log(f"      GPTQ calibration: {quantization['calibration']}")
+        model = gptq_model(model, tokens, quant, options.quantize_lm_head, options.gptq, log)
+    else:
+        model = load_model(config, checkpoint.read_tensors(keep), DTYPES[options.dtype], quant, options.quantize_lm_head, kept)
+    if quant is not None and not gptq:
         total = len(linear_sources(config, options.quantize_lm_head))
         quantization.update(
             method={0: "rtn", total: "gguf-blocks"}.get(len(kept), "gguf-blocks+rtn"),

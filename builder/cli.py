@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from builder.build import DTYPES, BuildOptions, build_engine
+from builder.gptq import GPTQOptions
 from builder.loaders import CheckpointError
 
 
@@ -25,14 +26,22 @@ def main() -> None:
 @click.option("--max-batch", type=int, default=8, show_default=True, help="Largest decode batch bucket.")
 @click.option("--prefill-chunk", type=int, default=128, show_default=True, help="Tokens per prefill chunk.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing engine at --out.")
-@click.option("--quant", type=click.Choice(["none", "int8", "int4"]), default="none", show_default=True,
-              help="Weight-only quantization of every linear (round to nearest, symmetric, per group).")
+@click.option("--quant", type=click.Choice(["none", "int8", "int4", "gptq"]), default="none", show_default=True,
+              help="Weight-only quantization of every linear: int8/int4 round to nearest (symmetric, per group), "
+                   "gptq = int4 chosen by GPTQ on calibration text.")
 @click.option("--group-size", type=click.Choice(["16", "32", "64", "128", "256"]), default=None,
               help="Input features per quantization group (default: 32 for int4, 128 for int8).")
 @click.option("--quant-lm-head/--float-lm-head", default=True, show_default=True, help="Quantize the LM head too.")
 @click.option("--int8-compute/--fp32-compute", default=True, show_default=True,
               help="Quantized matmuls quantize activations to int8 (onnxruntime accuracy_level 4: much faster on CPU; "
                    "onnxruntime's fp32-compute path for 8-bit weights is a slow fallback).")
+@click.option("--gptq-damping", type=float, default=0.1, show_default=True, help="GPTQ: fraction of mean(diag H) added to H.")
+@click.option("--gptq-act-order/--gptq-column-order", default=True, show_default=True,
+              help="GPTQ: quantize the most-used input features first.")
+@click.option("--gptq-samples", type=int, default=48, show_default=True, help="GPTQ: calibration sequences.")
+@click.option("--gptq-sample-len", type=int, default=256, show_default=True, help="GPTQ: tokens per calibration sequence.")
+@click.option("--calibration-text", type=click.Path(exists=True, dir_okay=False, path_type=Path), multiple=True,
+              help="GPTQ: calibration text, repeatable (default: the builder's own, see builder/calibration/README.md).")
 @click.option("--keep-gguf-blocks/--requantize-gguf", default=True, show_default=True,
               help="GGUF Q4_0/Q4_1/Q8_0 weights whose blocks map exactly onto --quant with groups of 32 are taken as "
                    "they are (no float round trip); the build summary says which.")
@@ -48,13 +57,20 @@ def main() -> None:
 @click.option("--prompt-lookup-len", type=int, default=4, show_default=True,
               help="redrafter: also draft this many tokens by prompt lookup, as one more beam of the tree (0 = off).")
 def build(checkpoint, out, dtype, max_seq_len, max_batch, prefill_chunk, overwrite, quant, group_size, quant_lm_head,
-          int8_compute, keep_gguf_blocks, speculative, draft_head, beam_width, draft_len, draft_quant,
+          int8_compute, gptq_damping, gptq_act_order, gptq_samples, gptq_sample_len, calibration_text, keep_gguf_blocks,
+          speculative, draft_head, beam_width, draft_len, draft_quant,
           prompt_lookup_len) -> None:
     """Build an engine from CHECKPOINT: a Hugging Face directory, a .gguf file, or `default`."""
+    try:
+        gptq = GPTQOptions(gptq_damping, gptq_act_order, gptq_samples, gptq_sample_len,
+                           tuple(calibration_text) or GPTQOptions.calibration)
+    except ValueError as err:
+        click.echo(f"error: {err}", err=True)
+        sys.exit(2)
     options = BuildOptions(
         source=checkpoint, out=out, dtype=dtype, max_seq_len=max_seq_len, max_batch=max_batch,
         prefill_chunk=prefill_chunk, overwrite=overwrite, quant=quant, group_size=int(group_size) if group_size else None,
-        quantize_lm_head=quant_lm_head, int8_compute=int8_compute, keep_source_blocks=keep_gguf_blocks,
+        quantize_lm_head=quant_lm_head, int8_compute=int8_compute, keep_source_blocks=keep_gguf_blocks, gptq=gptq,
         speculative=speculative, draft_head=draft_head, beam_width=beam_width, draft_len=draft_len,
         draft_quant=draft_quant, prompt_lookup_len=prompt_lookup_len,
     )
@@ -101,3 +117,7 @@ def train_drafter_command(engine, out, prompts, validation, max_new_tokens, draf
         sys.exit(2)
     click.echo(f"draft head: {out} ({out.stat().st_size / 2**20:.1f} MiB), kept epoch {facts['kept_epoch']}, "
                f"validation tokens per step: {facts['validation_tokens_per_step']}")
+
+
+if __name__ == "__main__":
+    main()

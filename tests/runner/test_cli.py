@@ -126,3 +126,21 @@ def test_build_quantized_from_the_command_line(checkpoint_factory, tmp_path):
     assert (quantization["bits"], quantization["group_size"], quantization["lm_head"]) == (4, 64, False)
     generated = run(RUNNER + ["generate", str(out), "hello", "--max-tokens", "4"])
     assert generated.returncode == 0, generated.stderr
+
+
+def test_build_gptq_from_the_command_line(checkpoint_factory, tmp_path):
+    import json
+
+    text = tmp_path / "calibration.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 20)
+    out = tmp_path / "gptq"
+    built = run(BUILDER + ["build", str(checkpoint_factory("gqa")), "--out", str(out), "--quant", "gptq",
+                           "--gptq-samples", "2", "--gptq-sample-len", "16", "--gptq-damping", "0.05",
+                           "--calibration-text", str(text), "--max-seq-len", "128", "--max-batch", "1"])
+    assert built.returncode == 0, built.stderr
+    quantization = json.loads((out / "manifest.json").read_text())["quantization"]
+    assert quantization["method"] == "gptq" and quantization["damping"] == 0.05
+    assert quantization["calibration"] == "calibration.txt: 2 x 16 tokens"
+    refused = run(BUILDER + ["build", str(checkpoint_factory("gqa")), "--out", str(tmp_path / "x"), "--quant", "gptq",
+                             "--gptq-damping", "0"])
+    assert refused.returncode == 2 and "damping" in refused.stderr

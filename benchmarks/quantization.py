@@ -1,0 +1,112 @@
+"""The README's quantization table for the default model, measured side by side in one run.
+
+    python benchmarks/quantization.py [--out-dir engines-out/quant] [--threads 2]
+
+Builds each variant with `builder build default` in its own process (build peak RSS is the build's own report),
+then measures each engine in a fresh process: runner peak RSS, TTFT of the ~40-token chat prompt and prefill of the
+~650-token one, decode tokens/s at batch 1 (128 tokens, EOS banned, median of 3), and perplexity on CPython's
+LICENSE.txt (window 512, stride 256; real prose nobody here wrote, read from the interpreter's install).
+Writes benchmarks/results/quantization.json and prints the Markdown table.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from importlib.metadata import version
+from pathlib import Path
+
+import click
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.compare_transformers import cpu_model, worker_ours  # noqa: E402
+from benchmarks.prompts import _license_text  # noqa: E402
+
+# name -> `builder build default` options. The default model is a Q4_1 GGUF: "fp32" is its blocks dequantized;
+# RTN and GPTQ start from that float model; "GGUF blocks" keeps the file's own Q4_1 / Q8_0 blocks.
+VARIANTS = {
+    "fp32": [],
+    "int8 RTN g128": ["--quant", "int8"],
+    "int4 RTN g32": ["--quant", "int4", "--requantize-gguf"],
+    "int4 GPTQ g32": ["--quant", "gptq"],
+    "int4 GGUF blocks g32": ["--quant", "int4"],
+}
+
+
+def measure(engine: str, threads: int) -> dict:
+    from runner.evaluate import perplexity
+    from runner.llm_engine import LLMEngine
+
+    timings = worker_ours(engine, threads, new_tokens=128, runs=3)  # peak RSS is read before perplexity runs
+    llm = LLMEngine(engine, threads=threads)
+    result = perplexity(llm, llm.codec.encode(_license_text()), window=512, stride=256)
+    return {**timings, "perplexity": result.perplexity, "perplexity_tokens": result.tokens_scored}
+
+
+def build(name: str, flags: list[str], out: Path) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-m", "builder.cli", "build", "default", "--out", str(out), "--overwrite", *flags],
+        capture_output=True, text=True, check=False, cwd=ROOT,
+    )
+    if proc.returncode != 0:
+        raise SystemExit(f"building {name} failed:\n{proc.stderr[-3000:]}")
+    seconds, rss = re.search(r"built in ([\d.]+) s, peak RSS (\d+) MiB", proc.stdout).groups()
+    size = sum(p.stat().st_size for p in out.iterdir())
+    return {"build_s": float(seconds), "build_peak_rss_mb": float(rss), "size_mb": size / 2**20}
+
+
+def table(results: dict) -> list[str]:
+    fp32 = results["fp32"]
+    lines = [
+        "| engine | size MiB | vs fp32 | build peak RSS MiB | runner peak RSS MiB | decode tok/s | vs fp32 "
+        "| TTFT 37 tok ms | prefill 654 tok ms | perplexity | vs fp32 |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, r in results.items():
+        lines.append(
+            f"| {name} | {r['size_mb']:.0f} | {r['size_mb'] / fp32['size_mb']:.0%} | {r['build_peak_rss_mb']:.0f} "
+            f"| {r['peak_rss_mb']:.0f} | {r['short']['decode_tok_s']:.1f} "
+            f"| {r['short']['decode_tok_s'] / fp32['short']['decode_tok_s']:.2f}x | {r['short']['ttft_ms']:.0f} "
+            f"| {r['long']['ttft_ms']:.0f} | {r['perplexity']:.3f} | {r['perplexity'] / fp32['perplexity'] - 1:+.1%} |"
+        )
+    return lines
+
+
+@click.command()
+@click.option("--out-dir", type=click.Path(path_type=Path), default=ROOT / "engines-out" / "quant", show_default=True)
+@click.option("--threads", type=int, default=2, show_default=True)
+@click.option("--measure-engine", default=None, hidden=True)
+@click.option("--out", type=click.Path(path_type=Path), default=ROOT / "benchmarks" / "results" / "quantization.json")
+def main(out_dir, threads, measure_engine, out) -> None:
+    if measure_engine:
+        print(json.dumps(measure(measure_engine, threads)))
+        return
+    results = {}
+    for name, flags in VARIANTS.items():
+        engine = out_dir / re.sub(r"\W+", "-", name)
+        click.echo(f"{name}: building", err=True)
+        facts = build(name, flags, engine)
+        click.echo(f"{name}: measuring", err=True)
+        proc = subprocess.run(
+            [sys.executable, __file__, "--measure-engine", str(engine), "--threads", str(threads)],
+            capture_output=True, text=True, check=False,
+        )
+        if proc.returncode != 0:
+            raise SystemExit(f"measuring {name} failed:\n{proc.stderr[-3000:]}")
+        results[name] = {**facts, **json.loads(proc.stdout.strip().splitlines()[-1])}
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    machine = f"{cpu_model()}, {threads} threads"
+    versions = {name: version(name) for name in ("onnxruntime", "torch", "onnx")}
+    lines = [f"Default model (SmolLM2-135M-Instruct Q4_1 GGUF), {machine}, commit {commit}, batch 1, greedy.", ""]
+    lines += table(results)
+    click.echo("\n".join(lines))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": machine, "commit": commit, "versions": versions, "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
