@@ -25,7 +25,8 @@ sys.path.insert(0, str(ROOT))
 
 def worker_ours(engine: str, threads: int, new_tokens: int, runs: int) -> dict:
     from benchmarks.prompts import chat_prompts
-    from runner.bench import median_timing, peak_rss_mb
+    from engines.resources import peak_rss_mb
+    from runner.bench import median_timing
     from runner.llm_engine import LLMEngine
 
     start = time.perf_counter()
@@ -44,7 +45,7 @@ def worker_transformers(engine: str, threads: int, new_tokens: int, runs: int) -
 
     from benchmarks.prompts import chat_prompts
     from builder.loaders.default import default_gguf_path
-    from runner.bench import peak_rss_mb
+    from engines.resources import peak_rss_mb
     from runner.llm_engine import LLMEngine
 
     torch.set_num_threads(threads)

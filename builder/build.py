@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import resource
 import shutil
 import tempfile
 import time
@@ -23,6 +22,7 @@ from builder.loaders.default import DEFAULT_MODEL_NAME
 from builder.phases import STEP_GRAPH, BuildShapes, plan_phases
 from builder.weights import kept_block_specs, linear_sources, load_model
 from plugins.quant_linear import QuantSpec
+from engines.resources import peak_rss_mb
 from engines.format import SCHEMA_VERSION, KVCacheSpec, Manifest, TokenizerInfo, open_artifact, write_manifest
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -134,10 +134,6 @@ class BuildReport:
             out.append(f"  speculation {facts}")
         out.append(f"built in {self.seconds:.1f} s, peak RSS {self.peak_rss_mb:.0f} MiB")
         return out
-
-
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _prepare_out(out: Path, overwrite: bool) -> None:

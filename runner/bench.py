@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import resource
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -51,7 +50,3 @@ def median_timing(engine: LLMEngine, prompt_ids: list[int], new_tokens: int, run
         statistics.median(t.decode_tok_s for t in timings),
         timings[0].first_tokens,
     )
-
-
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

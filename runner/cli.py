@@ -100,7 +100,8 @@ def serve(engine, host, port, max_batch, max_waiting, threads, model_name, shutd
 def bench(engine, prompt, chat, new_tokens, runs, threads) -> None:
     """Batch-1 greedy timing of ENGINE: time to first token, decode tokens/s, peak RSS; for a speculative engine
     also tokens per verify step and the draft / verify time per step."""
-    from runner.bench import median_timing, peak_rss_mb
+    from engines.resources import peak_rss_mb
+    from runner.bench import median_timing
     from runner.llm_engine import LLMEngine
 
     try:

@@ -1,0 +1,322 @@
+"""Our engines next to the engines users would pick instead, on the default model, side by side in one run.
+
+    python benchmarks/compare_peers.py --ours engines-out/default --ours engines-out/quant/int4-GGUF-blocks-g32
+
+Every engine runs in its own process on the same machine, with the same thread count, on the same token ids (the
+~40- and ~650-token chat prompts of benchmarks/prompts.py), greedy, a fixed number of new tokens with EOS
+suppressed, a warm-up run, then --runs timed runs (medians). Peers are installed on demand, not project
+dependencies:
+- transformers, fp32 eager, loading the GGUF (dequantized);
+- llama.cpp (llama-cpp-python, compiled from source by pip: ~10 minutes here) on the GGUF itself (Q4_1);
+- onnxruntime-genai fp32 and int4 (its model builder's CPU models, int4 = RTN block 32, accuracy level 4) of the
+  same weights, converted to a Hugging Face folder by transformers.
+The machine's memory bandwidth is measured in the same run (a STREAM-style triad, torch, same threads), and MBU
+(bytes of weights read per decode step x steps/s / bandwidth) is reported per engine.
+
+Correctness guard: the first greedy tokens of every fp32 engine must agree (the script fails if not); each
+quantized engine's agreement with them is reported. Writes benchmarks/results/peers.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import click
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.compare_transformers import cpu_model, worker_ours, worker_transformers  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+PEER_PACKAGES = {"llama.cpp": "llama-cpp-python", "ort-genai": "onnxruntime-genai"}
+FIRST_TOKENS = 16  # compared between engines
+
+
+def timed_runs(generate, prompts: dict[str, list[int]], new_tokens: int, runs: int) -> dict:
+    """`generate(ids, count)` -> (seconds to first token, seconds after it, tokens): medians per prompt."""
+    results = {}
+    for name, ids in prompts.items():
+        generate(ids, 8)  # warm-up
+        measured = [generate(ids, new_tokens) for _ in range(runs)]
+        results[name] = {
+            "prompt_tokens": len(ids), "new_tokens": new_tokens,
+            "ttft_ms": statistics.median(m[0] for m in measured) * 1000,
+            "decode_tok_s": statistics.median((len(m[2]) - 1) / m[1] for m in measured),
+            "first_tokens": measured[0][2][:FIRST_TOKENS],
+        }
+    return results
+
+
+def worker_llama_cpp(model_path: str, prompts: dict[str, list[int]], threads: int, new_tokens: int, runs: int) -> dict:
+    import numpy as np
+    from llama_cpp import Llama, LogitsProcessorList
+
+    llm = Llama(model_path=model_path, n_ctx=2048, n_batch=512, n_threads=threads, n_threads_batch=threads, verbose=False)
+    eos = llm.token_eos()
+
+    def no_eos(_ids, scores):
+        scores[eos] = -np.inf
+        return scores
+
+    def generate(ids: list[int], count: int):
+        llm.reset()
+        tokens, start, first = [], time.perf_counter(), None
+        for token in llm.generate(ids, top_k=1, temp=0.0, reset=True, logits_processor=LogitsProcessorList([no_eos])):
+            if first is None:
+                first = time.perf_counter()
+            tokens.append(int(token))
+            if len(tokens) == count:
+                break
+        return first - start, time.perf_counter() - first, tokens
+
+    return timed_runs(generate, prompts, new_tokens, runs)
+
+
+def worker_ort_genai(model_dir: str, prompts: dict[str, list[int]], threads: int, new_tokens: int, runs: int) -> dict:
+    import onnxruntime_genai as og
+
+    model = og.Model(model_dir)
+
+    def generate(ids: list[int], count: int):
+        params = og.GeneratorParams(model)
+        # min_length = max_length: EOS cannot end the answer early
+        params.set_search_options(do_sample=False, max_length=len(ids) + count, min_length=len(ids) + count)
+        generator = og.Generator(model, params)
+        start = time.perf_counter()
+        generator.append_tokens(ids)
+        tokens, first = [], None
+        while not generator.is_done():
+            generator.generate_next_token()
+            tokens.append(int(generator.get_next_tokens()[0]))
+            if first is None:
+                first = time.perf_counter()
+        return first - start, time.perf_counter() - first, tokens
+
+    return timed_runs(generate, prompts, new_tokens, runs)
+
+
+def memory_bandwidth_gbs(threads: int, megabytes: int = 256, repeats: int = 5) -> float:
+    """STREAM triad a = b + s * c over three arrays far larger than the caches: bytes moved / best time."""
+    import torch
+
+    torch.set_num_threads(threads)
+    n = megabytes * 2**20 // 4
+    a, b, c = torch.empty(n), torch.rand(n), torch.rand(n)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.add(b, c, alpha=3.0, out=a)
+        best = min(best, time.perf_counter() - start)
+    return 3 * n * 4 / best / 1e9
+
+
+def worker(kind: str, target: str, threads: int, new_tokens: int, runs: int, prompts_file: Path) -> dict:
+    from engines.resources import peak_rss_mb
+
+    if kind == "ours":
+        return worker_ours(target, threads, new_tokens, runs)
+    if kind == "transformers":
+        return worker_transformers(target, threads, new_tokens, runs)
+    prompts = json.loads(prompts_file.read_text())
+    start = time.perf_counter()
+    run = {"llama.cpp": worker_llama_cpp, "ort-genai": worker_ort_genai}[kind]
+    results = run(target, prompts, threads, new_tokens, runs)
+    return {"load_s": time.perf_counter() - start, "peak_rss_mb": peak_rss_mb(), **results}
+
+
+def ensure_package(distribution: str) -> str:
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        click.echo(f"installing {distribution} (a peer, not a project dependency)", err=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", distribution], check=True)
+        return version(distribution)
+
+
+def ort_genai_models(work: Path, threads: int) -> dict[str, Path]:
+    """onnxruntime-genai's own CPU models of the default model: the GGUF -> a Hugging Face folder (transformers)
+    -> its model builder, fp32 and int4; the session's thread count set in each genai_config.json."""
+    import torch
+    import transformers
+
+    from builder.loaders.default import default_gguf_path
+
+    hf = work / "hf"
+    if not (hf / "config.json").is_file():
+        path = default_gguf_path()
+        from safetensors.torch import save_file
+
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+        # transformers refuses save_pretrained for a GGUF-loaded model: write the folder's two files ourselves
+        hf.mkdir(parents=True, exist_ok=True)
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        config["architectures"] = [type(model).__name__]
+        (hf / "config.json").write_text(json.dumps(config, indent=2))
+        tied = model.config.tie_word_embeddings
+        state = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+        save_file(state, str(hf / "model.safetensors"), metadata={"format": "pt"})
+        transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(hf)
+    models = {}
+    for precision in ("fp32", "int4"):
+        out = work / f"ort-genai-{precision}"
+        if not (out / "genai_config.json").is_file():
+            subprocess.run(
+                [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(out), "-p", precision,
+                 "-e", "cpu", "-c", str(work / "cache"), "--extra_options", "int4_accuracy_level=4"],
+                check=True, capture_output=True, text=True,
+            )
+        config_path = out / "genai_config.json"
+        config = json.loads(config_path.read_text())
+        config["model"]["decoder"].setdefault("session_options", {})["intra_op_num_threads"] = threads
+        config_path.write_text(json.dumps(config, indent=4))
+        models[precision] = out
+    return models
+
+
+def engine_label(engine: Path) -> str:
+    manifest = json.loads((engine / "manifest.json").read_text())
+    q = manifest.get("quantization", {})
+    if q.get("method", "none") == "none":
+        return f"ours {manifest['dtype']}"
+    return f"ours int{q['bits']} {q['method']} g{q['group_size']}"
+
+
+def bytes_per_token(kind: str, target: str) -> int:
+    """Weight bytes a decode step reads: the model files, less a float embedding table that only feeds lookups
+    (ours, when the LM head is its own quantized copy of a tied table). transformers: the fp32 engine's count."""
+    path = Path(target)
+    files = [path] if path.is_file() else [p for p in path.iterdir() if p.suffix in (".onnx", ".data", ".gguf")]
+    total = sum(p.stat().st_size for p in files)
+    if kind == "ours":
+        manifest = json.loads((path / "manifest.json").read_text())
+        model, quantization = manifest["model"], manifest.get("quantization", {})
+        if model["tie_word_embeddings"] and quantization.get("lm_head"):
+            total -= model["vocab_size"] * model["hidden_size"] * 4
+    return total
+
+
+def markdown(report: dict) -> list[str]:
+    lines = [
+        f"Default model, {report['machine']}, memory bandwidth {report['bandwidth_gbs']:.1f} GB/s (triad), commit "
+        f"{report['commit']}; batch 1, greedy, {report['new_tokens']} new tokens (EOS suppressed), median of "
+        f"{report['runs']} after a warm-up.",
+        "",
+        "| engine | TTFT short ms | TTFT long ms | decode short tok/s | decode long tok/s | MiB read per token | MBU short "
+        "| peak RSS MiB | first 16 tokens = fp32 |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for label, r in report["engines"].items():
+        lines.append(
+            f"| {label} | {r['short']['ttft_ms']:.0f} | {r['long']['ttft_ms']:.0f} | {r['short']['decode_tok_s']:.1f} "
+            f"| {r['long']['decode_tok_s']:.1f} | {r['weight_bytes'] / 2**20:.0f} | {r['mbu_short']:.0%} "
+            f"| {r['peak_rss_mb']:.0f} | {r['agreement']} |"
+        )
+    return lines
+
+
+def chart(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(report["engines"])
+    fig, axes = plt.subplots(1, 2, figsize=(12, 0.5 * len(labels) + 2))
+    for axis, metric, title in ((axes[0], "decode_tok_s", "decode tokens/s (higher is better)"),
+                                (axes[1], "ttft_ms", "time to first token, ms (lower is better)")):
+        for offset, prompt in ((-0.2, "short"), (0.2, "long")):
+            values = [report["engines"][label][prompt][metric] for label in labels]
+            axis.barh([i + offset for i in range(len(labels))], values, height=0.4, label=f"{prompt} prompt")
+        axis.set_yticks(range(len(labels)), labels)
+        axis.invert_yaxis()
+        axis.set_title(title)
+        axis.legend()
+    fig.suptitle(f"default model, {report['machine']}, commit {report['commit']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+@click.command()
+@click.option("--ours", "ours", multiple=True, required=True, type=click.Path(exists=True, path_type=Path),
+              help="Our engine(s) of the default model; the first must be fp32 (its tokenizer gives every engine's ids).")
+@click.option("--threads", type=int, default=2, show_default=True)
+@click.option("--new-tokens", type=int, default=128, show_default=True)
+@click.option("--runs", type=int, default=3, show_default=True)
+@click.option("--peers", default="transformers,llama.cpp,ort-genai", show_default=True)
+@click.option("--work", type=click.Path(path_type=Path), default=ROOT / "engines-out" / "peers", show_default=True)
+@click.option("--worker-kind", default=None, hidden=True)
+@click.option("--worker-target", default=None, hidden=True)
+def main(ours, threads, new_tokens, runs, peers, work, worker_kind, worker_target) -> None:
+    prompts_file = work / "prompts.json"
+    if worker_kind:
+        print(json.dumps(worker(worker_kind, worker_target, threads, new_tokens, runs, prompts_file)))
+        return
+    from benchmarks.prompts import chat_prompts
+    from builder.loaders.default import default_gguf_path
+    from runner.llm_engine import LLMEngine
+
+    work.mkdir(parents=True, exist_ok=True)
+    prompts_file.write_text(json.dumps(chat_prompts(LLMEngine(ours[0], verify_checksums=False).codec)))
+    engines = [(engine_label(e), "ours", str(e)) for e in ours]
+    wanted = [p.strip() for p in peers.split(",") if p.strip()]
+    versions = {name: version(name) for name in ("onnxruntime", "torch", "transformers")}
+    for peer in wanted:
+        if peer in PEER_PACKAGES:
+            versions[PEER_PACKAGES[peer]] = ensure_package(PEER_PACKAGES[peer])
+    if "transformers" in wanted:
+        engines.append(("transformers fp32 eager", "transformers", str(ours[0])))
+    if "llama.cpp" in wanted:
+        engines.append(("llama.cpp Q4_1 (the GGUF)", "llama.cpp", str(default_gguf_path())))
+    if "ort-genai" in wanted:
+        for precision, model_dir in ort_genai_models(work, threads).items():
+            engines.append((f"ort-genai {precision}", "ort-genai", str(model_dir)))
+
+    bandwidth = memory_bandwidth_gbs(threads)
+    results = {}
+    for label, kind, target in engines:
+        click.echo(f"{label}: running", err=True)
+        proc = subprocess.run(
+            [sys.executable, __file__, "--ours", str(ours[0]), "--threads", str(threads), "--new-tokens", str(new_tokens),
+             "--runs", str(runs), "--work", str(work), "--worker-kind", kind, "--worker-target", target],
+            capture_output=True, text=True, check=False, env={**os.environ, "OMP_NUM_THREADS": str(threads)},
+        )
+        if proc.returncode != 0:
+            raise SystemExit(f"{label} failed:\n{proc.stderr[-3000:]}")
+        results[label] = json.loads(proc.stdout.strip().splitlines()[-1])
+        results[label]["weight_bytes"] = bytes_per_token("ours" if kind == "transformers" else kind,
+                                                         str(ours[0]) if kind == "transformers" else target)
+        results[label]["mbu_short"] = results[label]["weight_bytes"] * results[label]["short"]["decode_tok_s"] / (bandwidth * 1e9)
+
+    reference = results[engine_label(ours[0])]
+    fp32 = [label for label in results if "fp32" in label]
+    for label, r in results.items():
+        same = {p: r[p]["first_tokens"] == reference[p]["first_tokens"] for p in ("short", "long")}
+        r["agreement"] = "yes" if all(same.values()) else "no (" + ", ".join(p for p, ok in same.items() if not ok) + ")"
+    disagreeing = [label for label in fp32 if results[label]["agreement"] != "yes"]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    report = {
+        "machine": f"{cpu_model()}, {os.cpu_count()} cores, {threads} threads", "bandwidth_gbs": bandwidth,
+        "commit": commit, "versions": versions, "new_tokens": new_tokens, "runs": runs, "engines": results,
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "peers.json").write_text(json.dumps(report, indent=2))
+    lines = markdown(report)
+    lines += ["", "versions: " + ", ".join(f"{k} {v}" for k, v in versions.items())]
+    (RESULTS / "peers.md").write_text("\n".join(lines) + "\n")
+    chart(report, RESULTS / "peers.png")
+    click.echo("\n".join(lines))
+    if disagreeing:
+        raise SystemExit(f"fp32 engines disagree on their first greedy tokens: {', '.join(disagreeing)}")
+
+
+if __name__ == "__main__":
+    main()
