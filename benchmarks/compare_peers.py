@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -33,26 +32,10 @@ import click
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.compare_transformers import cpu_model, worker_ours, worker_transformers  # noqa: E402
+from benchmarks.compare_transformers import cpu_model, timed_runs, worker_ours, worker_transformers  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 PEER_PACKAGES = {"llama.cpp": "llama-cpp-python", "ort-genai": "onnxruntime-genai"}
-FIRST_TOKENS = 16  # compared between engines
-
-
-def timed_runs(generate, prompts: dict[str, list[int]], new_tokens: int, runs: int) -> dict:
-    """`generate(ids, count)` -> (seconds to first token, seconds after it, tokens): medians per prompt."""
-    results = {}
-    for name, ids in prompts.items():
-        generate(ids, 8)  # warm-up
-        measured = [generate(ids, new_tokens) for _ in range(runs)]
-        results[name] = {
-            "prompt_tokens": len(ids), "new_tokens": new_tokens,
-            "ttft_ms": statistics.median(m[0] for m in measured) * 1000,
-            "decode_tok_s": statistics.median((len(m[2]) - 1) / m[1] for m in measured),
-            "first_tokens": measured[0][2][:FIRST_TOKENS],
-        }
-    return results
 
 
 def worker_llama_cpp(model_path: str, prompts: dict[str, list[int]], threads: int, new_tokens: int, runs: int) -> dict:

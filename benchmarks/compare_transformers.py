@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -21,6 +22,24 @@ import click
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+FIRST_TOKENS = 16  # greedy tokens compared between engines (as many as runner.bench.Timing keeps)
+
+
+def timed_runs(generate, prompts: dict[str, list[int]], new_tokens: int, runs: int) -> dict:
+    """`generate(ids, count)` -> (seconds to first token, seconds after it, tokens): a warm-up, then medians of
+    `runs` per prompt, in the shape `runner.bench.Timing` reports ours."""
+    results = {}
+    for name, ids in prompts.items():
+        generate(ids, 8)
+        measured = [generate(ids, new_tokens) for _ in range(runs)]
+        results[name] = {
+            "prompt_tokens": len(ids), "new_tokens": new_tokens,
+            "ttft_ms": statistics.median(m[0] for m in measured) * 1000,
+            "decode_tok_s": statistics.median((len(m[2]) - 1) / m[1] for m in measured),
+            "first_tokens": measured[0][2][:FIRST_TOKENS],
+        }
+    return results
 
 
 def worker_ours(engine: str, threads: int, new_tokens: int, runs: int) -> dict:
@@ -38,8 +57,6 @@ def worker_ours(engine: str, threads: int, new_tokens: int, runs: int) -> dict:
 
 
 def worker_transformers(engine: str, threads: int, new_tokens: int, runs: int) -> dict:
-    import statistics
-
     import torch
     import transformers
 
@@ -73,19 +90,9 @@ def worker_transformers(engine: str, threads: int, new_tokens: int, runs: int) -
             )
         # put() is called first with the prompt, then once per new token
         first, last = streamer_times[1], streamer_times[-1]
-        return (first - begin) * 1000, (count - 1) / (last - first), out[0, len(ids):len(ids) + 16].tolist()
+        return first - begin, last - first, out[0, len(ids):].tolist()
 
-    results = {}
-    for name, ids in prompts.items():
-        timed(ids, 8)
-        runs_ = [timed(ids, new_tokens) for _ in range(runs)]
-        results[name] = {
-            "prompt_tokens": len(ids),
-            "new_tokens": new_tokens,
-            "ttft_ms": statistics.median(r[0] for r in runs_),
-            "decode_tok_s": statistics.median(r[1] for r in runs_),
-            "first_tokens": runs_[0][2],
-        }
+    results = timed_runs(timed, prompts, new_tokens, runs)
     return {"load_s": load_s, "peak_rss_mb": peak_rss_mb(), **results}
 
 

@@ -40,9 +40,9 @@ def free_port() -> int:
 
 
 def long_question() -> str:
-    from benchmarks.prompts import _license_text
+    from benchmarks.prompts import license_text
 
-    return "Summarise this text:\n" + " ".join(_license_text().split()[:420])
+    return "Summarise this text:\n" + " ".join(license_text().split()[:420])
 
 
 async def client(url: str, rng: random.Random, count: int, long_text: str, long_every: int, records: list) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 SHORT_QUESTION = "What is the capital of France?"
 
 
-def _license_text() -> str:
+def license_text() -> str:
     for candidate in (Path(sys.base_prefix) / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "LICENSE.txt",
                       Path(sys.base_prefix) / "LICENSE.txt"):
         if candidate.is_file():
@@ -23,7 +23,7 @@ def _license_text() -> str:
 def chat_prompts(tokenizer, long_tokens: int = 650) -> dict[str, list[int]]:
     """Token ids of both prompts, chat-templated with the engine's own template."""
     short = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": SHORT_QUESTION}]))
-    words = _license_text().split()
+    words = license_text().split()
     body = ""
     for size in range(50, len(words), 10):
         body = " ".join(words[:size])

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.compare_transformers import cpu_model, worker_ours  # noqa: E402
-from benchmarks.prompts import _license_text  # noqa: E402
+from benchmarks.prompts import license_text  # noqa: E402
 
 # name -> `builder build default` options. The default model is a Q4_1 GGUF: "fp32" is its blocks dequantized;
 # RTN and GPTQ start from that float model; "GGUF blocks" keeps the file's own Q4_1 / Q8_0 blocks.
@@ -43,7 +43,7 @@ def measure(engine: str, threads: int) -> dict:
 
     timings = worker_ours(engine, threads, new_tokens=128, runs=3)  # peak RSS is read before perplexity runs
     llm = LLMEngine(engine, threads=threads)
-    result = perplexity(llm, llm.codec.encode(_license_text()), window=512, stride=256)
+    result = perplexity(llm, llm.codec.encode(license_text()), window=512, stride=256)
     return {**timings, "perplexity": result.perplexity, "perplexity_tokens": result.tokens_scored}
 
 

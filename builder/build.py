@@ -177,7 +177,8 @@ def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> B
     kept = {} if gptq or not options.keep_source_blocks else kept_block_specs(
         config, quant, options.quantize_lm_head, checkpoint.block_formats
     )
-    keep = frozenset(name for module in kept for name in linear_sources(config, options.quantize_lm_head)[module])
+    sources = linear_sources(config, options.quantize_lm_head)
+    keep = frozenset(name for module in kept for name in sources[module])
     what = options.dtype if quant is None else (
         f"{options.quant} (group {quant.block_size}, LM head {'quantized' if options.quantize_lm_head else 'float'}, "
         f"{'int8' if quant.accuracy_level == 4 else 'fp32'} activations in the quantized matmuls), rest {options.dtype}"
@@ -194,7 +195,7 @@ def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> B
     else:
         model = load_model(config, checkpoint.read_tensors(keep), DTYPES[options.dtype], quant, options.quantize_lm_head, kept)
     if quant is not None and not gptq:
-        total = len(linear_sources(config, options.quantize_lm_head))
+        total = len(sources)
         quantization.update(
             method={0: "rtn", total: "gguf-blocks"}.get(len(kept), "gguf-blocks+rtn"),
             source_blocks_kept=dict(sorted(Counter(checkpoint.block_formats[n] for n in keep).items())),

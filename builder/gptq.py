@@ -50,8 +50,7 @@ class GPTQOptions:
 
 
 def gptq_quantize(
-    weight: torch.Tensor, hessian: torch.Tensor, bits: int, block_size: int, damping: float = 0.01,
-    act_order: bool = True,
+    weight: torch.Tensor, hessian: torch.Tensor, bits: int, block_size: int, damping: float, act_order: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GPTQ of `weight` [N, K] given H [K, K] -> (packed uint8, fp32 scales), the layout of quantize_blockwise."""
     out_features, in_features = weight.shape

@@ -121,9 +121,10 @@ def load_model(
         if tuple(tensor.shape) != tuple(want):
             raise CheckpointError(f"tensor {name!r} has shape {tuple(tensor.shape)}, config implies {tuple(want)}")
         owner_name, _, leaf = target.rpartition(".")
-        if blocks is not None and (owner_name not in kept or leaf != "weight"):
+        takes_blocks = blocks is not None and owner_name in kept and leaf == "weight"
+        if blocks is not None and not takes_blocks:
             tensor = blocks.dequantize()
-        if blocks is not None and owner_name in kept and leaf == "weight":
+        if takes_blocks:
             quantized[owner_name].load_quantized_rows(start, *blocks.to_matmul_nbits())
         elif owner_name in quantized and leaf == "weight":
             quantized[owner_name].load_rows(start, tensor)

@@ -167,9 +167,9 @@ def load_gguf(path: Path) -> Checkpoint:
             if name is None:
                 continue
             shape = [int(n) for n in reversed(tensor.shape)]
+            # kept blocks stay raw bytes, one row per output feature: the Q/K row permutation applies to them as is
             if name in keep:
-                weight = BlockQuantized(tensor.tensor_type.name, np.asarray(tensor.data), shape[1])
-                data = weight.rows
+                data = np.asarray(tensor.data)
             else:
                 data = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
             if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
@@ -177,7 +177,7 @@ def load_gguf(path: Path) -> Checkpoint:
             elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
                 data = unpermute_rows(data, config.num_kv_heads)
             if name in keep:
-                yield name, BlockQuantized(weight.kind, np.ascontiguousarray(data), weight.in_features)
+                yield name, BlockQuantized(tensor.tensor_type.name, np.ascontiguousarray(data), shape[1])
             else:
                 yield name, torch.from_numpy(np.array(data, dtype=np.float32))
 
