@@ -3,7 +3,7 @@
     python benchmarks/compare_peers.py --ours engines-out/default --ours engines-out/quant/int4-GGUF-blocks-g32
 
 Every engine runs in its own process on the same machine, with the same thread count, on the same token ids (the
-~40- and ~650-token chat prompts of benchmarks/prompts.py), greedy, a fixed number of new tokens with EOS
+~40- and ~650-token chat prompts of runner/bench.py, as `runner bench` uses), greedy, a fixed number of new tokens with EOS
 suppressed, a warm-up run, then --runs timed runs (medians). Peers are installed on demand, not project
 dependencies:
 - transformers, fp32 eager, loading the GGUF (dequantized);
@@ -32,7 +32,8 @@ import click
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.compare_transformers import cpu_model, timed_runs, worker_ours, worker_transformers  # noqa: E402
+from benchmarks.compare_transformers import timed_runs, worker_ours, worker_transformers  # noqa: E402
+from runner.machine import cpu_model, memory_bandwidth_gbs  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 PEER_PACKAGES = {"llama.cpp": "llama-cpp-python", "ort-genai": "onnxruntime-genai"}
@@ -86,21 +87,6 @@ def worker_ort_genai(model_dir: str, prompts: dict[str, list[int]], threads: int
     return timed_runs(generate, prompts, new_tokens, runs)
 
 
-def memory_bandwidth_gbs(threads: int, megabytes: int = 256, repeats: int = 5) -> float:
-    """STREAM triad a = b + s * c over three arrays far larger than the caches: bytes moved / best time."""
-    import torch
-
-    torch.set_num_threads(threads)
-    n = megabytes * 2**20 // 4
-    a, b, c = torch.empty(n), torch.rand(n), torch.rand(n)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.add(b, c, alpha=3.0, out=a)
-        best = min(best, time.perf_counter() - start)
-    return 3 * n * 4 / best / 1e9
-
-
 def worker(kind: str, target: str, threads: int, new_tokens: int, runs: int, prompts_file: Path) -> dict:
     from engines.resources import peak_rss_mb
 
@@ -112,7 +98,8 @@ def worker(kind: str, target: str, threads: int, new_tokens: int, runs: int, pro
     start = time.perf_counter()
     run = {"llama.cpp": worker_llama_cpp, "ort-genai": worker_ort_genai}[kind]
     results = run(target, prompts, threads, new_tokens, runs)
-    return {"load_s": time.perf_counter() - start, "peak_rss_mb": peak_rss_mb(), **results}
+    return {"load_s": time.perf_counter() - start, "peak_rss_mb": peak_rss_mb(), "weight_bytes": model_file_bytes(target),
+            **results}
 
 
 def ensure_package(distribution: str) -> str:
@@ -173,18 +160,12 @@ def engine_label(engine: Path) -> str:
     return f"ours int{q['bits']} {q['method']} g{q['group_size']}"
 
 
-def bytes_per_token(kind: str, target: str) -> int:
-    """Weight bytes a decode step reads: the model files, less a float embedding table that only feeds lookups
-    (ours, when the LM head is its own quantized copy of a tied table). transformers: the fp32 engine's count."""
+def model_file_bytes(target: str) -> int:
+    """A peer's weight bytes per decode step: its model files (llama.cpp's GGUF; ort-genai's int4 LM head also
+    serves its embedding lookups, so nothing there is read only a row at a time)."""
     path = Path(target)
-    files = [path] if path.is_file() else [p for p in path.iterdir() if p.suffix in (".onnx", ".data", ".gguf")]
-    total = sum(p.stat().st_size for p in files)
-    if kind == "ours":
-        manifest = json.loads((path / "manifest.json").read_text())
-        model, quantization = manifest["model"], manifest.get("quantization", {})
-        if model["tie_word_embeddings"] and quantization.get("lm_head"):
-            total -= model["vocab_size"] * model["hidden_size"] * 4
-    return total
+    files = [path] if path.is_file() else [p for p in path.iterdir() if p.suffix in (".onnx", ".data")]
+    return sum(p.stat().st_size for p in files)
 
 
 def markdown(report: dict) -> list[str]:
@@ -243,7 +224,7 @@ def main(ours, threads, new_tokens, runs, peers, work, worker_kind, worker_targe
     if worker_kind:
         print(json.dumps(worker(worker_kind, worker_target, threads, new_tokens, runs, prompts_file)))
         return
-    from benchmarks.prompts import chat_prompts
+    from runner.bench import chat_prompts
     from builder.loaders.default import default_gguf_path
     from runner.llm_engine import LLMEngine
 
@@ -275,8 +256,6 @@ def main(ours, threads, new_tokens, runs, peers, work, worker_kind, worker_targe
         if proc.returncode != 0:
             raise SystemExit(f"{label} failed:\n{proc.stderr[-3000:]}")
         results[label] = json.loads(proc.stdout.strip().splitlines()[-1])
-        results[label]["weight_bytes"] = bytes_per_token("ours" if kind == "transformers" else kind,
-                                                         str(ours[0]) if kind == "transformers" else target)
         results[label]["mbu_short"] = results[label]["weight_bytes"] * results[label]["short"]["decode_tok_s"] / (bandwidth * 1e9)
 
     reference = results[engine_label(ours[0])]

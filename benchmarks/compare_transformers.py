@@ -9,7 +9,6 @@ with a warm-up and the median of several runs. Prints a table and writes benchma
 from __future__ import annotations
 
 import json
-import platform
 import statistics
 import subprocess
 import sys
@@ -43,9 +42,9 @@ def timed_runs(generate, prompts: dict[str, list[int]], new_tokens: int, runs: i
 
 
 def worker_ours(engine: str, threads: int, new_tokens: int, runs: int) -> dict:
-    from benchmarks.prompts import chat_prompts
+    from runner.bench import chat_prompts
     from engines.resources import peak_rss_mb
-    from runner.bench import median_timing
+    from runner.bench import median_timing, weight_bytes_per_step
     from runner.llm_engine import LLMEngine
 
     start = time.perf_counter()
@@ -53,14 +52,14 @@ def worker_ours(engine: str, threads: int, new_tokens: int, runs: int) -> dict:
     load_s = time.perf_counter() - start
     prompts = chat_prompts(llm.codec)
     results = {name: median_timing(llm, ids, new_tokens, runs).to_dict() for name, ids in prompts.items()}
-    return {"load_s": load_s, "peak_rss_mb": peak_rss_mb(), **results}
+    return {"load_s": load_s, "peak_rss_mb": peak_rss_mb(), "weight_bytes": weight_bytes_per_step(llm), **results}
 
 
 def worker_transformers(engine: str, threads: int, new_tokens: int, runs: int) -> dict:
     import torch
     import transformers
 
-    from benchmarks.prompts import chat_prompts
+    from runner.bench import chat_prompts
     from builder.loaders.default import default_gguf_path
     from engines.resources import peak_rss_mb
     from runner.llm_engine import LLMEngine
@@ -93,20 +92,11 @@ def worker_transformers(engine: str, threads: int, new_tokens: int, runs: int) -
         return first - begin, last - first, out[0, len(ids):].tolist()
 
     results = timed_runs(timed, prompts, new_tokens, runs)
-    return {"load_s": load_s, "peak_rss_mb": peak_rss_mb(), **results}
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # a tied table counts once
+    return {"load_s": load_s, "peak_rss_mb": peak_rss_mb(), "weight_bytes": weight_bytes, **results}
 
 
 WORKERS = {"ours": worker_ours, "transformers": worker_transformers}
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 @click.command()
@@ -132,6 +122,8 @@ def main(engine, threads, new_tokens, runs, worker, out) -> None:
         results[name] = json.loads(proc.stdout.strip().splitlines()[-1])
     ours, ref = results["ours"], results["transformers"]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    from runner.machine import cpu_model
+
     machine = f"{cpu_model()}, {threads} threads"
     print(f"machine: {machine}; commit {commit}; batch 1, greedy, {new_tokens} new tokens, median of {runs}")
     print(f"{'prompt':<7} {'tokens':>6} | {'ours TTFT':>10} {'HF TTFT':>9} {'ratio':>6} | {'ours tok/s':>10} {'HF tok/s':>9} {'ratio':>6} | same first tokens")

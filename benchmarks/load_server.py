@@ -40,7 +40,7 @@ def free_port() -> int:
 
 
 def long_question() -> str:
-    from benchmarks.prompts import license_text
+    from runner.bench import license_text
 
     return "Summarise this text:\n" + " ".join(license_text().split()[:420])
 
@@ -121,7 +121,7 @@ def measure(engine: str, max_batch: int, threads: int, per_client: int, long_tex
 @click.option("--long-every", type=int, default=4, show_default=True, help="Each client's every N-th request is the ~650-token prompt (0: none).")
 @click.option("--out", type=click.Path(path_type=Path), default=ROOT / "benchmarks" / "results" / "load.json")
 def main(engine, batches, threads, requests_per_client, long_every, out) -> None:
-    from benchmarks.compare_transformers import cpu_model
+    from runner.machine import cpu_model
 
     long_text = long_question()
     results = [measure(engine, int(b), threads, requests_per_client, long_text, long_every) for b in batches.split(",")]

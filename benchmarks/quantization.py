@@ -23,8 +23,9 @@ import click
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.compare_transformers import cpu_model, worker_ours  # noqa: E402
-from benchmarks.prompts import license_text  # noqa: E402
+from benchmarks.compare_transformers import worker_ours  # noqa: E402
+from runner.machine import cpu_model  # noqa: E402
+from runner.bench import license_text  # noqa: E402
 
 # name -> `builder build default` options. The default model is a Q4_1 GGUF: "fp32" is its blocks dequantized;
 # RTN and GPTQ start from that float model; "GGUF blocks" keeps the file's own Q4_1 / Q8_0 blocks.

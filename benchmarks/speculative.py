@@ -60,7 +60,7 @@ def timed(engine, prompt_ids: list[int], new_tokens: int) -> tuple[list[int], fl
 @click.option("--runs", type=int, default=2, show_default=True, help="Timed runs per prompt and engine (median).")
 @click.option("--out", type=click.Path(), default=str(ROOT / "benchmarks" / "results" / "speculative.json"), show_default=True)
 def main(plain_dir, spec_dir, threads, new_tokens, runs, out) -> None:
-    from benchmarks.prompts import chat_prompts
+    from runner.bench import chat_prompts
     from runner.llm_engine import LLMEngine
 
     plain, spec = LLMEngine(plain_dir, threads=threads), LLMEngine(spec_dir, threads=threads)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 import click
 
 from engines.format import ArtifactError
 from runner.llm import LLM
-from runner.llm_engine import PromptError
+from runner.llm_engine import LLMEngine, PromptError
 from runner.sampling import SamplingParams
 from runner.tokenizer import ChatTemplateError
 
@@ -70,12 +71,9 @@ def generate(engine, prompt, max_tokens, temperature, top_k, top_p, seed, chat, 
 @click.option("--shutdown-grace", type=float, default=10.0, show_default=True, help="Seconds running requests get to finish on shutdown.")
 def serve(engine, host, port, max_batch, max_waiting, threads, model_name, shutdown_grace) -> None:
     """Serve ENGINE with an OpenAI-compatible HTTP API."""
-    from pathlib import Path
-
     import uvicorn
 
     from runner.async_engine import AsyncEngine
-    from runner.llm_engine import LLMEngine
     from runner.server import create_app
 
     try:
@@ -92,36 +90,43 @@ def serve(engine, host, port, max_batch, max_waiting, threads, model_name, shutd
 
 @main.command()
 @click.argument("engine", type=click.Path())
-@click.option("--prompt", default="What is the capital of France?", show_default=True)
-@click.option("--chat/--no-chat", default=True, show_default=True, help="Wrap the prompt in the chat template.")
+@click.option("--prompt", default="What is the capital of France?", show_default=True, help="The short prompt.")
+@click.option("--long-prompt-tokens", type=int, default=650, show_default=True,
+              help="Length of the long prompt (CPython's licence to summarise); 0 = no long prompt.")
+@click.option("--chat/--no-chat", default=True, show_default=True, help="Wrap the prompts in the chat template.")
 @click.option("--new-tokens", type=int, default=128, show_default=True, help="Tokens generated per run (EOS ignored).")
 @click.option("--runs", type=int, default=3, show_default=True, help="Timed runs after a warm-up (median).")
+@click.option("--batch-sizes", default=None, help="Comma-separated decode batch sizes (default: the engine's buckets).")
 @click.option("--threads", type=int, default=None, help="CPU threads (default: onnxruntime's choice).")
-def bench(engine, prompt, chat, new_tokens, runs, threads) -> None:
-    """Batch-1 greedy timing of ENGINE: time to first token, decode tokens/s, peak RSS; for a speculative engine
-    also tokens per verify step and the draft / verify time per step."""
-    from engines.resources import peak_rss_mb
-    from runner.bench import median_timing
-    from runner.llm_engine import LLMEngine
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the report as JSON.")
+def bench(engine, prompt, long_prompt_tokens, chat, new_tokens, runs, batch_sizes, threads, json_path) -> None:
+    """Time ENGINE alone on this machine: time to first token for a short and a long prompt and decode tokens/s at
+    batch 1, decode tokens/s at several batch sizes, peak RSS, and MBU against the memory bandwidth measured in the
+    same run. For a speculative engine also tokens per verify step and the draft / verify time per step."""
+    import json
+    import os
+
+    from runner.bench import bench_engine, chat_prompts, generation_batch_sizes, report_lines
 
     try:
         llm_engine = LLMEngine(engine, threads=threads)
-        text = llm_engine.codec.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
-        ids = llm_engine.codec.encode(text)
-        timing = median_timing(llm_engine, ids, new_tokens, runs)
+        prompts = chat_prompts(llm_engine.codec, long_prompt_tokens, prompt, chat)
+        sizes = generation_batch_sizes(llm_engine)
+        if batch_sizes is not None:
+            sizes = [int(size) for size in batch_sizes.split(",")]
+            if not all(1 <= size <= llm_engine.scheduler.max_rows for size in sizes):
+                raise ValueError(f"--batch-sizes must be in [1, {llm_engine.scheduler.max_rows}] for this engine")
+        for name, ids in prompts.items():
+            if len(ids) + new_tokens > llm_engine.max_seq_len:
+                raise ValueError(f"the {name} prompt ({len(ids)} tokens) + --new-tokens {new_tokens} exceed this engine's "
+                                 f"max sequence length {llm_engine.max_seq_len} (see --long-prompt-tokens)")
+        report = bench_engine(llm_engine, prompts, sizes, new_tokens, runs, threads or os.cpu_count())
     except (ArtifactError, PromptError, ChatTemplateError, ValueError) as err:
         click.echo(f"error: {err}", err=True)
         sys.exit(2)
-    click.echo(f"prompt {timing.prompt_tokens} tokens, {timing.new_tokens} new: time to first token {timing.ttft_ms:.1f} ms, "
-               f"decode {timing.decode_tok_s:.1f} tok/s, peak RSS {peak_rss_mb():.0f} MiB")
-    stats = llm_engine.speculation_stats
-    if llm_engine.speculation is not None and stats.verify_steps:
-        step_ms = 1000 * stats.mean_accepted / timing.decode_tok_s
-        draft_ms, verify_ms = (1000 * s / stats.verify_steps for s in (stats.draft_seconds, stats.verify_seconds))
-        click.echo(f"speculation ({llm_engine.speculation['method']}, {llm_engine.speculation['beam_width']} beams x "
-                   f"{llm_engine.speculation['draft_len']}): {stats.mean_accepted:.2f} tokens per verify step; per step "
-                   f"{step_ms:.1f} ms = draft {draft_ms:.1f} ms ({draft_ms / step_ms:.0%}) + verify {verify_ms:.1f} ms "
-                   f"({verify_ms / step_ms:.0%}) + host")
+    click.echo("\n".join(report_lines(report)))
+    if json_path:
+        Path(json_path).write_text(json.dumps({"engine": str(engine), **report.to_dict()}, indent=2))
 
 
 @main.command(name="eval")
@@ -136,7 +141,6 @@ def evaluate(engine, text_file, window, stride, max_tokens, threads) -> None:
     from pathlib import Path
 
     from runner.evaluate import perplexity
-    from runner.llm_engine import LLMEngine
 
     try:
         llm_engine = LLMEngine(engine, threads=threads)

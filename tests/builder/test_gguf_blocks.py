@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from builder.build import BuildOptions, build_engine
 from builder.loaders import load_checkpoint
