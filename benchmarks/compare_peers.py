@@ -14,7 +14,8 @@ The machine's memory bandwidth is measured in the same run (a STREAM-style triad
 (bytes of weights read per decode step x steps/s / bandwidth) is reported per engine.
 
 Correctness guard: the first greedy tokens of every fp32 engine must agree (the script fails if not); each
-quantized engine's agreement with them is reported. Writes benchmarks/results/peers.{json,md,png}.
+quantized engine's agreement with them is reported. Then ours and onnxruntime-genai's decode runs are profiled
+per operator type (runner/profile.py), each in its own process. Writes benchmarks/results/peers.{json,md,png}.
 """
 
 from __future__ import annotations
@@ -87,9 +88,54 @@ def worker_ort_genai(model_dir: str, prompts: dict[str, list[int]], threads: int
     return timed_runs(generate, prompts, new_tokens, runs)
 
 
+def profile_ort_genai(model_dir: str, ids: list[int], threads: int, new_tokens: int):
+    """onnxruntime-genai's decode runs per operator type: its model in a scratch folder whose genai_config turns on
+    onnxruntime's profiler (the trace is written when the model is released)."""
+    import gc
+    import tempfile
+
+    import onnxruntime_genai as og
+
+    from runner.profile import SKIPPED_DECODE_RUNS, read_trace
+
+    with tempfile.TemporaryDirectory() as scratch:
+        profiled = Path(scratch) / "model"
+        profiled.mkdir()
+        for source in Path(model_dir).iterdir():
+            (profiled / source.name).symlink_to(source.resolve())
+        (profiled / "genai_config.json").unlink()
+        config = json.loads((Path(model_dir) / "genai_config.json").read_text())
+        config["model"]["decoder"]["session_options"]["enable_profiling"] = str(Path(scratch) / "trace")
+        (profiled / "genai_config.json").write_text(json.dumps(config))
+        model = og.Model(str(profiled))
+        params = og.GeneratorParams(model)
+        params.set_search_options(do_sample=False, max_length=len(ids) + new_tokens, min_length=len(ids) + new_tokens)
+        generator = og.Generator(model, params)
+        generator.append_tokens(ids)  # the prompt: one run
+        while not generator.is_done():
+            generator.generate_next_token()
+        del generator, params, model
+        gc.collect()
+        (trace,) = Path(scratch).glob("trace*.json")
+        return read_trace(trace, 1 + SKIPPED_DECODE_RUNS)
+
+
+def worker_profile(kind: str, target: str, threads: int, new_tokens: int, prompts_file: Path) -> dict:
+    from dataclasses import asdict
+
+    from runner.profile import profile_decode
+
+    ids = json.loads(prompts_file.read_text())["short"]
+    if kind == "ours":
+        return asdict(profile_decode(target, ids, new_tokens, threads))
+    return asdict(profile_ort_genai(target, ids, threads, new_tokens))
+
+
 def worker(kind: str, target: str, threads: int, new_tokens: int, runs: int, prompts_file: Path) -> dict:
     from engines.resources import peak_rss_mb
 
+    if kind.startswith("profile:"):
+        return worker_profile(kind.removeprefix("profile:"), target, threads, new_tokens, prompts_file)
     if kind == "ours":
         return worker_ours(target, threads, new_tokens, runs)
     if kind == "transformers":
@@ -187,6 +233,19 @@ def markdown(report: dict) -> list[str]:
     return lines
 
 
+def profile_markdown(profiles: dict[str, dict], top: int = 8) -> list[str]:
+    """One table: for each profiled engine, ms per decode run (profiler on) and nodes per run of its top op types."""
+    lines = [
+        "| engine | per run, profiler on | between kernels | " + " | ".join(f"op {i + 1}" for i in range(top)) + " |",
+        "|---|---:|---:|" + "---|" * top,
+    ]
+    for label, p in profiles.items():
+        cells = [f"{op['op']} {op['ms_per_run']:.2f} ms ({op['nodes_per_run']:.0f})" for op in p["ops"][:top]]
+        cells += [""] * (top - len(cells))
+        lines.append(f"| {label} | {p['run_ms']:.2f} ms | {p['run_ms'] - p['kernel_ms']:.2f} ms | " + " | ".join(cells) + " |")
+    return lines
+
+
 def chart(report: dict, path: Path) -> None:
     import matplotlib
 
@@ -244,10 +303,8 @@ def main(ours, threads, new_tokens, runs, peers, work, worker_kind, worker_targe
         for precision, model_dir in ort_genai_models(work, threads).items():
             engines.append((f"ort-genai {precision}", "ort-genai", str(model_dir)))
 
-    bandwidth = memory_bandwidth_gbs(threads)
-    results = {}
-    for label, kind, target in engines:
-        click.echo(f"{label}: running", err=True)
+    def in_own_process(label: str, kind: str, target: str) -> dict:
+        click.echo(f"{label}: {kind}", err=True)
         proc = subprocess.run(
             [sys.executable, __file__, "--ours", str(ours[0]), "--threads", str(threads), "--new-tokens", str(new_tokens),
              "--runs", str(runs), "--work", str(work), "--worker-kind", kind, "--worker-target", target],
@@ -255,8 +312,16 @@ def main(ours, threads, new_tokens, runs, peers, work, worker_kind, worker_targe
         )
         if proc.returncode != 0:
             raise SystemExit(f"{label} failed:\n{proc.stderr[-3000:]}")
-        results[label] = json.loads(proc.stdout.strip().splitlines()[-1])
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    bandwidth = memory_bandwidth_gbs(threads)
+    results = {}
+    for label, kind, target in engines:
+        results[label] = in_own_process(label, kind, target)
         results[label]["mbu_short"] = results[label]["weight_bytes"] * results[label]["short"]["decode_tok_s"] / (bandwidth * 1e9)
+    # after the timed runs, in their own processes: the profiler slows every node down
+    profiles = {label: in_own_process(label, f"profile:{kind}", target) for label, kind, target in engines
+                if kind in ("ours", "ort-genai")}
 
     reference = results[engine_label(ours[0])]
     fp32 = [label for label in results if "fp32" in label]
@@ -268,11 +333,16 @@ def main(ours, threads, new_tokens, runs, peers, work, worker_kind, worker_targe
     report = {
         "machine": f"{cpu_model()}, {os.cpu_count()} cores, {threads} threads", "bandwidth_gbs": bandwidth,
         "commit": commit, "versions": versions, "new_tokens": new_tokens, "runs": runs, "engines": results,
+        "profiles": profiles,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "peers.json").write_text(json.dumps(report, indent=2))
     lines = markdown(report)
     lines += ["", "versions: " + ", ".join(f"{k} {v}" for k, v in versions.items())]
+    lines += ["", "Where a batch-1 decode run of the short prompt spends its time, per operator type (onnxruntime's "
+              "profiler, which adds a few microseconds per node: times are inflated, most for graphs with many nodes; "
+              "in brackets the nodes per run):", ""]
+    lines += profile_markdown(profiles)
     (RESULTS / "peers.md").write_text("\n".join(lines) + "\n")
     chart(report, RESULTS / "peers.png")
     click.echo("\n".join(lines))

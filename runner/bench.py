@@ -68,14 +68,14 @@ class Timing:
         return asdict(self)
 
 
-def _greedy_fixed_length(new_tokens: int) -> SamplingParams:
+def greedy_fixed_length(new_tokens: int) -> SamplingParams:
     # EOS banned until the last token (min_tokens), as peers do with "ignore EOS", so every run is equally long
     return SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens, temperature=0.0)
 
 
 def time_generation(engine: LLMEngine, prompt_ids: list[int], new_tokens: int) -> Timing:
     start = time.perf_counter()
-    request = engine.add_request(None, prompt_ids, _greedy_fixed_length(new_tokens))
+    request = engine.add_request(None, prompt_ids, greedy_fixed_length(new_tokens))
     first = None
     steps = 0
     while not request.finished:
@@ -116,7 +116,7 @@ def time_batch_decode(engine: LLMEngine, prompt_ids: list[int], batch: int, new_
     """`batch` copies of one request decoded together: the window runs from the step after which every row has
     its first token (prefills done; rows prefilled earlier have decoded a few tokens meanwhile) to the first row
     that finishes, so every step in it decodes all `batch` rows."""
-    requests = [engine.add_request(None, prompt_ids, _greedy_fixed_length(new_tokens)) for _ in range(batch)]
+    requests = [engine.add_request(None, prompt_ids, greedy_fixed_length(new_tokens)) for _ in range(batch)]
     while not all(r.output_token_ids for r in requests):
         engine.step()
     produced = sum(len(r.output_token_ids) for r in requests)

@@ -99,14 +99,18 @@ def serve(engine, host, port, max_batch, max_waiting, threads, model_name, shutd
 @click.option("--batch-sizes", default=None, help="Comma-separated decode batch sizes (default: the engine's buckets).")
 @click.option("--threads", type=int, default=None, help="CPU threads (default: onnxruntime's choice).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the report as JSON.")
-def bench(engine, prompt, long_prompt_tokens, chat, new_tokens, runs, batch_sizes, threads, json_path) -> None:
+@click.option("--profile/--no-profile", default=False, show_default=True,
+              help="Then profile decode steps per operator type (onnxruntime's profiler, a separate run).")
+def bench(engine, prompt, long_prompt_tokens, chat, new_tokens, runs, batch_sizes, threads, json_path, profile) -> None:
     """Time ENGINE alone on this machine: time to first token for a short and a long prompt and decode tokens/s at
     batch 1, decode tokens/s at several batch sizes, peak RSS, and MBU against the memory bandwidth measured in the
     same run. For a speculative engine also tokens per verify step and the draft / verify time per step."""
     import json
     import os
+    from dataclasses import asdict
 
     from runner.bench import bench_engine, chat_prompts, generation_batch_sizes, report_lines
+    from runner.profile import profile_decode
 
     try:
         llm_engine = LLMEngine(engine, threads=threads)
@@ -125,8 +129,19 @@ def bench(engine, prompt, long_prompt_tokens, chat, new_tokens, runs, batch_size
         click.echo(f"error: {err}", err=True)
         sys.exit(2)
     click.echo("\n".join(report_lines(report)))
+    measured = {"engine": str(engine), **report.to_dict()}
+    if profile:
+        try:
+            step_profile = profile_decode(engine, prompts["short"], new_tokens, threads)
+        except ValueError as err:  # too few decode runs to profile
+            click.echo(f"error: {err}", err=True)
+            sys.exit(2)
+        click.echo(f"\nper operator type, {step_profile.runs} batch-1 decode runs of the short prompt (profiler on: "
+                   "times inflated per node, compare shares)")
+        click.echo("\n".join(step_profile.lines()))
+        measured["profile"] = asdict(step_profile)
     if json_path:
-        Path(json_path).write_text(json.dumps({"engine": str(engine), **report.to_dict()}, indent=2))
+        Path(json_path).write_text(json.dumps(measured, indent=2))
 
 
 @main.command(name="eval")

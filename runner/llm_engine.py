@@ -35,13 +35,14 @@ class TokenEvent:
 
 class LLMEngine:
     def __init__(
-        self, engine_dir: str | Path, threads: int | None = None, verify_checksums: bool = True, max_batch: int | None = None
+        self, engine_dir: str | Path, threads: int | None = None, verify_checksums: bool = True, max_batch: int | None = None,
+        profile_prefix: str | None = None,
     ) -> None:
         self.artifact = open_artifact(engine_dir, verify_checksums=verify_checksums)
         manifest = self.artifact.manifest
         self.manifest = manifest
         self.codec = TextCodec(self.artifact.path(manifest.tokenizer.file), manifest.tokenizer)
-        self.executor = Executor(self.artifact, open_backend(self.artifact, threads=threads))
+        self.executor = Executor(self.artifact, open_backend(self.artifact, threads=threads, profile_prefix=profile_prefix))
         rows = self.executor.max_rows if max_batch is None else max_batch
         if not 1 <= rows <= self.executor.max_rows:
             raise ValueError(f"max_batch must be in [1, {self.executor.max_rows}] for this engine (built with --max-batch)")

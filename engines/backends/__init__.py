@@ -5,10 +5,10 @@ from __future__ import annotations
 from engines.format import Artifact, ArtifactError
 
 
-def open_backend(artifact: Artifact, threads: int | None = None):
+def open_backend(artifact: Artifact, threads: int | None = None, profile_prefix: str | None = None):
     backend = artifact.manifest.backend
     if backend == "onnxruntime":
         from engines.backends.onnxruntime import OnnxRuntimeBackend
 
-        return OnnxRuntimeBackend(artifact, threads=threads)
+        return OnnxRuntimeBackend(artifact, threads=threads, profile_prefix=profile_prefix)
     raise ArtifactError(f"engine backend {backend!r} is not available in this runner (available: onnxruntime)")

@@ -8,7 +8,9 @@ from engines.format import Artifact, ArtifactError
 
 
 class OnnxRuntimeBackend:
-    def __init__(self, artifact: Artifact, threads: int | None = None) -> None:
+    def __init__(self, artifact: Artifact, threads: int | None = None, profile_prefix: str | None = None) -> None:
+        """`profile_prefix`: write onnxruntime's per-node profile of every session to files with that prefix
+        (see end_profiling); it slows each node down, so only `runner bench --profile` uses it."""
         try:
             import onnxruntime as ort
         except ImportError:
@@ -25,6 +27,9 @@ class OnnxRuntimeBackend:
         # A small side graph (the draft head's) runs on the calling thread without spinning: a second pool of
         # spinning threads competes with the step graph's for the cores and doubled a verify call's time on 2 cores.
         side_options = _session_options(ort, 1, spinning=False)
+        for profiled in (options, side_options) if profile_prefix else ():
+            profiled.enable_profiling = True
+            profiled.profile_file_prefix = profile_prefix
         side_graphs = {manifest.speculation["graph"]} if manifest.speculation and "graph" in manifest.speculation else set()
         self.sessions = {}
         for key, graph in manifest.graphs.items():
@@ -39,6 +44,10 @@ class OnnxRuntimeBackend:
     def run(self, graph: str, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         outputs = self.sessions[graph].run(self.output_names[graph], feeds)
         return dict(zip(self.output_names[graph], outputs))
+
+    def end_profiling(self) -> dict[str, str]:
+        """Close the profiles (profile_prefix) and return each graph's profile file (onnxruntime's JSON trace)."""
+        return {graph: session.end_profiling() for graph, session in self.sessions.items()}
 
 
 def _session_options(ort, threads: int | None, spinning: bool):

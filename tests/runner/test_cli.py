@@ -69,13 +69,14 @@ def test_train_drafter_then_build_and_bench_a_speculative_engine(checkpoint_fact
     assert "'beam_width': 2, 'draft_len': 3" in built.stdout
     report = tmp_path / "bench.json"
     bench = run(RUNNER + ["bench", str(out), "--prompt", "hello", "--long-prompt-tokens", "60", "--new-tokens", "12",
-                          "--runs", "1", "--batch-sizes", "1,2", "--threads", "2", "--json", str(report)])
+                          "--runs", "1", "--batch-sizes", "1,2", "--threads", "2", "--json", str(report), "--profile"])
     assert bench.returncode == 0, bench.stderr
     assert "decode" in bench.stdout and "tokens per verify step" in bench.stdout and "draft" in bench.stdout
     assert "memory bandwidth" in bench.stdout and "MBU" in bench.stdout
     measured = json.loads(report.read_text())
     assert set(measured["prompts"]) == {"short", "long"} and [b["batch"] for b in measured["batches"]] == [1, 2]
     assert measured["speculation"]["tokens_per_verify_step"] >= 1 and measured["bandwidth_gbs"] > 0
+    assert "per operator type" in bench.stdout and measured["profile"]["ops"][0]["nodes_per_run"] > 0
     too_long = run(RUNNER + ["bench", str(out), "--long-prompt-tokens", "650"])
     assert too_long.returncode == 2 and "max sequence length 128" in too_long.stderr
     bad_batch = run(RUNNER + ["bench", str(out), "--long-prompt-tokens", "0", "--batch-sizes", "1,16"])
