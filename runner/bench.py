@@ -129,11 +129,14 @@ def time_batch_decode(engine: LLMEngine, prompt_ids: list[int], batch: int, new_
     decoded = sum(len(r.output_token_ids) for r in requests) - produced
     while not all(r.finished for r in requests):
         engine.step()
+    if not steps:
+        raise ValueError(f"{new_tokens} new tokens are too few at batch {batch}: the first row finishes before the "
+                         "last one is prefilled")
     return BatchRate(batch, decoded / seconds, steps / seconds)
 
 
 def median_batch_rate(engine: LLMEngine, prompt_ids: list[int], batch: int, new_tokens: int, runs: int) -> BatchRate:
-    time_batch_decode(engine, prompt_ids, batch, min(new_tokens, 8))  # warm-up: this batch bucket's first calls
+    time_batch_decode(engine, prompt_ids, batch, new_tokens)  # warm-up: this batch bucket's first calls
     rates = [time_batch_decode(engine, prompt_ids, batch, new_tokens) for _ in range(runs)]
     return BatchRate(
         batch, statistics.median(r.decode_tok_s for r in rates), statistics.median(r.steps_per_s for r in rates)

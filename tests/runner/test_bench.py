@@ -47,6 +47,9 @@ def test_batch_decode_counts_one_token_per_row_and_step(engine_factory):
         assert rate.batch == batch
         assert rate.decode_tok_s == pytest.approx(batch * rate.steps_per_s)
     assert not engine.scheduler.running  # every request finished and freed its row
+    with pytest.raises(ValueError, match="too few at batch 4"):
+        time_batch_decode(engine, ids, 4, new_tokens=2)  # row 1 is done before row 4 has its first token
+    assert not engine.scheduler.running
 
 
 def test_benchmark_prompts(engine_factory):
