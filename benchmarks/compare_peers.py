@@ -65,16 +65,23 @@ def worker_llama_cpp(model_path: str, prompts: dict[str, list[int]], threads: in
     return timed_runs(generate, prompts, new_tokens, runs)
 
 
+def ort_genai_generator(model, ids: list[int], count: int):
+    """A greedy onnxruntime-genai generator for `count` new tokens after `ids`; min_length = max_length, so EOS
+    cannot end the answer early."""
+    import onnxruntime_genai as og
+
+    params = og.GeneratorParams(model)
+    params.set_search_options(do_sample=False, max_length=len(ids) + count, min_length=len(ids) + count)
+    return og.Generator(model, params)
+
+
 def worker_ort_genai(model_dir: str, prompts: dict[str, list[int]], threads: int, new_tokens: int, runs: int) -> dict:
     import onnxruntime_genai as og
 
     model = og.Model(model_dir)
 
     def generate(ids: list[int], count: int):
-        params = og.GeneratorParams(model)
-        # min_length = max_length: EOS cannot end the answer early
-        params.set_search_options(do_sample=False, max_length=len(ids) + count, min_length=len(ids) + count)
-        generator = og.Generator(model, params)
+        generator = ort_genai_generator(model, ids, count)
         start = time.perf_counter()
         generator.append_tokens(ids)
         tokens, first = [], None
@@ -108,13 +115,11 @@ def profile_ort_genai(model_dir: str, ids: list[int], threads: int, new_tokens: 
         config["model"]["decoder"]["session_options"]["enable_profiling"] = str(Path(scratch) / "trace")
         (profiled / "genai_config.json").write_text(json.dumps(config))
         model = og.Model(str(profiled))
-        params = og.GeneratorParams(model)
-        params.set_search_options(do_sample=False, max_length=len(ids) + new_tokens, min_length=len(ids) + new_tokens)
-        generator = og.Generator(model, params)
+        generator = ort_genai_generator(model, ids, new_tokens)
         generator.append_tokens(ids)  # the prompt: one run
         while not generator.is_done():
             generator.generate_next_token()
-        del generator, params, model
+        del generator, model
         gc.collect()
         (trace,) = Path(scratch).glob("trace*.json")
         return read_trace(trace, 1 + SKIPPED_DECODE_RUNS)

@@ -22,6 +22,8 @@ import click
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from runner.machine import cpu_model  # noqa: E402
+
 FIRST_TOKENS = 16  # greedy tokens compared between engines (as many as runner.bench.Timing keeps)
 
 
@@ -42,9 +44,8 @@ def timed_runs(generate, prompts: dict[str, list[int]], new_tokens: int, runs: i
 
 
 def worker_ours(engine: str, threads: int, new_tokens: int, runs: int) -> dict:
-    from runner.bench import chat_prompts
     from engines.resources import peak_rss_mb
-    from runner.bench import median_timing, weight_bytes_per_step
+    from runner.bench import chat_prompts, median_timing, weight_bytes_per_step
     from runner.llm_engine import LLMEngine
 
     start = time.perf_counter()
@@ -122,8 +123,6 @@ def main(engine, threads, new_tokens, runs, worker, out) -> None:
         results[name] = json.loads(proc.stdout.strip().splitlines()[-1])
     ours, ref = results["ours"], results["transformers"]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
-    from runner.machine import cpu_model
-
     machine = f"{cpu_model()}, {threads} threads"
     print(f"machine: {machine}; commit {commit}; batch 1, greedy, {new_tokens} new tokens, median of {runs}")
     print(f"{'prompt':<7} {'tokens':>6} | {'ours TTFT':>10} {'HF TTFT':>9} {'ratio':>6} | {'ours tok/s':>10} {'HF tok/s':>9} {'ratio':>6} | same first tokens")

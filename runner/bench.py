@@ -187,8 +187,9 @@ def bench_engine(
     from engines.resources import peak_rss_mb
     from runner.machine import cpu_model, memory_bandwidth_gbs
 
-    timings = {name: median_timing(engine, ids, new_tokens, runs) for name, ids in prompts.items()}
-    # read before the batch sweep: its verify calls serve several rows, which would blur the per-step shares
+    timings = {"short": median_timing(engine, prompts["short"], new_tokens, runs)}
+    # read here, the short prompt's steps only: report_lines compares them with its step time, and the batch
+    # sweep's verify calls serve several rows, which would blur the per-step shares
     stats = engine.speculation_stats
     speculation = None
     if engine.speculation is not None and stats.verify_steps:
@@ -198,6 +199,7 @@ def bench_engine(
             "draft_ms_per_step": 1000 * stats.draft_seconds / stats.verify_steps,
             "verify_ms_per_step": 1000 * stats.verify_seconds / stats.verify_steps,
         }
+    timings.update({name: median_timing(engine, ids, new_tokens, runs) for name, ids in prompts.items() if name != "short"})
     batches = [median_batch_rate(engine, prompts["short"], batch, new_tokens, runs) for batch in batch_sizes]
     peak = peak_rss_mb()
     return BenchReport(

@@ -153,8 +153,6 @@ def bench(engine, prompt, long_prompt_tokens, chat, new_tokens, runs, batch_size
 @click.option("--threads", type=int, default=None)
 def evaluate(engine, text_file, window, stride, max_tokens, threads) -> None:
     """Perplexity of ENGINE on a text file (sliding window)."""
-    from pathlib import Path
-
     from runner.evaluate import perplexity
 
     try:
