@@ -21,6 +21,7 @@ from builder.loaders import load_checkpoint
 from builder.loaders.default import DEFAULT_MODEL_NAME
 from builder.phases import STEP_GRAPH, BuildShapes, plan_phases
 from builder.weights import kept_block_specs, linear_sources, load_model
+from plugins.attention import check_head_dim
 from plugins.quant_linear import QuantSpec
 from engines.resources import peak_rss_mb
 from engines.format import SCHEMA_VERSION, KVCacheSpec, Manifest, TokenizerInfo, open_artifact, write_manifest
@@ -159,6 +160,7 @@ def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> B
     step(1, f"reading checkpoint {options.source}")
     checkpoint = load_checkpoint(options.source)
     config = checkpoint.config
+    check_head_dim(config.head_dim)
     max_seq_len = options.max_seq_len or min(2048, config.max_position_embeddings)
     if max_seq_len > config.max_position_embeddings:
         log(f"warning: --max-seq-len {max_seq_len} exceeds the model's {config.max_position_embeddings} positions")
@@ -166,6 +168,8 @@ def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> B
         max_seq_len=max_seq_len, max_batch=options.max_batch, prefill_chunk=options.prefill_chunk,
         **({"verify_tokens": options.tree_nodes} if options.speculative != "none" else {}),
     )
+    # the attention kernel wants rotary table rows for every position a call spans, padding tokens included
+    rotary_positions = max_seq_len + max(shapes.prefill_chunk, shapes.verify_tokens)
     drafter, speculation = _load_drafter(draft_head_path, config, options) if draft_head_path else (None, options.prompt_lookup())
     log(
         f"      {checkpoint.format} checkpoint: {config.num_layers} layers, hidden {config.hidden_size}, "
@@ -187,13 +191,16 @@ def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> B
     quantization = options.quantization()
     if gptq:
         # GPTQ needs each layer's float weights and inputs: the float model is held (not streamed) while it runs
-        model = load_model(config, checkpoint.read_tensors(), DTYPES[options.dtype])
+        model = load_model(config, checkpoint.read_tensors(), DTYPES[options.dtype], max_positions=rotary_positions)
         tokenizer = Tokenizer.from_str(checkpoint.tokenizer.tokenizer_json)
         tokens = calibration_tokens(lambda text: tokenizer.encode(text).ids, options.gptq)
         log(f"      GPTQ calibration: {quantization['calibration']}")
         model = gptq_model(model, tokens, quant, options.quantize_lm_head, options.gptq, log)
     else:
-        model = load_model(config, checkpoint.read_tensors(keep), DTYPES[options.dtype], quant, options.quantize_lm_head, kept)
+        model = load_model(
+            config, checkpoint.read_tensors(keep), DTYPES[options.dtype], quant, options.quantize_lm_head, kept,
+            rotary_positions,
+        )
     if quant is not None and not gptq:
         total = len(sources)
         quantization.update(

@@ -19,7 +19,7 @@ import torch
 from builder.draft_head import BeamSearchDrafter
 from builder.model import LlamaForCausalLM
 from engines.format import GraphSpec, TensorSpec
-from plugins.quant_linear import onnx_translations
+from plugins import attention, quant_linear
 
 GRAPH_FILE = "model.onnx"
 OPSET = 18
@@ -27,13 +27,18 @@ OPSET = 18
 
 def input_names(num_layers: int) -> list[str]:
     return (
-        ["input_ids", "positions", "past_lens", "tree_mask", "logits_index"]
+        ["input_ids", "positions", "past_lens", "query_lens", "attention_bias", "logits_index"]
         + [f"past_key.{i}" for i in range(num_layers)]
         + [f"past_value.{i}" for i in range(num_layers)]
     )
 
 
-OUTPUT_NAMES = ["logits", "new_keys", "new_values", "hidden"]
+def output_names(num_layers: int) -> list[str]:
+    """present_key.i / present_value.i are the cache buffers with the new tokens written in: the runner binds each
+    to the buffer it feeds as past_key.i / past_value.i (see engines.format.KVCacheSpec)."""
+    return ["logits", "hidden"] + [f"present_key.{i}" for i in range(num_layers)] + [f"present_value.{i}" for i in range(num_layers)]
+
+
 DRAFT_GRAPH_FILE = "draft.onnx"
 DRAFT_INPUT_NAMES = ["hidden", "last_token"]
 DRAFT_OUTPUT_NAMES = ["draft_tokens", "draft_scores"]
@@ -43,32 +48,34 @@ def example_inputs(model: LlamaForCausalLM) -> tuple:
     """Inputs of a size that is 1 on no dynamic axis (export would specialise a size-1 axis to a constant)."""
     config = model.config
     batch, steps, past, outputs = 2, 3, 8, 2
-    keys = [torch.zeros(batch, config.num_kv_heads, config.head_dim, past, dtype=model.dtype) for _ in range(config.num_layers)]
-    values = [torch.zeros(batch, config.num_kv_heads, past, config.head_dim, dtype=model.dtype) for _ in range(config.num_layers)]
+    cache = [torch.zeros(batch, config.num_kv_heads, past + steps, config.head_dim, dtype=model.dtype) for _ in range(config.num_layers)]
     return (
         torch.zeros(batch, steps, dtype=torch.long),
         torch.zeros(batch, steps, dtype=torch.long),
-        torch.zeros(batch, dtype=torch.long),
-        torch.ones(batch, steps, steps, dtype=torch.bool),
+        torch.full((batch,), past - 1, dtype=torch.long),
+        torch.full((batch,), steps, dtype=torch.long),
+        torch.zeros(batch, 1, steps, past - 1 + steps),
         torch.zeros(batch, outputs, dtype=torch.long),
-        keys,
-        values,
+        cache,
+        [c.clone() for c in cache],
     )
 
 
 def dynamic_shapes(num_layers: int, max_seq_len: int) -> dict:
     batch = torch.export.Dim("batch", min=1, max=1024)
     steps = torch.export.Dim("steps", min=1, max=max_seq_len)
-    past = torch.export.Dim("past", min=1, max=max_seq_len)
+    length = torch.export.Dim("length", min=2, max=4 * max_seq_len)  # the cache buffer's positions
+    attended = torch.export.Dim("attended", min=2, max=2 * max_seq_len)  # max(past_lens) + steps
     outputs = torch.export.Dim("outputs", min=1, max=max_seq_len)
     return {
         "input_ids": {0: batch, 1: steps},
         "positions": {0: batch, 1: steps},
         "past_lens": {0: batch},
-        "tree_mask": {0: batch, 1: steps, 2: steps},
+        "query_lens": {0: batch},
+        "attention_bias": {0: batch, 2: steps, 3: attended},
         "logits_index": {0: batch, 1: outputs},
-        "past_keys": [{0: batch, 3: past}] * num_layers,
-        "past_values": [{0: batch, 2: past}] * num_layers,
+        "past_keys": [{0: batch, 2: length}] * num_layers,
+        "past_values": [{0: batch, 2: length}] * num_layers,
     }
 
 
@@ -85,7 +92,7 @@ def export_step_graph(model: LlamaForCausalLM, out_dir: Path, max_seq_len: int) 
     num_layers = model.config.num_layers
     return _export(
         model, example_inputs(model), dynamic_shapes(num_layers, max_seq_len), out_dir / GRAPH_FILE,
-        input_names(num_layers), OUTPUT_NAMES, external_data=True,
+        input_names(num_layers), output_names(num_layers), external_data=True,
     )
 
 
@@ -120,7 +127,7 @@ def _export(module: torch.nn.Module, args: tuple, shapes: dict, path: Path, inpu
             dynamo=True,
             optimize=True,
             verbose=False,
-            custom_translation_table=onnx_translations(),
+            custom_translation_table={**quant_linear.onnx_translations(), **attention.onnx_translations()},
         )
     graph = onnx.load(str(path), load_external_data=False).graph
     return GraphSpec(path.name, [_spec(v) for v in graph.input], [_spec(v) for v in graph.output])

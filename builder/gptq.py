@@ -143,18 +143,15 @@ def gptq_model(
         raise _StopForward
 
     handle = layers[0].register_forward_pre_hook(capture, with_kwargs=True)
-    past_key = torch.zeros(1, config.num_kv_heads, config.head_dim, 0, dtype=model.dtype)
-    past_value = torch.zeros(1, config.num_kv_heads, 0, config.head_dim, dtype=model.dtype)
-    causal = torch.tril(torch.ones(steps, steps, dtype=torch.bool))
     try:
         for chunk in tokens.split(options.batch):
             batch = chunk.shape[0]
+            cache = torch.zeros(batch, config.num_kv_heads, steps, config.head_dim, dtype=model.dtype)
             try:
                 model(
                     chunk, torch.arange(steps).expand(batch, steps), torch.zeros(batch, dtype=torch.long),
-                    causal.expand(batch, steps, steps), torch.zeros(batch, 1, dtype=torch.long),
-                    [past_key.expand(batch, -1, -1, -1)] * config.num_layers,
-                    [past_value.expand(batch, -1, -1, -1)] * config.num_layers,
+                    torch.full((batch,), steps), torch.zeros(batch, 1, steps, steps), torch.zeros(batch, 1, dtype=torch.long),
+                    [cache] * config.num_layers, [cache] * config.num_layers,
                 )
             except _StopForward:
                 pass

@@ -1,16 +1,14 @@
 """The Llama-family transformer as one readable module, written for export with a static, runner-owned KV cache.
 
 One forward serves every phase (prefill chunk, decode, verify): B rows of T new tokens each, every row with its
-own positions and its own number of cached positions. The cache is an *input* (the runner owns it) and only the
-K/V of the T new tokens come out; the runner writes them into its buffer in place, so no step copies the cache.
-
-Cache layout per layer (chosen so that a bucket-sized buffer feeds attention with no transpose or copy):
-    past_keys[i]:   [B, kv_heads, head_dim, L]   (K already transposed for q @ K^T)
-    past_values[i]: [B, kv_heads, L, head_dim]
-The new tokens' K/V come out as new_keys / new_values [layers, B, T, kv_heads, head_dim] (the projection's layout).
-Positions >= past_lens[b] of row b are padding and masked out. Among the T new tokens, `tree_mask[b, t, s]` says
-whether new token t attends to new token s: lower-triangular for a prefill chunk or a linear draft, a tree for
-tree verification, the identity for padding rows (so no row is ever fully masked).
+own positions and its own number of cached positions. The cache is an input the runner owns, one buffer per layer
+for K and one for V, [B, kv_heads, L, head_dim]; attention (plugins/attention.py, onnxruntime's fused
+GroupQueryAttention in the engine) writes the new tokens' K/V into it at each row's `past_lens[b] + t` and returns
+it as `present_key.i` / `present_value.i`, which the runner binds to the very buffer it fed, so no step copies the
+cache. New token t of row b attends to the row's cached positions and to new tokens 0..t, minus what
+`attention_bias` [B, 1, T, max(past_lens) + T] masks (tree verification: a node sees only its ancestors). Only
+the first `query_lens[b]` new tokens of row b are real: padding tokens never enter the cache, and a row with none
+(a row a batched call passes over) is left as it is.
 
 Weight names follow Hugging Face (`model.layers.0.self_attn.q_proj.weight`, ...), so checkpoints load by name.
 """
@@ -18,11 +16,13 @@ Weight names follow Hugging Face (`model.layers.0.self_attn.q_proj.weight`, ...)
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from engines.model_config import ModelConfig
+from plugins.attention import group_query_attention
 from plugins.linear import make_linear
 from plugins.quant_linear import QuantSpec
 
@@ -46,14 +46,10 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return inv_freq.float()
 
 
-def rotate_half_matrix(head_dim: int, dtype: torch.dtype) -> torch.Tensor:
-    """R with x @ R == cat(-x[half:], x[:half]): one exact MatMul in the graph instead of split/neg/concat."""
-    half = head_dim // 2
-    rotation = torch.zeros(head_dim, head_dim, dtype=dtype, device="cpu")  # cpu even when built on meta
-    index = torch.arange(half, device="cpu")
-    rotation[index + half, index] = -1.0
-    rotation[index, index + half] = 1.0
-    return rotation
+def rotary_tables(config: ModelConfig, positions: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of position x inverse frequency, [positions, head_dim / 2], computed in fp32 as Hugging Face does."""
+    angles = torch.arange(positions, dtype=torch.float32, device="cpu").unsqueeze(1) * rope_inv_freq(config).unsqueeze(0)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 class RMSNorm(nn.Module):
@@ -70,52 +66,40 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+@dataclass(frozen=True)
+class StepAttention:
+    """What every layer's attention needs about the step, computed once per step."""
+
+    seqlens_k: torch.Tensor  # [B] int32: past_lens + query_lens - 1
+    total_len: torch.Tensor  # [] int32: max(past_lens) + T
+    positions: torch.Tensor  # [B, T] int64: rotary positions
+    bias: torch.Tensor  # [B, 1, T, total_len]
+    query_lens: torch.Tensor  # [B] int32
+    cos: torch.Tensor  # [max positions, head_dim / 2]
+    sin: torch.Tensor
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, quant: QuantSpec | None) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
-        self.head_dim = config.head_dim
+        self.scale = 1.0 / math.sqrt(config.head_dim)
         hidden, bias = config.hidden_size, config.attention_bias
-        # q, k and v in one matmul (the checkpoint's q_proj/k_proj/v_proj are stacked by row at load time)
+        # q, k and v in one matmul (the checkpoint's q_proj/k_proj/v_proj are stacked by row at load time); its
+        # output is the packed qkv the fused attention kernel takes as it is
         qkv_rows = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
         self.qkv_proj = make_linear(hidden, qkv_rows, bias, dtype, quant)
         self.o_proj = make_linear(config.num_heads * config.head_dim, hidden, bias, dtype, quant)
 
     def forward(
-        self,
-        x: torch.Tensor,  # [B, T, hidden]
-        cos: torch.Tensor,  # [B, T, 1, head_dim]
-        sin: torch.Tensor,
-        rotation: torch.Tensor,  # [head_dim, head_dim], see rotate_half_matrix
-        mask_bias: torch.Tensor,  # [B, 1, group * T, L + T] float32: 0 = attend, float32 min = masked
-        past_key: torch.Tensor,  # [B, kv_heads, head_dim, L]
-        past_value: torch.Tensor,  # [B, kv_heads, L, head_dim]
+        self, x: torch.Tensor, step: StepAttention, past_key: torch.Tensor, past_value: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        batch, steps, _ = x.shape
-        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
-        group = heads // kv_heads
-        past_len = past_key.shape[-1]
-
-        qkv = self.qkv_proj(x).view(batch, steps, heads + 2 * kv_heads, head_dim)
-        qk, v = qkv.split([heads + kv_heads, kv_heads], dim=2)
-        qk = qk * cos + (qk @ rotation) * sin  # rotary embedding of q and k at once
-        q, k = qk.split([heads, kv_heads], dim=2)
-
-        # Query heads sharing a KV head are stacked along the row axis, so GQA needs no repeat of K/V.
-        q = q.reshape(batch, steps, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
-        q = q.reshape(batch, kv_heads, group * steps, head_dim) * (1.0 / math.sqrt(head_dim))
-
-        # Scores against the cache and against the new tokens are computed apart: concatenating K/V would copy
-        # the whole cache on every step.
-        scores = torch.cat((q @ past_key, q @ k.permute(0, 2, 3, 1)), dim=-1)
-        scores = scores.float() + mask_bias
-        probs = torch.softmax(scores, dim=-1).to(x.dtype)
-        out = probs[..., :past_len] @ past_value + probs[..., past_len:] @ v.transpose(1, 2)
-        out = out.view(batch, kv_heads, group, steps, head_dim).permute(0, 3, 1, 2, 4)
-        out = out.reshape(batch, steps, heads * head_dim)
-        # new K/V leave in the projection's own layout [B, T, kv_heads, head_dim]; the runner places them
-        return self.o_proj(out), k, v
+        out, present_key, present_value = group_query_attention(
+            self.qkv_proj(x), past_key, past_value, step.seqlens_k, step.total_len, step.cos, step.sin, step.positions,
+            step.bias, step.query_lens, self.num_heads, self.num_kv_heads, self.scale,
+        )
+        return self.o_proj(out), present_key, present_value
 
 
 class MLP(nn.Module):
@@ -140,13 +124,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config, dtype, quant)
 
-    def forward(self, x, cos, sin, rotation, mask_bias, past_key, past_value):
-        attn_out, new_key, new_value = self.self_attn(
-            self.input_layernorm(x), cos, sin, rotation, mask_bias, past_key, past_value
-        )
+    def forward(self, x, step: StepAttention, past_key, past_value):
+        attn_out, present_key, present_value = self.self_attn(self.input_layernorm(x), step, past_key, past_value)
         x = x + attn_out
         x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, new_key, new_value
+        return x, present_key, present_value
 
 
 class Backbone(nn.Module):
@@ -163,7 +145,7 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(
         self, config: ModelConfig, dtype: torch.dtype = torch.float32, quant: QuantSpec | None = None,
-        quantize_lm_head: bool = False,
+        quantize_lm_head: bool = False, max_positions: int | None = None,
     ) -> None:
         super().__init__()
         self.config = config
@@ -173,40 +155,36 @@ class LlamaForCausalLM(nn.Module):
         head_quant = quant if quantize_lm_head else None
         untied = not config.tie_word_embeddings or head_quant is not None
         self.lm_head = make_linear(config.hidden_size, config.vocab_size, False, dtype, head_quant) if untied else None
-        self.register_buffer("rope_inv_freq", rope_inv_freq(config), persistent=False)
-        self.register_buffer("rope_rotation", rotate_half_matrix(config.head_dim, dtype), persistent=False)
+        cos, sin = rotary_tables(config, max_positions or config.max_position_embeddings, dtype)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(
         self,
         input_ids: torch.Tensor,  # [B, T] int64
-        positions: torch.Tensor,  # [B, T] int64
-        past_lens: torch.Tensor,  # [B] int64: valid cached positions per row
-        tree_mask: torch.Tensor,  # [B, T, T] bool
+        positions: torch.Tensor,  # [B, T] int64: rotary positions (a tree node's depth after the cache)
+        past_lens: torch.Tensor,  # [B] int64: valid cached positions per row; new token t goes to past_lens + t
+        query_lens: torch.Tensor,  # [B] int64: real new tokens per row (the rest is padding); 0: the row is idle
+        attention_bias: torch.Tensor,  # [B, 1, T, max(past_lens) + T] float32: 0 = attend, float32 min = masked
         logits_index: torch.Tensor,  # [B, N] int64: which of the T new tokens get logits
-        past_keys: list[torch.Tensor],
+        past_keys: list[torch.Tensor],  # per layer [B, kv_heads, L, head_dim]
         past_values: list[torch.Tensor],
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, ...]:
+        """-> logits [B, N, vocab], hidden [B, N, hidden] (final-normed), present_key.i..., present_value.i..."""
         batch, steps = input_ids.shape
-        past_len = past_keys[0].shape[-1]
-        group = self.config.num_heads // self.config.num_kv_heads
-
-        freqs = positions.unsqueeze(-1).float() * self.rope_inv_freq
-        angles = torch.cat((freqs, freqs), dim=-1).unsqueeze(2)  # [B, T, 1, head_dim]: shared by all heads
-        cos, sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
-
-        # One mask for all layers, rows ordered (query head in group, new token) like the attention scores.
-        cached = torch.arange(past_len, device=input_ids.device).unsqueeze(0) < past_lens.unsqueeze(1)  # [B, L]
-        mask = torch.cat((cached.unsqueeze(1).expand(batch, steps, past_len), tree_mask), dim=-1)
-        mask = mask.unsqueeze(1).expand(batch, group, steps, past_len + steps).reshape(batch, 1, group * steps, past_len + steps)
-        # additive, built once: an Add per layer is much cheaper than a broadcasting Where over the scores
-        mask_bias = torch.zeros(mask.shape, dtype=torch.float32).masked_fill(~mask, torch.finfo(torch.float32).min)
-
+        step = StepAttention(
+            # an idle row with an empty cache counts as holding one position (the kernel wants seqlens_k >= 0)
+            seqlens_k=(past_lens + query_lens - 1).clamp(min=0).to(torch.int32),
+            total_len=(past_lens.max() + steps).to(torch.int32),
+            positions=positions, bias=attention_bias.to(self.dtype), query_lens=query_lens.to(torch.int32),
+            cos=self.rope_cos, sin=self.rope_sin,
+        )
         x = self.model.embed_tokens(input_ids)
-        new_keys, new_values = [], []
+        present_keys, present_values = [], []
         for layer, past_key, past_value in zip(self.model.layers, past_keys, past_values):
-            x, new_key, new_value = layer(x, cos, sin, self.rope_rotation, mask_bias, past_key, past_value)
-            new_keys.append(new_key)
-            new_values.append(new_value)
+            x, present_key, present_value = layer(x, step, past_key, past_value)
+            present_keys.append(present_key)
+            present_values.append(present_value)
 
         index = logits_index.unsqueeze(-1).expand(batch, logits_index.shape[1], x.shape[-1])
         hidden = self.model.norm(torch.gather(x, 1, index))
@@ -214,4 +192,4 @@ class LlamaForCausalLM(nn.Module):
             logits = hidden @ self.model.embed_tokens.weight.t()
         else:
             logits = self.lm_head(hidden)
-        return logits.float(), torch.stack(new_keys), torch.stack(new_values), hidden
+        return (logits.float(), hidden, *present_keys, *present_values)

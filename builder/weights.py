@@ -84,14 +84,15 @@ def load_model(
     quant: QuantSpec | None = None,
     quantize_lm_head: bool = False,
     kept: Mapping[str, QuantSpec] | None = None,
+    max_positions: int | None = None,
 ) -> LlamaForCausalLM:
     """Build the model on the meta device and give each parameter its checkpoint tensor as it streams by.
     Quantized projections quantize each tensor (or fused slice) on arrival: no float copy of them is kept.
     Linears in `kept` (see kept_block_specs) take their checkpoint blocks as they are; `tensors` must then yield
-    those weights as BlockQuantized."""
+    those weights as BlockQuantized. `max_positions`: rows of the rotary tables (every position a call may span)."""
     kept = kept or {}
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, dtype, quant, quantize_lm_head)
+        model = LlamaForCausalLM(config, dtype, quant, quantize_lm_head, max_positions)
         for name, spec in kept.items():
             old = model.get_submodule(name)
             model.set_submodule(name, QuantizedLinear(old.in_features, old.out_features, old.bias is not None, dtype, spec))

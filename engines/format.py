@@ -15,7 +15,9 @@ from typing import Any
 
 from engines.model_config import ModelConfig
 
-SCHEMA_VERSION = 1
+# 2: attention is one fused node per layer writing the cache in place (present_* bound to past_*), K stored
+# [B, kv_heads, L, head_dim] like V, attention_bias replaces tree_mask; 1: new K/V were graph outputs.
+SCHEMA_VERSION = 2
 MANIFEST_NAME = "manifest.json"
 _HASH_CHUNK = 1 << 24
 
@@ -52,12 +54,17 @@ class PhaseSpec:
 
 @dataclass(frozen=True)
 class KVCacheSpec:
+    """The runner owns one buffer per layer for K and one for V and feeds them as `past_key.i` / `past_value.i`;
+    the graph writes each row's new tokens at positions past_lens[b] + t and returns the buffers as
+    `present_key.i` / `present_value.i`, which the runner must bind to the same memory (update "in_place")."""
+
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: str
-    key_layout: str = "batch,kv_heads,head_dim,position"
+    key_layout: str = "batch,kv_heads,position,head_dim"
     value_layout: str = "batch,kv_heads,position,head_dim"
+    update: str = "in_place"
 
 
 @dataclass(frozen=True)

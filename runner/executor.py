@@ -1,5 +1,6 @@
-"""Runs one scheduled piece of work on the engine's phase graphs: maps it to a bucket, pads, feeds the cache views,
-and writes the new K/V back. Knows shapes and buffers, nothing of requests or sampling."""
+"""Runs one scheduled piece of work on the engine's phase graphs: maps it to a bucket, pads, and binds the cache
+rows the call covers (the graph writes the new tokens' K/V into them in place). Knows shapes and buffers, nothing
+of requests or sampling."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import numpy as np
 
 from engines.format import Artifact, PhaseSpec
 from runner.kv_cache import KVCache, bucket_for
+
+MASKED = np.finfo(np.float32).min  # attention bias of a position a token must not see
 
 
 class Executor:
@@ -22,24 +25,35 @@ class Executor:
         self.speculation = manifest.speculation  # None, or how the engine drafts (see builder/build.py)
         self.max_rows = max(self.decode_phase.batch_sizes)
         self.max_chunk = max(self.prefill_phase.steps)
-        self.cache = KVCache(manifest.kv_cache, self.decode_phase.batch_sizes, self.decode_phase.past_lengths)
+        phases = [p for p in manifest.phases.values() if p.graph == self.decode_phase.graph]
+        self.cache = KVCache(manifest.kv_cache, self.decode_phase.batch_sizes, self.decode_phase.past_lengths, _headroom(phases))
+        self._bound: dict[tuple[str, int, int], object] = {}  # (graph, rows) -> graph with those cache rows bound
+        self._bound_generation = self.cache.generation
 
     def reserve(self, rows: int, length: int) -> None:
         """Make room for `rows` rows (row ids below it) of up to `length` positions before a step."""
         self.cache.fit(rows, length)
 
-    def _feeds(self, input_ids, positions, past_lens, tree_mask, logits_index, start_row, stop_row, length=None) -> dict:
-        keys, values = self.cache.views(start_row, stop_row, length)
-        feeds = {
-            "input_ids": input_ids,
-            "positions": positions,
-            "past_lens": past_lens,
-            "tree_mask": tree_mask,
-            "logits_index": logits_index,
-        }
-        feeds.update({f"past_key.{i}": k for i, k in enumerate(keys)})
-        feeds.update({f"past_value.{i}": v for i, v in enumerate(values)})
-        return feeds
+    def _run(self, phase: PhaseSpec, input_ids, positions, past_lens, query_lens, attention_bias, logits_index,
+             start_row: int) -> dict:
+        """One call over cache rows [start_row, start_row + batch): those rows' buffers are bound as the graph's cache
+        inputs and outputs, so the new K/V land in them. Rows with query_lens 0 take no part."""
+        if self._bound_generation != self.cache.generation:  # re-sized: bindings point at freed buffers
+            self._bound.clear()
+            self._bound_generation = self.cache.generation
+        key = (phase.graph, start_row, start_row + len(input_ids))
+        bound = self._bound.get(key)
+        if bound is None:
+            keys, values = self.cache.views(*key[1:])
+            buffers = {}
+            for i, (k, v) in enumerate(zip(keys, values)):
+                buffers[f"past_key.{i}"] = buffers[f"present_key.{i}"] = k
+                buffers[f"past_value.{i}"] = buffers[f"present_value.{i}"] = v
+            bound = self._bound[key] = self.backend.bind(phase.graph, buffers)
+        return bound.run({
+            "input_ids": input_ids, "positions": positions, "past_lens": past_lens, "query_lens": query_lens,
+            "attention_bias": attention_bias, "logits_index": logits_index,
+        })
 
     def prefill(self, row: int, token_ids: list[int], start: int) -> tuple[np.ndarray, np.ndarray]:
         """Run one prompt chunk of one row whose first `start` tokens are cached; returns the last token's logits
@@ -53,53 +67,52 @@ class Executor:
 
     def _chunk(self, phase: PhaseSpec, row: int, token_ids: list[int], start: int) -> tuple[np.ndarray, np.ndarray]:
         count = len(token_ids)
-        causal = np.tril(np.ones((count, count), dtype=bool))
-        input_ids, positions, tree_mask = _row_inputs(token_ids, start, causal, bucket_for(count, phase.steps))
+        steps = bucket_for(count, phase.steps)
+        input_ids = np.zeros((1, steps), np.int64)
+        input_ids[0, :count] = token_ids
+        positions = np.full((1, steps), start, np.int64)  # padding tokens sit at the start: any position in the table
+        positions[0, :count] += np.arange(count)
         logits_index = np.arange(count)[None] if phase.logits == "all" else np.array([[count - 1]])
-        past = bucket_for(max(start, 1), phase.past_lengths)
-        feeds = self._feeds(input_ids, positions, np.array([start], np.int64), tree_mask, logits_index, row, row + 1, past)
-        out = self.backend.run(phase.graph, feeds)
-        self.cache.write(row, start, out["new_keys"][:, 0, :count], out["new_values"][:, 0, :count])
+        bias = np.zeros((1, 1, steps, start + steps), np.float32)  # a chunk is causal, which the graph knows
+        out = self._run(phase, input_ids, positions, np.array([start]), np.array([count]), bias, logits_index, row)
         return out["logits"][0], out["hidden"][0]
 
     def decode(self, rows: list[int], token_ids: list[int], positions: list[int]) -> np.ndarray:
         """One token for each of `rows` (token at `positions`, i.e. that many cached); returns [len(rows), vocab]."""
         batch = bucket_for(max(rows) + 1, self.decode_phase.batch_sizes)
-        input_ids = np.zeros((batch, 1), np.int64)
-        step_positions = np.zeros((batch, 1), np.int64)
+        input_ids, past_lens, query_lens = np.zeros((batch, 1), np.int64), np.zeros(batch, np.int64), np.zeros(batch, np.int64)
         input_ids[rows, 0] = token_ids
-        step_positions[rows, 0] = positions
-        past_lens = step_positions[:, 0].copy()
-        tree_mask = np.ones((batch, 1, 1), dtype=bool)
-        feeds = self._feeds(input_ids, step_positions, past_lens, tree_mask, np.zeros((batch, 1), np.int64), 0, batch)
-        out = self.backend.run(self.decode_phase.graph, feeds)
-        for row, position in zip(rows, positions):
-            self.cache.write(row, position, out["new_keys"][:, row], out["new_values"][:, row])
+        past_lens[rows] = positions
+        query_lens[rows] = 1
+        bias = np.zeros((batch, 1, 1, past_lens.max() + 1), np.float32)
+        zeros = np.zeros((batch, 1), np.int64)
+        out = self._run(self.decode_phase, input_ids, past_lens[:, None], past_lens, query_lens, bias, zeros, 0)
         return out["logits"][rows, 0]
 
     def verify(self, rows: list[int], trees: list[tuple[list[int], np.ndarray]], starts: list[int]) -> Verified:
         """Score a token tree per row, all rows in one call: trees are (node tokens, ancestors mask [n, n]), each
         after its row's `start` cached positions.
 
-        Returns logits [rows, nodes, vocab], hidden states and the nodes' K/V; nothing is written to the cache,
-        since only accepted nodes belong there (`commit` stores them)."""
+        Returns logits [rows, nodes, vocab] and hidden states. Every node's K/V is written after its row's `start`
+        cached positions, in node order; only accepted nodes belong in the cache (`commit` keeps them)."""
         batch = bucket_for(max(rows) + 1, self.verify_phase.batch_sizes)
         steps = bucket_for(max(len(tokens) for tokens, _ in trees), self.verify_phase.steps)
-        input_ids = np.zeros((batch, steps), np.int64)
-        positions = np.zeros((batch, steps), np.int64)
-        past_lens = np.zeros(batch, np.int64)
-        mask = np.broadcast_to(np.eye(steps, dtype=bool), (batch, steps, steps)).copy()
+        input_ids, positions = np.zeros((batch, steps), np.int64), np.zeros((batch, steps), np.int64)
+        past_lens, query_lens = np.zeros(batch, np.int64), np.zeros(batch, np.int64)
+        past_lens[rows] = starts
+        bias = np.zeros((batch, 1, steps, past_lens.max() + steps), np.float32)
         for row, (tokens, tree_mask), start in zip(rows, trees, starts):
-            input_ids[row], positions[row], mask[row] = (a[0] for a in _row_inputs(tokens, start, tree_mask, steps))
-            past_lens[row] = start
-        index = np.broadcast_to(np.arange(steps, dtype=np.int64), (batch, steps)).copy()
-        feeds = self._feeds(input_ids, positions, past_lens, mask, index, 0, batch)
-        out = self.backend.run(self.verify_phase.graph, feeds)
-        return Verified(out["logits"][rows], out["hidden"][rows], out["new_keys"][:, rows], out["new_values"][:, rows])
+            count = query_lens[row] = len(tokens)
+            input_ids[row, :count] = tokens
+            positions[row, :count] = start + tree_mask.sum(axis=1) - 1  # a node's position is its depth
+            bias[row, 0, :count, start:start + count][~tree_mask] = MASKED  # (the graph masks what is causal)
+        index = np.tile(np.arange(steps, dtype=np.int64), (batch, 1))
+        out = self._run(self.verify_phase, input_ids, positions, past_lens, query_lens, bias, index, 0)
+        return Verified(out["logits"][rows], out["hidden"][rows])
 
-    def commit(self, row: int, start: int, verified: Verified, index: int, nodes: list[int]) -> None:
-        """Store the K/V of the accepted `nodes` (root first, then the accepted path) of verified row `index`."""
-        self.cache.write(row, start, verified.new_keys[:, index, nodes], verified.new_values[:, index, nodes])
+    def commit(self, row: int, start: int, nodes: list[int]) -> None:
+        """Keep the K/V of the accepted `nodes` of a verified tree (root first, then the accepted path)."""
+        self.cache.keep(row, start, nodes)
 
     def draft(self, hidden: np.ndarray, last_tokens: list[int]) -> np.ndarray:
         """Draft beams [n, beams, draft_len] (target token ids) from hidden states [n, hidden] and last tokens."""
@@ -117,19 +130,13 @@ class Executor:
 class Verified:
     logits: np.ndarray  # [rows, nodes, vocab]
     hidden: np.ndarray  # [rows, nodes, hidden]
-    new_keys: np.ndarray  # [layers, rows, nodes, kv_heads, head_dim]
-    new_values: np.ndarray
 
 
-def _row_inputs(token_ids: list[int], start: int, tree_mask: np.ndarray, steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One row of `steps` new tokens: the real ones padded with token 0. A token's position is `start` plus its
-    depth in the tree (its index for a causal chain); padding tokens see only themselves, so no row is fully
-    masked."""
-    count = len(token_ids)
-    input_ids = np.zeros((1, steps), np.int64)
-    input_ids[0, :count] = token_ids
-    positions = np.full((1, steps), start, np.int64)
-    positions[0, :count] = start + tree_mask.sum(axis=1) - 1
-    mask = np.eye(steps, dtype=bool)[None]
-    mask[0, :count, :count] = tree_mask
-    return input_ids, positions, mask
+def _headroom(phases: list[PhaseSpec]) -> int:
+    """The most padding tokens a call puts after a row's cached and real positions (the kernel wants room for them):
+    a batched call may pad a one-token row to the largest token bucket; a one-row call (a prompt chunk) pads only
+    to the next bucket."""
+    def most_padding(steps: list[int]) -> int:
+        return max(b - a for a, b in zip([0] + steps, steps)) - 1
+
+    return max(max(p.steps) if max(p.batch_sizes) > 1 else most_padding(p.steps) for p in phases)

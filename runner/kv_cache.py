@@ -1,9 +1,14 @@
-"""The static KV cache the runner owns and feeds to every graph call.
+"""The static KV cache the runner owns and binds to every graph call.
 
 Buffers are sized to a (batch bucket, KV-length bucket) pair and re-sized only when the needed buckets grow (or
-the length can halve), so each step feeds graph inputs that are plain views of them (no copy) and its attention
-cost follows the KV-length bucket in use, not the engine's maximum. The graphs return only the new tokens' K/V, written here in
-place. Layouts (per layer): keys [rows, kv_heads, head_dim, length], values [rows, kv_heads, length, head_dim].
+the length can halve). Each graph call binds per-layer views of them (no copy) as its cache inputs *and* outputs:
+the fused attention writes the new tokens' K/V in place and reads only the positions each row holds, so a step
+costs what the rows hold, not what the buffer could hold. Layout per layer, keys and values alike:
+[rows, kv_heads, positions, head_dim].
+
+Calls are padded (to a batch bucket and a token bucket), but padding never enters the cache: the graph writes
+only each row's real tokens, and rows a batched call passes over are left as they are. Every buffer has
+`headroom` positions past its length bucket, because the kernel wants room for a row's whole padded chunk.
 """
 
 from __future__ import annotations
@@ -23,33 +28,29 @@ def bucket_for(value: int, buckets: list[int]) -> int:
 
 
 class KVCache:
-    def __init__(self, spec: KVCacheSpec, row_buckets: list[int], length_buckets: list[int]) -> None:
+    def __init__(self, spec: KVCacheSpec, row_buckets: list[int], length_buckets: list[int], headroom: int) -> None:
         self.spec = spec
         self.row_buckets = sorted(row_buckets)
         self.length_buckets = sorted(length_buckets)
+        self.headroom = headroom  # the most padding a call adds after a row's real tokens
         self.dtype = np.dtype(spec.dtype)
-        self.keys = self._alloc_keys(0, 0)
-        self.values = self._alloc_values(0, 0)
+        self.generation = 0  # changes whenever the buffers are replaced (bindings of the old ones are stale)
+        self._allocate(0, 0)
 
     @property
     def rows(self) -> int:
         return self.keys.shape[1]
 
     @property
-    def length(self) -> int:
-        return self.keys.shape[-1]
-
-    @property
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
 
-    def _alloc_keys(self, rows: int, length: int) -> np.ndarray:
+    def _allocate(self, rows: int, length: int) -> None:
         s = self.spec
-        return np.zeros((s.num_layers, rows, s.num_kv_heads, s.head_dim, length), self.dtype)
-
-    def _alloc_values(self, rows: int, length: int) -> np.ndarray:
-        s = self.spec
-        return np.zeros((s.num_layers, rows, s.num_kv_heads, length, s.head_dim), self.dtype)
+        shape = (s.num_layers, rows, s.num_kv_heads, length + self.headroom if rows else 0, s.head_dim)
+        self.keys, self.values = np.zeros(shape, self.dtype), np.zeros(shape, self.dtype)
+        self.length = length  # the length bucket: positions a row may hold
+        self.generation += 1
 
     def fit(self, rows: int, length: int) -> None:
         """Make room for `rows` rows of `length` positions, keeping the cached contents.
@@ -62,30 +63,25 @@ class KVCache:
         length = needed if needed > self.length or 2 * needed <= self.length else self.length
         if (rows, length) == (self.rows, self.length):
             return
-        keys, values = self._alloc_keys(rows, length), self._alloc_values(rows, length)
-        keep_rows, keep_len = min(rows, self.rows), min(length, self.length)
-        keys[:, :keep_rows, :, :, :keep_len] = self.keys[:, :keep_rows, :, :, :keep_len]
-        values[:, :keep_rows, :, :keep_len] = self.values[:, :keep_rows, :, :keep_len]
-        self.keys, self.values = keys, values
+        keys, values = self.keys, self.values
+        keep_rows, keep_len = min(rows, keys.shape[1]), min(length, self.length)
+        self._allocate(rows, length)
+        self.keys[:, :keep_rows, :, :keep_len] = keys[:, :keep_rows, :, :keep_len]
+        self.values[:, :keep_rows, :, :keep_len] = values[:, :keep_rows, :, :keep_len]
 
     def release(self) -> None:
         """Give the memory back (nothing is cached any more)."""
-        self.keys, self.values = self._alloc_keys(0, 0), self._alloc_values(0, 0)
+        self._allocate(0, 0)
 
-    def views(self, start_row: int, stop_row: int, length: int | None = None) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """Per-layer caches of rows [start_row, stop_row): views of the buffers (no copy) at the full length, or
-        contiguous copies of the first `length` positions (a prefill chunk needs only what is already cached,
-        and attending over the whole buffer would cost it far more than the copy)."""
+    def views(self, start_row: int, stop_row: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Per-layer buffers of rows [start_row, stop_row): contiguous views, no copy."""
         layers = range(self.spec.num_layers)
-        keys = [self.keys[i, start_row:stop_row] for i in layers]
-        values = [self.values[i, start_row:stop_row] for i in layers]
-        if length is not None and length < self.length:
-            keys = [np.ascontiguousarray(k[..., :length]) for k in keys]
-            values = [np.ascontiguousarray(v[:, :, :length]) for v in values]
-        return keys, values
+        return [self.keys[i, start_row:stop_row] for i in layers], [self.values[i, start_row:stop_row] for i in layers]
 
-    def write(self, row: int, start: int, new_keys: np.ndarray, new_values: np.ndarray) -> None:
-        """Store the K/V of n new tokens of one row: new_* are [layers, n, kv_heads, head_dim] (the graph's output)."""
-        count = new_keys.shape[1]
-        self.keys[:, row, :, :, start:start + count] = new_keys.transpose(0, 2, 3, 1)
-        self.values[:, row, :, start:start + count] = new_values.transpose(0, 2, 1, 3)
+    def keep(self, row: int, start: int, nodes: list[int]) -> None:
+        """A verify call wrote its tree's nodes at start + node index; keep the accepted `nodes` (root first, in path
+        order) as the positions start, start + 1, ... Node indices only grow along a path, so no copy overwrites a
+        node still to be moved."""
+        source = start + np.asarray(nodes)
+        for buffer in (self.keys[:, row], self.values[:, row]):  # [layers, kv_heads, positions, head_dim]
+            buffer[:, :, start:start + len(nodes)] = buffer[:, :, source]

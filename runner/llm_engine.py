@@ -167,7 +167,7 @@ class LLMEngine:
                 path.append(node)
             self.speculation_stats.record(len(path))
             if not request.finished:
-                self.executor.commit(request.row, request.num_computed, verified, index, path)
+                self.executor.commit(request.row, request.num_computed, path)
                 request.num_computed += len(path)
                 to_draft.append((request, verified.hidden[index, node]))
         return events

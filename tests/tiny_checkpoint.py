@@ -26,8 +26,9 @@ CONFIGS = {
             "original_max_position_embeddings": 64,
         },
     },
-    "odd": {"hidden_size": 40, "num_attention_heads": 5, "num_key_value_heads": 5, "intermediate_size": 72,
-            "num_hidden_layers": 3},
+    # head_dim is set apart from hidden / heads: onnxruntime's fused attention needs a multiple of 16
+    "odd": {"hidden_size": 40, "num_attention_heads": 5, "num_key_value_heads": 5, "head_dim": 16,
+            "intermediate_size": 72, "num_hidden_layers": 3},
 }
 
 

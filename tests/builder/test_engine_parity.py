@@ -77,6 +77,6 @@ def test_verify_phase_scores_chains_and_trees_in_one_batch_like_the_reference(en
     assert_logits_close(verified.logits[1, 3], reference_logits(reference, other + [5, 42, 9])[-1])
 
     # keep only the path 5 -> 42 -> 9 of row 1; the next token then sees exactly that history
-    executor.commit(1, len(other), verified, 1, [0, 2, 3])
+    executor.commit(1, len(other), [0, 2, 3])
     logits = executor.decode([1], [11], [len(other) + 3])[0]
     assert_logits_close(logits, reference_logits(reference, other + [5, 42, 9, 11])[-1])

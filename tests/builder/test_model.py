@@ -2,15 +2,29 @@
 
 import torch
 
-from builder.model import rope_inv_freq, rotate_half_matrix
+from builder.model import rope_inv_freq, rotary_tables
 from builder.phases import BuildShapes, kv_ladder, plan_phases
 from engines.model_config import ModelConfig, RopeScaling
+from plugins.attention import rotate
 
 
-def test_rotate_half_matrix_is_exactly_rotate_half():
-    x = torch.randn(5, 16)
-    expected = torch.cat((-x[..., 8:], x[..., :8]), dim=-1)
-    assert torch.equal(x @ rotate_half_matrix(16, torch.float32), expected)
+def test_rotary_tables_and_rotation_are_those_of_transformers():
+    import transformers
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    hf = transformers.LlamaConfig(hidden_size=64, num_attention_heads=2, max_position_embeddings=512, rope_theta=10000.0)
+    config = ModelConfig(vocab_size=8, hidden_size=64, intermediate_size=8, num_layers=1, num_heads=2, num_kv_heads=2,
+                         head_dim=32, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=512,
+                         tie_word_embeddings=True)
+    positions = torch.tensor([[0, 1, 7, 300, 511]])
+    x = torch.randn(1, 1, 5, 32)
+    hf_cos, hf_sin = LlamaRotaryEmbedding(hf)(x, positions)
+    cos, sin = rotary_tables(config, 512, torch.float32)
+    # (our inverse frequencies are computed in float64, transformers' in float32: angles differ by ~2e-6 at 511)
+    torch.testing.assert_close(torch.cat((cos, cos), -1)[positions], hf_cos, rtol=0, atol=4e-6)
+    torch.testing.assert_close(torch.cat((sin, sin), -1)[positions], hf_sin, rtol=0, atol=4e-6)
+    expected, _ = apply_rotary_pos_emb(x, x, hf_cos, hf_sin)
+    torch.testing.assert_close(rotate(x, cos[positions], sin[positions]), expected)
 
 
 def test_llama3_rope_scaling_only_slows_low_frequencies():

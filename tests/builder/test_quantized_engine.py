@@ -33,13 +33,12 @@ def test_quantized_engine_equals_its_quantized_reference(quant, bits, engine_fac
     model = load_model(checkpoint.config, checkpoint.read_tensors(), torch.float32, spec, True)
     prompt = engine.codec.encode(TEXT)
     config = checkpoint.config
-    past = [torch.zeros(1, config.num_kv_heads, config.head_dim, 1)] * config.num_layers
-    past_values = [torch.zeros(1, config.num_kv_heads, 1, config.head_dim)] * config.num_layers
     steps = len(prompt)
+    cache = [torch.zeros(1, config.num_kv_heads, steps, config.head_dim)] * config.num_layers
     with torch.no_grad():
         reference = model(
-            torch.tensor([prompt]), torch.arange(steps)[None], torch.tensor([0]),
-            torch.tril(torch.ones(steps, steps, dtype=torch.bool))[None], torch.tensor([[steps - 1]]), past, past_values,
+            torch.tensor([prompt]), torch.arange(steps)[None], torch.tensor([0]), torch.tensor([steps]),
+            torch.zeros(1, 1, steps, steps), torch.tensor([[steps - 1]]), cache, cache,
         )[0][0, 0].numpy()
     ours = teacher_forced_logits(engine, prompt, [])[0]
     np.testing.assert_allclose(ours, reference, rtol=0, atol=1e-4 * np.abs(reference).max())

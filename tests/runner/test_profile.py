@@ -38,5 +38,5 @@ def test_profile_decode_of_a_tiny_engine(engine_factory):
     profile = profile_decode(engine_dir, ids, new_tokens=12, threads=1)
     assert profile.runs == 12 - 1 - SKIPPED_DECODE_RUNS  # decode runs only: the prefill and the first few are left out
     ops = {o.op: o for o in profile.ops}
-    assert "Softmax" in ops and ops["Softmax"].nodes_per_run == 2  # one per layer of the tiny model
+    assert ops["GroupQueryAttention"].nodes_per_run == 2  # one per layer of the tiny model
     assert 0 < profile.kernel_ms < profile.run_ms

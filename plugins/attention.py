@@ -1,0 +1,143 @@
+"""Attention over the runner-owned KV cache as one fused op: rotary embedding, grouped-query attention, and the new
+tokens' K/V written into the cache in place.
+
+One op, in one place:
+- `torch.ops.plugins.group_query_attention`: the reference (plain torch: rotary, scatter into a copy of the cache,
+  masked softmax attention) used for eager runs and tests, and a fake kernel for torch.export;
+- `onnx_translations`: its lowering to com.microsoft::GroupQueryAttention, the fused kernel onnxruntime runs
+  natively (CPU and CUDA), one node per layer instead of ~25 small ones.
+
+The contract (that of the onnxruntime kernel with right-padded query chunks, so the two agree by construction):
+    qkv            [B, T, (heads + 2 * kv_heads) * head_dim]   the fused projection's output, q | k | v
+    past_key/value [B, kv_heads, L, head_dim]                 the cache buffer rows; L is the buffer's length
+    seqlens_k      [B] int32                                  P_b + Q_b - 1: row b holds P_b positions, adds Q_b
+    total_len      [] int32                                   an upper bound of P_b + T (the bias's width)
+    cos/sin_cache  [positions, head_dim / 2]                  rotary tables
+    position_ids   [B, T] int64                               each new token's rotary position (tree depth)
+    attention_bias [B, 1, T, total_len]                       added to the scores (tree masks; 0 elsewhere)
+    query_lens     [B] int32                                  Q_b: tokens 0..Q_b-1 of row b are real, the rest
+                                                              padding; Q_b = 0: the row takes no part
+  -> out [B, T, heads * head_dim] (rows of padding tokens unspecified), present_key/value: the cache with real
+     token t of row b written at P_b + t, nothing else changed.
+Real token t of row b attends to positions 0..P_b + t (causal over cache and new tokens) plus the bias. With past
+and present bound to the same buffer (IO binding) onnxruntime writes the new K/V in place and reads only the first
+P_b + Q_b positions of each row: a step costs what the rows hold, not what the buffer could hold. The kernel needs
+P_b + T <= L for every row (room for the padded chunk) and head_dim a multiple of 16.
+"""
+
+from __future__ import annotations
+
+import torch
+
+HEAD_DIM_MULTIPLE = 16  # onnxruntime's CPU kernel refuses other head sizes
+
+
+def check_head_dim(head_dim: int) -> None:
+    if head_dim % HEAD_DIM_MULTIPLE:
+        raise ValueError(
+            f"head_dim {head_dim} is not a multiple of {HEAD_DIM_MULTIPLE}, which onnxruntime's fused attention "
+            "(com.microsoft::GroupQueryAttention) requires; Llama-family models use 64 or 128"
+        )
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, halves layout (Hugging Face's rotate_half): x [..., D], cos/sin [..., D/2]."""
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+
+
+@torch.library.custom_op("plugins::group_query_attention", mutates_args=())
+def group_query_attention(
+    qkv: torch.Tensor, past_key: torch.Tensor, past_value: torch.Tensor, seqlens_k: torch.Tensor,
+    total_len: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor, position_ids: torch.Tensor,
+    attention_bias: torch.Tensor, query_lens: torch.Tensor, num_heads: int, kv_heads: int, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reference (eager runs and tests only; the engine runs onnxruntime's fused kernel)."""
+    batch, steps, _ = qkv.shape
+    head_dim = past_key.shape[-1]
+    length = past_key.shape[2]
+    x = qkv.float().view(batch, steps, num_heads + 2 * kv_heads, head_dim)
+    cos, sin = cos_cache.float()[position_ids].unsqueeze(2), sin_cache.float()[position_ids].unsqueeze(2)
+    q = rotate(x[:, :, :num_heads], cos, sin).transpose(1, 2)  # [B, heads, T, D]
+    k = rotate(x[:, :, num_heads:num_heads + kv_heads], cos, sin)  # [B, T, kv_heads, D]
+    v = x[:, :, num_heads + kv_heads:]
+
+    past = seqlens_k.long() + 1 - query_lens.long()  # [B]
+    slots = past.unsqueeze(1) + torch.arange(steps)  # [B, T]: each new token's position
+    real = torch.arange(steps) < query_lens.long().unsqueeze(1)  # [B, T]: padding tokens stay out of the cache
+    rows = torch.arange(batch).unsqueeze(1).expand(batch, steps)
+    present_key, present_value = past_key.clone(), past_value.clone()
+    present_key.transpose(1, 2)[rows[real], slots[real]] = k[real].to(past_key.dtype)
+    present_value.transpose(1, 2)[rows[real], slots[real]] = v[real].to(past_value.dtype)
+
+    group = num_heads // kv_heads
+    keys = present_key.float().repeat_interleave(group, dim=1)  # query head h reads kv head h // group
+    values = present_value.float().repeat_interleave(group, dim=1)
+    scores = (q @ keys.transpose(-1, -2)) * scale  # [B, heads, T, L]
+    bias = torch.zeros(batch, 1, steps, length)
+    bias[..., :attention_bias.shape[-1]] = attention_bias.float()
+    allowed = torch.arange(length) <= slots.unsqueeze(-1)  # [B, T, L]: causal over cache + new tokens
+    scores = (scores + bias).masked_fill(~allowed.unsqueeze(1), float("-inf"))
+    out = torch.softmax(scores, dim=-1) @ values  # [B, heads, T, D]
+    return out.transpose(1, 2).reshape(batch, steps, num_heads * head_dim).to(qkv.dtype), present_key, present_value
+
+
+@group_query_attention.register_fake
+def _(qkv, past_key, past_value, seqlens_k, total_len, cos_cache, sin_cache, position_ids, attention_bias, query_lens,
+      num_heads, kv_heads, scale):
+    head_dim = past_key.shape[-1]
+    return qkv.new_empty(*qkv.shape[:2], num_heads * head_dim), torch.empty_like(past_key), torch.empty_like(past_value)
+
+
+def _register_onnx_schema() -> None:
+    """onnxscript needs the contrib op's schema before it can emit it (onnx ships none for com.microsoft)."""
+    from onnx import defs
+
+    try:
+        defs.get_schema("GroupQueryAttention", 1, "com.microsoft")
+        return
+    except defs.SchemaError:
+        pass
+    param, option = defs.OpSchema.FormalParameter, defs.OpSchema.FormalParameterOption.Optional
+    attribute, kind = defs.OpSchema.Attribute, defs.OpSchema.AttrType
+    inputs = [
+        param("query", "T"), param("key", "T", param_option=option), param("value", "T", param_option=option),
+        param("past_key", "T", param_option=option), param("past_value", "T", param_option=option),
+        param("seqlens_k", "M"), param("total_sequence_length", "M"),
+        param("cos_cache", "T", param_option=option), param("sin_cache", "T", param_option=option),
+        param("position_ids", "tensor(int64)", param_option=option),
+        param("attention_bias", "T", param_option=option),
+    ] + [param(name, "T", param_option=option) for name in ("head_sink", "k_scale", "v_scale", "q_norm_weight", "k_norm_weight")] + [
+        param("query_seqlens", "M", param_option=option),
+    ]
+    defs.register_schema(
+        defs.OpSchema(
+            "GroupQueryAttention", "com.microsoft", 1,
+            inputs=inputs,
+            outputs=[param("output", "T"), param("present_key", "T"), param("present_value", "T")],
+            type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], ""),
+                              ("M", ["tensor(int32)"], "")],
+            attributes=[attribute(n, kind.INT, "") for n in ("num_heads", "kv_num_heads", "do_rotary", "rotary_interleaved")]
+            + [attribute("scale", kind.FLOAT, "")],
+        )
+    )
+
+
+def onnx_translations() -> dict:
+    """custom_translation_table entries for torch.onnx.export."""
+    import onnxscript
+
+    _register_onnx_schema()
+    microsoft = onnxscript.values.Opset("com.microsoft", 1)
+
+    def group_query_attention_to_onnx(qkv, past_key, past_value, seqlens_k, total_len, cos_cache, sin_cache,
+                                      position_ids, attention_bias, query_lens, num_heads: int, kv_heads: int,
+                                      scale: float):
+        unused = (None,) * 5  # head_sink, k_scale, v_scale, q_norm_weight, k_norm_weight
+        return microsoft.GroupQueryAttention(
+            qkv, None, None, past_key, past_value, seqlens_k, total_len, cos_cache, sin_cache, position_ids,
+            attention_bias, *unused, query_lens,
+            num_heads=num_heads, kv_num_heads=kv_heads, scale=scale, do_rotary=1, rotary_interleaved=0,
+        )
+
+    return {torch.ops.plugins.group_query_attention.default: group_query_attention_to_onnx}

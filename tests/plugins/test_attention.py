@@ -1,0 +1,110 @@
+"""The attention plugin: its torch reference against onnxruntime's fused GroupQueryAttention kernel it is lowered to,
+with the cache bound in place as the engine binds it, for every way the engine calls it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from plugins.attention import check_head_dim, group_query_attention, onnx_translations
+
+HEADS, KV_HEADS, HEAD_DIM, POSITIONS = 4, 2, 16, 64
+MASKED = float(np.finfo(np.float32).min)
+
+
+class OneAttention(torch.nn.Module):
+    def forward(self, qkv, past_key, past_value, seqlens_k, total_len, cos, sin, position_ids, bias, query_lens):
+        return group_query_attention(qkv, past_key, past_value, seqlens_k, total_len, cos, sin, position_ids, bias,
+                                     query_lens, HEADS, KV_HEADS, HEAD_DIM ** -0.5)
+
+
+def case(past: list[int], query: list[int], steps: int, length: int = 48, trees: dict | None = None, seed: int = 0):
+    """Inputs of one call: rows holding `past` positions adding `query` real tokens each (padded to `steps`)."""
+    rng = np.random.default_rng(seed)
+    batch = len(past)
+    qkv = rng.standard_normal((batch, steps, (HEADS + 2 * KV_HEADS) * HEAD_DIM), dtype=np.float32)
+    cache = rng.standard_normal((2, batch, KV_HEADS, length, HEAD_DIM), dtype=np.float32)
+    total = max(past) + steps
+    bias = np.zeros((batch, 1, steps, total), np.float32)
+    positions = np.zeros((batch, steps), np.int64)
+    for row, (p, q) in enumerate(zip(past, query)):
+        mask = (trees or {}).get(row, np.tril(np.ones((q, q), bool)))
+        positions[row, :q] = p + mask.sum(axis=1) - 1
+        bias[row, 0, :q, p:p + q][~mask] = MASKED
+    angles = np.arange(POSITIONS)[:, None] * (1.0 / 10000 ** (np.arange(0, HEAD_DIM, 2) / HEAD_DIM))[None]
+    seqlens = np.maximum(np.array(past) + np.array(query) - 1, 0).astype(np.int32)
+    return {
+        "qkv": qkv, "past_key": cache[0], "past_value": cache[1], "seqlens_k": seqlens,
+        "total_len": np.array(total, np.int32), "cos": np.cos(angles).astype(np.float32),
+        "sin": np.sin(angles).astype(np.float32), "position_ids": positions, "bias": bias,
+        "query_lens": np.array(query, np.int32),
+    }
+
+
+def run_onnxruntime(tmp_path, inputs: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str]]:
+    """Export the op alone, run it with past and present bound to the same buffers (as the runner does)."""
+    import onnx
+    import onnxruntime as ort
+
+    args = tuple(torch.from_numpy(v) for v in inputs.values())
+    path = tmp_path / "attention.onnx"
+    torch.onnx.export(OneAttention(), args, str(path), dynamo=True, custom_translation_table=onnx_translations(),
+                      input_names=list(inputs), output_names=["out", "present_key", "present_value"])
+    ops = [n.op_type for n in onnx.load(str(path)).graph.node]
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    keys, values = inputs["past_key"].copy(), inputs["past_value"].copy()
+    binding = session.io_binding()
+    for name, value in inputs.items():
+        if name not in ("past_key", "past_value"):
+            binding.bind_cpu_input(name, value)
+    for past, present, buffer in (("past_key", "present_key", keys), ("past_value", "present_value", values)):
+        binding.bind_input(past, "cpu", 0, np.float32, list(buffer.shape), buffer.ctypes.data)
+        binding.bind_output(present, "cpu", 0, np.float32, list(buffer.shape), buffer.ctypes.data)
+    binding.bind_output("out", "cpu")
+    session.run_with_iobinding(binding)
+    return binding.get_outputs()[-1].numpy(), keys, values, ops
+
+
+CASES = {
+    "first prompt chunk, padded": dict(past=[0], query=[11], steps=16),
+    "later prompt chunk": dict(past=[20], query=[16], steps=16),
+    "decode, three rows, one idle": dict(past=[5, 9, 17], query=[1, 0, 1], steps=1),
+    "decode, idle row with an empty cache": dict(past=[12, 0], query=[1, 0], steps=1),
+    # row 0: a root with two children, the second with a child of its own; row 1: a chain of two, padded
+    "tree verify, two rows": dict(past=[9, 30], query=[4, 2], steps=4, trees={
+        0: np.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], bool)}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_onnx_lowering_is_one_fused_node_matching_the_reference_in_place(tmp_path, name):
+    inputs = case(**CASES[name])
+    out, keys, values, ops = run_onnxruntime(tmp_path, inputs)
+    assert ops == ["GroupQueryAttention"]
+    ref_out, ref_keys, ref_values = (t.numpy() for t in OneAttention()(*(torch.from_numpy(v) for v in inputs.values())))
+    for row, q in enumerate(CASES[name]["query"]):  # outputs of padding tokens and idle rows are unspecified
+        np.testing.assert_allclose(out[row, :q], ref_out[row, :q], rtol=0, atol=2e-5)
+    # the cache: real tokens written at past + t, padding and idle rows leave it as it was
+    np.testing.assert_allclose(keys, ref_keys, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(values, ref_values, rtol=0, atol=1e-6)
+
+
+def test_reference_writes_only_real_tokens_and_attends_causally():
+    inputs = case(past=[3, 6], query=[2, 0], steps=3)
+    out, keys, values = OneAttention()(*(torch.from_numpy(v) for v in inputs.values()))
+    before = inputs["past_value"]
+    changed = (values.numpy() != before).any(axis=(1, 3))  # [rows, positions]
+    assert changed[0].nonzero()[0].tolist() == [3, 4] and not changed[1].any()
+    # token 0 of row 0 sees positions 0..3 only: the values at 4 (token 1's) must not move its output
+    altered = dict(inputs, qkv=inputs["qkv"].copy())
+    altered["qkv"][0, 1, (HEADS + KV_HEADS) * HEAD_DIM:] += 10.0
+    out_altered = OneAttention()(*(torch.from_numpy(v) for v in altered.values()))[0]
+    torch.testing.assert_close(out_altered[0, 0], out[0, 0])
+    assert not torch.allclose(out_altered[0, 1], out[0, 1])
+
+
+def test_head_dims_the_kernel_refuses_are_refused_at_build_time():
+    check_head_dim(64)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        check_head_dim(8)
