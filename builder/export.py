@@ -19,7 +19,7 @@ import torch
 from builder.draft_head import BeamSearchDrafter
 from builder.model import LlamaForCausalLM
 from engines.format import GraphSpec, TensorSpec
-from plugins import attention, quant_linear
+from plugins import attention, norm, quant_linear
 
 GRAPH_FILE = "model.onnx"
 OPSET = 18
@@ -127,7 +127,9 @@ def _export(module: torch.nn.Module, args: tuple, shapes: dict, path: Path, inpu
             dynamo=True,
             optimize=True,
             verbose=False,
-            custom_translation_table={**quant_linear.onnx_translations(), **attention.onnx_translations()},
+            custom_translation_table={
+                **quant_linear.onnx_translations(), **attention.onnx_translations(), **norm.onnx_translations()
+            },
         )
     graph = onnx.load(str(path), load_external_data=False).graph
     return GraphSpec(path.name, [_spec(v) for v in graph.input], [_spec(v) for v in graph.output])

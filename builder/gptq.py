@@ -136,10 +136,11 @@ def gptq_model(
     config = model.config
     steps = tokens.shape[1]
     layers = model.model.layers
-    inputs: list[tuple[torch.Tensor, tuple, dict]] = []  # per chunk: layer 0's input, then its other arguments
+    # per chunk: a layer's input and running residual (see DecoderLayer.forward), then its other arguments
+    inputs: list[tuple[tuple[torch.Tensor, torch.Tensor | None], tuple, dict]] = []
 
     def capture(module, args, kwargs):
-        inputs.append((args[0], args[1:], kwargs))
+        inputs.append((args[:2], args[2:], kwargs))
         raise _StopForward
 
     handle = layers[0].register_forward_pre_hook(capture, with_kwargs=True)
@@ -162,17 +163,17 @@ def gptq_model(
         collectors = {name: _HessianCollector(layer.get_submodule(name).weight.shape[1]) for name in _LINEARS}
         handles = [layer.get_submodule(name).register_forward_pre_hook(c) for name, c in collectors.items()]
         for x, args, kwargs in inputs:
-            layer(x, *args, **kwargs)
+            layer(*x, *args, **kwargs)
         for h in handles:
             h.remove()
         for name, collector in collectors.items():
             layer.set_submodule(name, _quantized_copy(layer.get_submodule(name), spec, collector.hessian, options))
-        inputs = [(layer(x, *args, **kwargs)[0], args, kwargs) for x, args, kwargs in inputs]
+        inputs = [(layer(*x, *args, **kwargs)[:2], args, kwargs) for x, args, kwargs in inputs]
         log(f"      GPTQ layer {index + 1}/{len(layers)}")
     if quantize_lm_head:
         collector = _HessianCollector(config.hidden_size)
         for x, _, _ in inputs:
-            collector(None, (model.model.norm(x),))
+            collector(None, (model.model.norm(*x)[0],))
         head = model.lm_head if model.lm_head is not None else model.model.embed_tokens
         model.lm_head = _quantized_copy(head, spec, collector.hessian, options)
         log("      GPTQ LM head")

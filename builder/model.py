@@ -24,6 +24,7 @@ from torch import nn
 from engines.model_config import ModelConfig
 from plugins.attention import group_query_attention
 from plugins.linear import make_linear
+from plugins.norm import add_rms_norm, rms_norm
 from plugins.quant_linear import QuantSpec
 
 
@@ -58,12 +59,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 whatever the weight dtype, as the reference implementation does. Written as
-        # x / sqrt(...) because onnxruntime fuses that pattern into one SimplifiedLayerNormalization kernel.
-        x32 = x.float()
-        x32 = x32 / torch.sqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (norm(x + residual), x + residual): the residual add fused with the norm that follows it (one kernel
+        in the engine); without a residual, (norm(x), x)."""
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps), x
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 @dataclass(frozen=True)
@@ -124,11 +125,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config, dtype, quant)
 
-    def forward(self, x, step: StepAttention, past_key, past_value):
-        attn_out, present_key, present_value = self.self_attn(self.input_layernorm(x), step, past_key, past_value)
-        x = x + attn_out
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, present_key, present_value
+    def forward(self, x, residual, step: StepAttention, past_key, past_value):
+        """x: the previous layer's output, not yet added to `residual`, the running sum (None before the first
+        layer, whose x is the embedding). Returns this layer's output and the running sum, kept apart the same way
+        so each residual add is fused with the norm after it."""
+        h, residual = self.input_layernorm(x, residual)
+        attn_out, present_key, present_value = self.self_attn(h, step, past_key, past_value)
+        h, residual = self.post_attention_layernorm(attn_out, residual)
+        return self.mlp(h), residual, present_key, present_value
 
 
 class Backbone(nn.Module):
@@ -179,15 +183,15 @@ class LlamaForCausalLM(nn.Module):
             positions=positions, bias=attention_bias.to(self.dtype), query_lens=query_lens.to(torch.int32),
             cos=self.rope_cos, sin=self.rope_sin,
         )
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         present_keys, present_values = [], []
         for layer, past_key, past_value in zip(self.model.layers, past_keys, past_values):
-            x, present_key, present_value = layer(x, step, past_key, past_value)
+            x, residual, present_key, present_value = layer(x, residual, step, past_key, past_value)
             present_keys.append(present_key)
             present_values.append(present_value)
 
         index = logits_index.unsqueeze(-1).expand(batch, logits_index.shape[1], x.shape[-1])
-        hidden = self.model.norm(torch.gather(x, 1, index))
+        hidden, _ = self.model.norm(torch.gather(x, 1, index), torch.gather(residual, 1, index))
         if self.lm_head is None:
             logits = hidden @ self.model.embed_tokens.weight.t()
         else:

@@ -1,0 +1,51 @@
+"""Compare two engines in one process, their runs alternating, so slow drifts of a noisy machine hit both alike.
+
+    python benchmarks/ab.py ENGINE_A ENGINE_B [--runs 10] [--threads 2] [--long-prompt-tokens 650]
+
+Separate `runner bench` runs of the same engine on this project's VM differ by 10-20%; an A/B of a change that
+gains 5% needs pairs. Each round times A then B (then B then A in the next round) on the same greedy prompt and
+prints the median decode tok/s and TTFT of each and the median of the per-round ratios B/A. Both engines must be
+ones this runner can open (same artifact schema). Run an engine against itself first to see the floor: A/A gave
+B/A decode 1.013 (0.967..1.085) and TTFT 0.81 here (the second session loaded is a little faster).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import click
+
+from runner.bench import chat_prompts, time_generation
+from runner.llm_engine import LLMEngine
+
+
+@click.command()
+@click.argument("engine_a", type=click.Path(exists=True))
+@click.argument("engine_b", type=click.Path(exists=True))
+@click.option("--runs", default=10, show_default=True)
+@click.option("--threads", type=int, default=2, show_default=True)
+@click.option("--new-tokens", default=128, show_default=True)
+@click.option("--long-prompt-tokens", default=0, show_default=True, help="0: the short chat prompt.")
+def main(engine_a: str, engine_b: str, runs: int, threads: int, new_tokens: int, long_prompt_tokens: int) -> None:
+    engines = {"A": LLMEngine(engine_a, threads=threads), "B": LLMEngine(engine_b, threads=threads)}
+    prompts = chat_prompts(engines["A"].codec, long_prompt_tokens)
+    prompt = prompts["long"] if long_prompt_tokens else prompts["short"]
+    for engine in engines.values():
+        time_generation(engine, prompt, 16)  # warm-up
+    timings = {"A": [], "B": []}
+    for round_ in range(runs):
+        for name in ("A", "B") if round_ % 2 == 0 else ("B", "A"):
+            timings[name].append(time_generation(engines[name], prompt, new_tokens))
+    print(f"{len(prompt)}-token prompt, {new_tokens} new tokens, {runs} rounds, {threads} threads")
+    for name, path in (("A", engine_a), ("B", engine_b)):
+        decode = statistics.median(t.decode_tok_s for t in timings[name])
+        ttft = statistics.median(t.ttft_ms for t in timings[name])
+        print(f"{name}: decode {decode:7.1f} tok/s   TTFT {ttft:7.1f} ms   {path}")
+    ratios = [b.decode_tok_s / a.decode_tok_s for a, b in zip(timings["A"], timings["B"])]
+    ttft_ratios = [b.ttft_ms / a.ttft_ms for a, b in zip(timings["A"], timings["B"])]
+    print(f"B/A decode: median {statistics.median(ratios):.3f} (rounds {min(ratios):.3f}..{max(ratios):.3f}); "
+          f"TTFT {statistics.median(ttft_ratios):.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""RMSNorm, and the residual add + RMSNorm pair that every decoder layer runs twice, as one fused op.
+
+- `rms_norm`: plain torch, written as x / sqrt(mean(x^2) + eps) because onnxruntime fuses that pattern into one
+  SimplifiedLayerNormalization kernel (the first layer's input norm);
+- `torch.ops.plugins.add_rms_norm`: (x + residual, rms_norm(x + residual)) with its reference and fake kernel,
+  lowered to com.microsoft::SkipSimplifiedLayerNormalization. onnxruntime's own fusion of Add + norm does not fire
+  on our graph (the running sum feeds the next add too), and an unfused Add per norm is ~60 more nodes per step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalise in fp32 whatever the weight dtype, as the reference implementation does.
+    x32 = x.float()
+    x32 = x32 / torch.sqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+@torch.library.custom_op("plugins::add_rms_norm", mutates_args=())
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (rms_norm(x + residual), x + residual). Reference for eager runs and tests."""
+    total = x + residual
+    return rms_norm(total, weight, eps), total
+
+
+@add_rms_norm.register_fake
+def _(x, residual, weight, eps):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+def _register_onnx_schema() -> None:
+    """onnxscript needs the contrib op's schema before it can emit it (onnx ships none for com.microsoft)."""
+    from onnx import defs
+
+    try:
+        defs.get_schema("SkipSimplifiedLayerNormalization", 1, "com.microsoft")
+        return
+    except defs.SchemaError:
+        pass
+    param, option = defs.OpSchema.FormalParameter, defs.OpSchema.FormalParameterOption.Optional
+    defs.register_schema(
+        defs.OpSchema(
+            "SkipSimplifiedLayerNormalization", "com.microsoft", 1,
+            inputs=[param("input", "T"), param("skip", "T"), param("gamma", "T"), param("bias", "T", param_option=option)],
+            outputs=[param("output", "T"), param("mean", "U", param_option=option),
+                     param("inv_std_var", "U", param_option=option), param("input_skip_bias_sum", "T", param_option=option)],
+            type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], ""), ("U", ["tensor(float)"], "")],
+            attributes=[defs.OpSchema.Attribute("epsilon", defs.OpSchema.AttrType.FLOAT, "")],
+        )
+    )
+
+
+def onnx_translations() -> dict:
+    """custom_translation_table entries for torch.onnx.export."""
+    import onnxscript
+
+    _register_onnx_schema()
+    microsoft = onnxscript.values.Opset("com.microsoft", 1)
+
+    def add_rms_norm_to_onnx(x, residual, weight, eps: float):
+        normed, _, _, total = microsoft.SkipSimplifiedLayerNormalization(x, residual, weight, epsilon=eps)
+        return normed, total
+
+    return {torch.ops.plugins.add_rms_norm.default: add_rms_norm_to_onnx}
