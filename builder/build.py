@@ -15,16 +15,19 @@ from tokenizers import Tokenizer
 
 from builder import __version__
 from builder.draft_head import BeamSearchDrafter, load_draft_head
-from builder.export import export_draft_graph, export_step_graph
+from builder.export import export_draft_graph, export_sampler_graph, export_step_graph
 from builder.gptq import GPTQOptions, calibration_tokens, gptq_model
 from builder.loaders import load_checkpoint
+from builder.sampler import TOP_LOGPROBS
 from builder.loaders.default import DEFAULT_MODEL_NAME
 from builder.phases import STEP_GRAPH, BuildShapes, plan_phases
 from builder.weights import kept_block_specs, linear_sources, load_model
 from plugins.attention import check_head_dim
 from plugins.quant_linear import QuantSpec
 from engines.resources import peak_rss_mb
-from engines.format import SCHEMA_VERSION, KVCacheSpec, Manifest, TokenizerInfo, open_artifact, write_manifest
+from engines.format import (
+    SCHEMA_VERSION, KVCacheSpec, Manifest, SamplerSpec, TokenizerInfo, open_artifact, write_manifest,
+)
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 QUANT_BITS = {"int8": 8, "int4": 4, "gptq": 4}
@@ -33,6 +36,7 @@ QUANT_BITS = {"int8": 8, "int4": 4, "gptq": 4}
 DEFAULT_GROUP = {"int4": 32, "int8": 128, "gptq": 32}
 TOKENIZER_FILE = "tokenizer.json"
 DRAFT_GRAPH = "draft"
+SAMPLER_GRAPH = "sampler"
 SPECULATION_METHODS = ("none", "redrafter", "prompt-lookup")
 PROMPT_LOOKUP_MAX_NGRAM = 3
 # The draft graph's linears: int8 groups of 128 with int8 compute (0.7 ms per 3x4 beam search for the default
@@ -76,6 +80,13 @@ class BuildOptions:
         if self.source == DEFAULT_MODEL_NAME:
             return SHIPPED_DRAFT_HEAD
         raise ValueError("--speculative redrafter needs --draft-head (train one with `builder train-drafter ENGINE`)")
+
+    @property
+    def tree_depth(self) -> int:
+        """The most drafts one speculative step can accept: its deepest beam."""
+        if self.speculative == "redrafter":
+            return max(self.draft_len, self.prompt_lookup_len)
+        return self.draft_len if self.speculative == "prompt-lookup" else 0
 
     @property
     def tree_nodes(self) -> int:
@@ -217,9 +228,10 @@ def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> B
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        step(3, "tracing the step graph with torch.export and emitting ONNX")
+        step(3, "tracing the step and sampler graphs with torch.export and emitting ONNX")
         graphs = {STEP_GRAPH: export_step_graph(model, staging, max_seq_len)}
         del model
+        graphs[SAMPLER_GRAPH] = export_sampler_graph(config.vocab_size, options.tree_depth, staging)
         if drafter is not None:
             step(4, f"exporting the ReDrafter draft graph from {draft_head_path}")
             graphs[DRAFT_GRAPH] = export_draft_graph(drafter, staging)
@@ -238,6 +250,7 @@ def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> B
             graphs=graphs,
             phases=plan_phases(shapes),
             kv_cache=KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, _numpy_dtype(options.dtype)),
+            sampler=SamplerSpec(SAMPLER_GRAPH, options.tree_depth, TOP_LOGPROBS),
             quantization=quantization,
             speculation=speculation,
         )

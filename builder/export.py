@@ -9,8 +9,10 @@ optimisation profile per bucket from the same graph.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import logging
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -18,6 +20,9 @@ import torch
 
 from builder.draft_head import BeamSearchDrafter
 from builder.model import LlamaForCausalLM
+from builder.sampler import INPUT_NAMES as SAMPLER_INPUT_NAMES
+from builder.sampler import OUTPUT_NAMES as SAMPLER_OUTPUT_NAMES
+from builder.sampler import CANDIDATES, Sampler
 from engines.format import GraphSpec, TensorSpec
 from plugins import attention, norm, quant_linear
 
@@ -40,6 +45,7 @@ def output_names(num_layers: int) -> list[str]:
 
 
 DRAFT_GRAPH_FILE = "draft.onnx"
+SAMPLER_GRAPH_FILE = "sampler.onnx"
 DRAFT_INPUT_NAMES = ["hidden", "last_token"]
 DRAFT_OUTPUT_NAMES = ["draft_tokens", "draft_scores"]
 
@@ -94,6 +100,37 @@ def export_step_graph(model: LlamaForCausalLM, out_dir: Path, max_seq_len: int) 
         model, example_inputs(model), dynamic_shapes(num_layers, max_seq_len), out_dir / GRAPH_FILE,
         input_names(num_layers), output_names(num_layers), external_data=True,
     )
+
+
+def export_sampler_graph(vocab_size: int, max_depth: int, out_dir: Path, candidates: int = CANDIDATES) -> GraphSpec:
+    """The sampler (builder/sampler.py) for this vocabulary and tree depth; rows and tree nodes are dynamic."""
+    graph, spec = _sampler_graph(vocab_size, max_depth, candidates)
+    (out_dir / SAMPLER_GRAPH_FILE).write_bytes(graph)
+    return spec
+
+
+@functools.cache
+def _sampler_graph(vocab_size: int, max_depth: int, candidates: int) -> tuple[bytes, GraphSpec]:
+    """Exported once per process and shape (~9 s, most of it converting the conditional branches): it has no
+    weights, so every engine with this vocabulary and depth gets the same bytes."""
+    batch, nodes = torch.export.Dim("batch", min=1, max=1024), torch.export.Dim("nodes", min=1, max=1024)
+    args = (
+        torch.zeros(2, 3, vocab_size), torch.zeros(2, 3, dtype=torch.long), torch.full((2, 3), -1),
+        torch.eye(3, dtype=torch.bool).expand(2, 3, 3).clone(), torch.zeros(2, 3, 2), torch.ones(2),
+        torch.zeros(2, dtype=torch.long), torch.ones(2), torch.zeros(2), torch.ones(2), torch.zeros(2), torch.zeros(2),
+        torch.zeros(2, vocab_size), torch.zeros(2, vocab_size, dtype=torch.bool),
+        torch.zeros(2, vocab_size, dtype=torch.bool), torch.zeros(2, dtype=torch.long), torch.tensor(False),
+    )
+    per_row = {0: batch}
+    per_node = {0: batch, 1: nodes}
+    shapes = dict(zip(SAMPLER_INPUT_NAMES, [
+        per_node, per_node, per_node, {0: batch, 1: nodes, 2: nodes}, per_node, *[per_row] * 11, {},
+    ]))
+    with tempfile.TemporaryDirectory() as scratch:
+        path = Path(scratch) / SAMPLER_GRAPH_FILE
+        spec = _export(Sampler(max_depth, candidates), args, shapes, path, SAMPLER_INPUT_NAMES, SAMPLER_OUTPUT_NAMES,
+                       external_data=False)
+        return path.read_bytes(), spec
 
 
 def export_draft_graph(drafter: BeamSearchDrafter, out_dir: Path) -> GraphSpec:

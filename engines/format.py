@@ -15,9 +15,10 @@ from typing import Any
 
 from engines.model_config import ModelConfig
 
+# 3: a sampler graph chooses every token (sampling and speculative acceptance in the engine);
 # 2: attention is one fused node per layer writing the cache in place (present_* bound to past_*), K stored
 # [B, kv_heads, L, head_dim] like V, attention_bias replaces tree_mask; 1: new K/V were graph outputs.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 MANIFEST_NAME = "manifest.json"
 _HASH_CHUNK = 1 << 24
 
@@ -68,6 +69,15 @@ class KVCacheSpec:
 
 
 @dataclass(frozen=True)
+class SamplerSpec:
+    """The graph that chooses tokens: sampling and speculative acceptance (see builder/sampler.py)."""
+
+    graph: str  # key into Manifest.graphs
+    max_depth: int  # the most drafts one step can accept (0 for an engine that does not speculate)
+    top_logprobs: int  # the most alternatives it reports per token
+
+
+@dataclass(frozen=True)
 class TokenizerInfo:
     file: str
     chat_template: str | None
@@ -95,6 +105,7 @@ class Manifest:
     graphs: dict[str, GraphSpec]
     phases: dict[str, PhaseSpec]
     kv_cache: KVCacheSpec
+    sampler: SamplerSpec
     quantization: dict[str, Any] = field(default_factory=lambda: {"method": "none"})
     speculation: dict[str, Any] | None = None
     tensor_parallel: int = 1
@@ -125,6 +136,7 @@ class Manifest:
             graphs=graphs,
             phases={key: PhaseSpec(**p) for key, p in data["phases"].items()},
             kv_cache=KVCacheSpec(**data["kv_cache"]),
+            sampler=SamplerSpec(**data["sampler"]),
             quantization=data.get("quantization", {"method": "none"}),
             speculation=data.get("speculation"),
             tensor_parallel=data.get("tensor_parallel", 1),

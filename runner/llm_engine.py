@@ -14,14 +14,27 @@ from engines.backends import open_backend
 from engines.format import open_artifact
 from runner.executor import Executor
 from runner.request import Request, TokenLogprob
-from runner.sampling import SamplingParams, apply_penalties, sample_token, top_logprobs
-from runner.speculative import SpeculationStats, choose_token, pack_tree, prompt_lookup_draft
+from runner.sampler import Sampler
+from runner.sampling import SamplingParams
+from runner.speculative import SpeculationStats, TokenTree, pack_tree, prompt_lookup_draft
 from runner.scheduler import Scheduler
 from runner.tokenizer import IncrementalDetokenizer, TextCodec
 
 
 class PromptError(ValueError):
     """A prompt this engine cannot serve (empty, too long, token ids out of range)."""
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """A row the sampler graph chooses tokens for this step."""
+
+    request: Request
+    tree: TokenTree  # a verify call's draft tree, or the root alone (the first token after a prompt; plain decode)
+    logits: np.ndarray  # the target's logits at the tree's nodes [>= nodes, vocab]
+    hidden: np.ndarray | None = None  # hidden states at the nodes (where a draft head starts from)
+    verified: bool = False  # its nodes' K/V wait in the cache for the accepted path to be kept
+    outputs_before: int = 0
 
 
 @dataclass(frozen=True)
@@ -42,18 +55,17 @@ class LLMEngine:
         manifest = self.artifact.manifest
         self.manifest = manifest
         self.codec = TextCodec(self.artifact.path(manifest.tokenizer.file), manifest.tokenizer)
-        self.executor = Executor(self.artifact, open_backend(self.artifact, threads=threads, profile_prefix=profile_prefix))
+        backend = open_backend(self.artifact, threads=threads, profile_prefix=profile_prefix)
+        self.executor = Executor(self.artifact, backend)
         rows = self.executor.max_rows if max_batch is None else max_batch
         if not 1 <= rows <= self.executor.max_rows:
             raise ValueError(f"max_batch must be in [1, {self.executor.max_rows}] for this engine (built with --max-batch)")
         self.scheduler = Scheduler(rows, self.executor.max_chunk)
-        self.eos_token_ids = set(manifest.model.eos_token_ids)
+        self.sampler = Sampler(backend, manifest.sampler, manifest.model.vocab_size, set(manifest.model.eos_token_ids))
         self.speculation = manifest.speculation  # None for a plain engine
         self.speculation_stats = SpeculationStats()
-        # positions a generating request may add to the cache in one step: the root plus its accepted drafts, as
-        # deep as the deepest beam (the head's, or a longer prompt-lookup beam)
-        spec = self.speculation or {}
-        self.tokens_per_generation_step = 1 + max(spec.get("draft_len", 0), spec.get("prompt_lookup_len", 0))
+        # positions a generating request may add to the cache in one step: the root plus its accepted drafts
+        self.tokens_per_generation_step = 1 + manifest.sampler.max_depth
         self._ids = itertools.count()
 
     @property
@@ -112,36 +124,52 @@ class LLMEngine:
         length = min(self.max_seq_len, max(r.num_computed + scheduled.get(id(r), 0) for r in self.scheduler.running))
         self.executor.reserve(self.scheduler.rows_in_use(), length)
 
-        events: list[TokenEvent] = []
-        to_draft: list[tuple[Request, np.ndarray]] = []  # requests that need new drafts, with their hidden states
+        pending: list[_Pending] = []  # rows whose next tokens the sampler graph chooses this step
         if step.decode and self.speculation is not None:
-            events += self._verify(step.decode, to_draft)
+            pending += self._verify(step.decode)
         elif step.decode:
             logits = self.executor.decode(
                 [r.row for r in step.decode], [r.output_token_ids[-1] for r in step.decode], [r.num_computed for r in step.decode]
             )
             for request, row_logits in zip(step.decode, logits):
                 request.num_computed += 1
-                events.append(self._append_token(request, row_logits))
+                pending.append(_Pending(request, pack_tree(request.output_token_ids[-1], [], 0), row_logits[None]))
         if step.prefill is not None:
             request, count = step.prefill
             start = request.num_computed
             row_logits, hidden = self.executor.prefill(request.row, request.prompt_token_ids[start:start + count], start)
             request.num_computed += count
             if not request.prefilling:
-                events.append(self._append_token(request, row_logits))
-                if self.speculation is not None and not request.finished:
-                    to_draft.append((request, hidden))
+                root = pack_tree(request.prompt_token_ids[-1], [], 0)
+                pending.append(_Pending(request, root, row_logits[None], hidden[None]))
+        if not pending:
+            return []
+        started = time.perf_counter()
+        sampled = self.sampler.sample([(p.request, p.tree, p.logits) for p in pending])
+        if self.speculation is not None:
+            self.speculation_stats.verify_seconds += time.perf_counter() - started  # acceptance is part of verifying
+        events, to_draft = [], []
+        for row, result in zip(pending, sampled):
+            request = row.request
+            for token, logprob in zip(result.tokens, result.logprobs or [None] * len(result.tokens)):
+                events.append(self._emit(request, token, logprob))
+                if request.finished:
+                    break
+            if row.verified:
+                self.speculation_stats.record(len(request.output_token_ids) - row.outputs_before)
+                if not request.finished:
+                    self.executor.commit(request.row, request.num_computed, result.path)
+                    request.num_computed += len(result.path)
+            if self.speculation is not None and not request.finished:
+                to_draft.append((request, row.hidden[result.path[-1]]))  # drafting resumes where acceptance stopped
         if to_draft:
             self._draft(to_draft)
         if not self.scheduler.running:
             self.executor.cache.release()
         return events
 
-    def _verify(self, requests: list[Request], to_draft: list[tuple[Request, np.ndarray]]) -> list[TokenEvent]:
-        """One speculative step for generating requests: verify each one's draft tree, walk it with the exact
-        acceptance rule (runner/speculative.py), keep the accepted nodes' K/V, and queue the request for drafting
-        from its last accepted node."""
+    def _verify(self, requests: list[Request]) -> list[_Pending]:
+        """Score each generating request's draft tree (one verify call for all); the sampler graph then accepts."""
         trees = []
         for request in requests:
             room = min(request.params.max_tokens - len(request.output_token_ids), self.max_seq_len - request.num_tokens)
@@ -151,26 +179,10 @@ class LLMEngine:
             [r.row for r in requests], [(t.tokens, t.mask) for t in trees], [r.num_computed for r in requests]
         )
         self.speculation_stats.verify_seconds += time.perf_counter() - started
-        events = []
-        for index, (request, tree) in enumerate(zip(requests, trees)):
-            node, path = 0, [0]
-            while True:
-                children = tree.children(node)
-                logits = verified.logits[index, node]
-                token, accepted = choose_token(
-                    self._adjusted_logits(request, logits), request.params, request.rng, [tree.tokens[c] for c in children]
-                )
-                events.append(self._emit(request, token, logits))
-                if request.finished or accepted is None:
-                    break
-                node = children[accepted]
-                path.append(node)
-            self.speculation_stats.record(len(path))
-            if not request.finished:
-                self.executor.commit(request.row, request.num_computed, path)
-                request.num_computed += len(path)
-                to_draft.append((request, verified.hidden[index, node]))
-        return events
+        return [
+            _Pending(request, tree, verified.logits[index], verified.hidden[index], True, len(request.output_token_ids))
+            for index, (request, tree) in enumerate(zip(requests, trees))
+        ]
 
     def _draft(self, requests: list[tuple[Request, np.ndarray]]) -> None:
         """New drafts for the next step: the draft graph's beams from each request's hidden state (ReDrafter), and/or
@@ -189,37 +201,18 @@ class LLMEngine:
                 request.drafts.append(prompt_lookup_draft(context, lookup_len, spec["max_ngram"]))
         self.speculation_stats.draft_seconds += time.perf_counter() - started
 
-    def _stop_ids(self, params: SamplingParams) -> set[int]:
-        return set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
-
-    def _adjusted_logits(self, request: Request, logits: np.ndarray) -> np.ndarray:
-        """The logits the next token is chosen from: penalties, and stop tokens banned until min_tokens."""
-        params = request.params
-        adjusted = apply_penalties(logits, params, request.prompt_token_ids, request.output_token_ids)
-        stop_ids = self._stop_ids(params)
-        if len(request.output_token_ids) < params.min_tokens and stop_ids:
-            adjusted = adjusted.copy() if adjusted is logits else adjusted
-            adjusted[list(stop_ids)] = -np.inf
-        return adjusted
-
-    def _append_token(self, request: Request, logits: np.ndarray) -> TokenEvent:
-        token = sample_token(self._adjusted_logits(request, logits), request.params, request.rng)
-        return self._emit(request, token, logits)
-
-    def _emit(self, request: Request, token: int, raw_logits: np.ndarray) -> TokenEvent:
+    def _emit(self, request: Request, token: int, logprob: TokenLogprob | None) -> TokenEvent:
         """Append a chosen token: logprobs, detokenization, stop strings/tokens and length limits."""
         params = request.params
-        if params.logprobs is not None:
-            # the model's own distribution, before penalties and sampling filters (vLLM's default)
-            logprobs, top = top_logprobs(raw_logits, params.logprobs)
-            request.logprobs.append(TokenLogprob(token, float(logprobs[token]), [(int(t), float(logprobs[t])) for t in top]))
+        if logprob is not None:
+            request.logprobs.append(logprob)
         request.output_token_ids.append(token)
         request.detokenizer.push(token)
 
         reason = None
         full_text = request.detokenizer.text
         visible = full_text
-        if token in self._stop_ids(params):
+        if token in self.sampler.stop_ids(request):
             reason = "stop"
         for stop in params.stop:
             index = full_text.find(stop)

@@ -1,14 +1,13 @@
-"""Per-request sampling parameters and the host-side sampler (numpy).
+"""Per-request sampling parameters, validated where they enter.
 
-Names and defaults follow vLLM's SamplingParams. Every request owns a seeded generator, so a seed gives the same
-output whatever else runs in the batch.
+Names and defaults follow vLLM's SamplingParams. The sampling itself runs in the engine's sampler graph
+(builder/sampler.py, fed by runner/sampler.py); every request owns a seeded generator whose uniforms it takes, so a
+seed gives the same output whatever else runs in the batch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import numpy as np
 
 
 @dataclass
@@ -69,62 +68,3 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
-
-
-def apply_penalties(logits: np.ndarray, params: SamplingParams, prompt_ids: list[int], output_ids: list[int]) -> np.ndarray:
-    """vLLM's penalties: repetition over prompt + output (divide positive logits, multiply negative ones), then
-    presence and frequency over the output only. Returns `logits` itself when no penalty is set."""
-    if params.repetition_penalty == 1.0 and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0:
-        return logits
-    logits = logits.astype(np.float32, copy=True)
-    if params.repetition_penalty != 1.0:
-        seen = np.unique(np.asarray(prompt_ids + output_ids, dtype=np.int64))
-        values = logits[seen]
-        logits[seen] = np.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
-    if output_ids and (params.presence_penalty or params.frequency_penalty):
-        tokens, counts = np.unique(np.asarray(output_ids, dtype=np.int64), return_counts=True)
-        logits[tokens] -= params.frequency_penalty * counts + params.presence_penalty
-    return logits
-
-
-def top_logprobs(logits: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
-    """Log-softmax of the model's logits and the ids of the `count` most likely tokens."""
-    shifted = logits.astype(np.float64) - logits.max()
-    logprobs = shifted - np.log(np.exp(shifted).sum())
-    top = np.argsort(-logprobs, kind="stable")[:count]
-    return logprobs, top
-
-
-def processed_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """The distribution a token is drawn from: temperature, then top-k, top-p and min-p filtering."""
-    scaled = logits.astype(np.float64) / params.temperature
-    if 0 < params.top_k < scaled.shape[-1]:
-        kth = np.partition(scaled, -params.top_k)[-params.top_k]
-        scaled = np.where(scaled < kth, -np.inf, scaled)
-    probs = np.exp(scaled - scaled.max())
-    probs /= probs.sum()
-    if params.top_p < 1.0:
-        order = np.argsort(-probs, kind="stable")
-        cumulative = np.cumsum(probs[order])
-        # keep the smallest prefix whose mass reaches top_p (the token that crosses it included)
-        keep = cumulative - probs[order] < params.top_p
-        filtered = np.zeros_like(probs)
-        filtered[order[keep]] = probs[order[keep]]
-        probs = filtered / filtered.sum()
-    if params.min_p > 0.0:
-        probs = np.where(probs < params.min_p * probs.max(), 0.0, probs)
-        probs /= probs.sum()
-    return probs
-
-
-def sample_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
-    if params.greedy:
-        return int(np.argmax(logits))
-    return sample_from(processed_probs(logits, params), rng)
-
-
-def sample_from(probs: np.ndarray, rng: np.random.Generator) -> int:
-    """Inverse-CDF with one uniform draw per token (the draw sequence depends only on the request's seed); `probs`
-    need not be normalised."""
-    index = int(np.searchsorted(np.cumsum(probs), rng.random() * probs.sum(), side="right"))
-    return min(index, probs.shape[-1] - 1)

@@ -1,14 +1,15 @@
-"""The host side of speculative decoding: draft beams -> a token tree to verify, and the exact acceptance rule.
+"""The host side of speculative decoding: draft beams -> a token tree to verify, and prompt-lookup drafts.
 
 Draft beams share prefixes (every beam starts after the same root, and beam search keeps siblings), so they are
 packed into a trie: one node per distinct prefix, node 0 the root (the last emitted token, not yet in the cache).
-The target scores every node in one verify call with an ancestors-only mask.
+The target scores every node in one verify call with an ancestors-only mask, and the engine's sampler graph
+(builder/sampler.py) accepts.
 
-Acceptance walks the tree from the root. At a node, the target's distribution q (after penalties, temperature,
-top-k, top-p, min-p: exactly what plain decoding would sample from) picks the next token among the node's children,
-which are deterministic drafts (a point mass each): child c is accepted with probability r(c) / sum(r), else r(c) is
-set to 0 and the next child is tried; when none is accepted the token is drawn from r / sum(r). Every token x comes
-out with probability q(x) (for a child c_j: prod of the rejections times r(c_j)/sum(r) telescopes to q(c_j)), which is
+Why that acceptance is exact. At a node, the target's distribution q (after penalties, temperature, top-k, top-p,
+min-p: exactly what plain decoding would sample from) picks the next token among the node's children, which are
+deterministic drafts (a point mass each): child c is accepted with probability r(c) / sum(r), else r(c) is set to
+0 and the next child is tried; when none is accepted the token is drawn from r / sum(r). Every token x comes out
+with probability q(x) (for a child c_j: prod of the rejections times r(c_j)/sum(r) telescopes to q(c_j)), which is
 modified rejection sampling with p = a point mass per candidate. Greedy is the same walk with q = one-hot(argmax):
 accept the child equal to the target's argmax, so greedy output is plain greedy decoding's.
 """
@@ -19,7 +20,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from runner.sampling import SamplingParams, processed_probs, sample_from
 
 
 @dataclass(frozen=True)
@@ -51,22 +51,6 @@ def pack_tree(root_token: int, beams, max_depth: int) -> TokenTree:
     for node in range(1, size):
         mask[node] |= mask[parents[node]]  # parents come before their children
     return TokenTree(tokens, parents, mask)
-
-
-def choose_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, candidates: list[int]) -> tuple[int, int | None]:
-    """The next token given the target's (penalised) logits at a node and the node's draft children.
-
-    Returns the token and the index of the accepted candidate (None when no draft was taken)."""
-    if params.greedy:
-        token = int(np.argmax(logits))
-        return token, candidates.index(token) if token in candidates else None
-    residual = processed_probs(logits, params)
-    for index, candidate in enumerate(candidates):
-        mass = residual.sum()
-        if rng.random() * mass < residual[candidate]:
-            return candidate, index
-        residual[candidate] = 0.0
-    return sample_from(residual, rng), None
 
 
 def prompt_lookup_draft(tokens: list[int], draft_len: int, max_ngram: int = 3) -> list[int]:

@@ -25,13 +25,15 @@ class OnnxRuntimeBackend:
                 "no CUDAExecutionProvider here (build with --dtype fp32 for CPU)"
             )
         options = _session_options(ort, threads, spinning=True)
-        # A small side graph (the draft head's) runs on the calling thread without spinning: a second pool of
-        # spinning threads competes with the step graph's for the cores and doubled a verify call's time on 2 cores.
+        # Small side graphs (the sampler, the draft head) run on the calling thread without spinning: a second pool
+        # of spinning threads competes with the step graph's for the cores and doubled a verify call's time on 2 cores.
         side_options = _session_options(ort, 1, spinning=False)
         for profiled in (options, side_options) if profile_prefix else ():
             profiled.enable_profiling = True
             profiled.profile_file_prefix = profile_prefix
-        side_graphs = {manifest.speculation["graph"]} if manifest.speculation and "graph" in manifest.speculation else set()
+        side_graphs = {manifest.sampler.graph}
+        if manifest.speculation and "graph" in manifest.speculation:
+            side_graphs.add(manifest.speculation["graph"])
         self.sessions = {}
         for key, graph in manifest.graphs.items():
             try:

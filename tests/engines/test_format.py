@@ -21,7 +21,7 @@ def test_a_fresh_build_opens_and_records_every_file(engine_copy):
     artifact = open_artifact(engine_copy)
     manifest = artifact.manifest
     assert manifest.schema_version == SCHEMA_VERSION
-    assert set(manifest.files) == {"model.onnx", "model.onnx.data", "tokenizer.json"}
+    assert set(manifest.files) == {"model.onnx", "model.onnx.data", "sampler.onnx", "tokenizer.json"}
     assert {"prefill", "decode", "verify"} <= set(manifest.phases)
     # every phase runs the one graph, so the weights exist once on disk
     assert {p.graph for p in manifest.phases.values()} == {"step"}

@@ -46,7 +46,7 @@ def test_greedy_32_tokens_identical_to_transformers_on_the_gguf(llm, reference, 
 def test_chat_answers_sensibly_and_stops_at_end_of_turn(llm):
     out = llm.chat(CHATS[0], SamplingParams(max_tokens=64, temperature=0.0))[0]
     assert "Paris" in out.text
-    assert out.finish_reason == "stop" and out.token_ids[-1] in llm.engine.eos_token_ids
+    assert out.finish_reason == "stop" and out.token_ids[-1] in llm.engine.sampler.eos_token_ids
 
 
 def test_shipped_draft_head_keeps_the_output_and_is_accepted(llm, default_redrafter_engine):

@@ -1,4 +1,4 @@
-"""Speculative decoding: tree packing, the exactness of the acceptance rule (chi-square, fixed seeds), and a
+"""Speculative decoding: tree packing (the acceptance rule itself: tests/builder/test_sampler.py), and a
 ReDrafter engine against the plain engine of the same tiny model: greedy identical alone and in inflight batches,
 sampled output distributed as the target's."""
 
@@ -9,8 +9,8 @@ import pytest
 from scipy import stats
 
 from runner import LLM, SamplingParams
-from runner.sampling import processed_probs
-from runner.speculative import choose_token, pack_tree, prompt_lookup_draft
+from runner.speculative import pack_tree, prompt_lookup_draft
+from tests.reference_sampling import processed_probs
 
 PROMPTS = ["hello world", "The quick brown fox", "Engines compile graphs", "0123456789 hello", "runners batch"]
 
@@ -36,41 +36,6 @@ def test_prompt_lookup_continues_the_latest_longest_match():
     assert prompt_lookup_draft([7, 8, 9], 3) == [] and prompt_lookup_draft([1], 3) == []
     assert pack_tree(3, [[4, 5, 1]], max_depth=2).tokens == [3, 4, 5]
     assert pack_tree(3, [[]], max_depth=4).tokens == [3]
-
-
-@pytest.mark.parametrize(
-    "params",
-    [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.8), SamplingParams(temperature=1.3, top_k=5)],
-    ids=["t1", "t0.7_top_p", "t1.3_top_k"],
-)
-def test_acceptance_rule_reproduces_the_target_distribution(params):
-    rng = np.random.default_rng(1234)
-    logits = rng.normal(0.0, 0.6, size=12).astype(np.float32)
-    target = processed_probs(logits, params)
-    order = np.argsort(-target)
-    candidates = [int(order[1]), int(order[0]), int(order[6])]  # distinct drafts (siblings), not the best first
-    draws = 30000
-    counts = np.zeros(12)
-    accepted = 0
-    for _ in range(draws):
-        token, index = choose_token(logits, params, rng, candidates)
-        counts[token] += 1
-        accepted += index is not None
-    keep = target > 0
-    assert keep.sum() >= 4  # a distribution worth testing
-    assert counts[~keep].sum() == 0  # nothing outside top-k / top-p ever comes out
-    assert accepted / draws == pytest.approx(target[candidates].sum(), abs=0.01)  # each draft taken w.p. q(draft)
-    _, p_value = stats.chisquare(counts[keep], target[keep] / target[keep].sum() * draws)
-    assert p_value > 0.001
-
-
-def test_greedy_acceptance_takes_the_argmax_child():
-    logits = np.array([0.0, 3.0, 1.0, 2.0], np.float32)
-    greedy = SamplingParams(temperature=0.0)
-    rng = np.random.default_rng(0)
-    assert choose_token(logits, greedy, rng, [3, 1]) == (1, 1)
-    assert choose_token(logits, greedy, rng, [3, 2]) == (1, None)
-    assert choose_token(logits, greedy, rng, []) == (1, None)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,87 @@
+"""The host side of the engine's sampler graph (builder/sampler.py): its inputs from the requests being sampled, and
+its outputs as tokens. Every token the runner emits comes out of that graph; here only the request's state is
+turned into arrays (parameters, what the output holds so far, uniforms from the request's own seeded generator)
+and the results read back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from engines.format import SamplerSpec
+from runner.request import Request, TokenLogprob
+from runner.speculative import TokenTree
+
+
+@dataclass(frozen=True)
+class SampledRow:
+    tokens: list[int]  # emitted: the accepted drafts, then the target's own token
+    path: list[int]  # tree nodes whose K/V belong in the cache: the root, then the accepted drafts
+    logprobs: list[TokenLogprob] | None  # per emitted token, when the request asked for them
+
+
+class Sampler:
+    def __init__(self, backend, spec: SamplerSpec, vocab_size: int, eos_token_ids: set[int]) -> None:
+        self.backend = backend
+        self.spec = spec
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+
+    def stop_ids(self, request: Request) -> set[int]:
+        params = request.params
+        return set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+
+    def sample(self, rows: list[tuple[Request, TokenTree, np.ndarray]]) -> list[SampledRow]:
+        """rows: (request, its token tree, the target's logits at the tree's nodes [>= nodes, vocab]). One graph call."""
+        out = self.backend.run(self.spec.graph, self.feeds(rows))
+        sampled = []
+        for index, (request, _, _) in enumerate(rows):
+            count = int(out["count"][index])
+            tokens = out["tokens_out"][index, :count].tolist()
+            logprobs = None
+            if request.params.logprobs is not None:
+                top = request.params.logprobs
+                logprobs = [
+                    TokenLogprob(token, float(out["logprobs"][index, i]),
+                                 list(zip(out["top_ids"][index, i, :top].tolist(), out["top_logprobs"][index, i, :top].tolist())))
+                    for i, token in enumerate(tokens)
+                ]
+            sampled.append(SampledRow(tokens, out["path"][index, :count].tolist(), logprobs))
+        return sampled
+
+    def feeds(self, rows: list[tuple[Request, TokenTree, np.ndarray]]) -> dict[str, np.ndarray]:
+        batch, vocab = len(rows), self.vocab_size
+        nodes = max(len(tree.tokens) for _, tree, _ in rows)
+        feeds = {
+            "logits": np.zeros((batch, nodes, vocab), np.float32),
+            "tokens": np.zeros((batch, nodes), np.int64),
+            "parents": np.full((batch, nodes), -1, np.int64),  # padding nodes: nobody's child
+            "ancestors": np.broadcast_to(np.eye(nodes, dtype=bool), (batch, nodes, nodes)).copy(),
+            "uniforms": np.zeros((batch, nodes, 2), np.float32),
+            "output_counts": np.zeros((batch, vocab), np.float32),
+            "prompt_tokens": np.zeros((batch, vocab), bool),
+            "banned": np.zeros((batch, vocab), bool),
+            "ban_depth": np.zeros(batch, np.int64),
+        }
+        for name, dtype in (("temperature", np.float32), ("top_k", np.int64), ("top_p", np.float32), ("min_p", np.float32),
+                            ("repetition_penalty", np.float32), ("presence_penalty", np.float32),
+                            ("frequency_penalty", np.float32)):
+            feeds[name] = np.array([getattr(request.params, name) for request, _, _ in rows], dtype)
+        for index, (request, tree, logits) in enumerate(rows):
+            params, size = request.params, len(tree.tokens)
+            feeds["logits"][index, :size] = logits[:size]
+            feeds["tokens"][index, :size] = tree.tokens
+            feeds["parents"][index, :size] = tree.parents
+            feeds["ancestors"][index, :size, :size] = tree.mask
+            if not params.greedy:  # a greedy request draws nothing (its tokens do not depend on its generator)
+                feeds["uniforms"][index, :size] = request.rng.random((size, 2))
+            if params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
+                feeds["output_counts"][index] = np.bincount(request.output_token_ids, minlength=vocab)[:vocab]
+                feeds["prompt_tokens"][index, request.prompt_token_ids] = True
+            stop_ids = self.stop_ids(request)  # banned until min_tokens
+            if len(request.output_token_ids) < params.min_tokens and stop_ids:
+                feeds["banned"][index, [t for t in stop_ids if t < vocab]] = True
+                feeds["ban_depth"][index] = params.min_tokens - len(request.output_token_ids)
+        feeds["want_logprobs"] = np.array(any(request.params.logprobs is not None for request, _, _ in rows))
+        return feeds
