@@ -3,9 +3,10 @@
     python benchmarks/compare_peers.py --ours engines-out/default --ours engines-out/quant/int4-GGUF-blocks-g32
 
 Every engine runs in its own process on the same machine, with the same thread count, on the same token ids (the
-~40- and ~650-token chat prompts of runner/bench.py, as `runner bench` uses), greedy, a fixed number of new tokens with EOS
-suppressed, a warm-up run, then --runs timed runs (medians). Peers are installed on demand, not project
-dependencies:
+~40- and ~650-token chat prompts of runner/bench.py, as `runner bench` uses), greedy, a fixed number of new tokens
+with EOS suppressed, a warm-up, then --runs timed runs per prompt (medians), interleaved round-robin across all
+engines so that the machine's drift favours none (benchmarks/interleave.py). Peers are installed on demand, not
+project dependencies:
 - transformers, fp32 eager, loading the GGUF (dequantized);
 - llama.cpp (llama-cpp-python, compiled from source by pip: ~10 minutes here) on the GGUF itself (Q4_1);
 - onnxruntime-genai fp32 and int4 (its model builder's CPU models, int4 = RTN block 32, accuracy level 4) of the
@@ -33,18 +34,21 @@ import click
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.compare_transformers import timed_runs, worker_ours, worker_transformers  # noqa: E402
+from benchmarks.compare_transformers import contender_ours, contender_transformers, write_prompts  # noqa: E402
+from benchmarks.interleave import Generate, decode_rate, interleaved_runs, serve  # noqa: E402
 from runner.machine import cpu_model, memory_bandwidth_gbs  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 PEER_PACKAGES = {"llama.cpp": "llama-cpp-python", "ort-genai": "onnxruntime-genai"}
 
 
-def worker_llama_cpp(model_path: str, prompts: dict[str, list[int]], threads: int, new_tokens: int, runs: int) -> dict:
+def contender_llama_cpp(model_path: str, threads: int) -> tuple[Generate, dict]:
     import numpy as np
     from llama_cpp import Llama, LogitsProcessorList
 
+    start = time.perf_counter()
     llm = Llama(model_path=model_path, n_ctx=2048, n_batch=512, n_threads=threads, n_threads_batch=threads, verbose=False)
+    load_s = time.perf_counter() - start
     eos = llm.token_eos()
 
     def no_eos(_ids, scores):
@@ -60,9 +64,9 @@ def worker_llama_cpp(model_path: str, prompts: dict[str, list[int]], threads: in
             tokens.append(int(token))
             if len(tokens) == count:
                 break
-        return first - start, time.perf_counter() - first, tokens
+        return first - start, decode_rate(len(tokens), time.perf_counter() - first), tokens
 
-    return timed_runs(generate, prompts, new_tokens, runs)
+    return generate, {"load_s": load_s, "weight_bytes": model_file_bytes(model_path)}
 
 
 def ort_genai_generator(model, ids: list[int], count: int):
@@ -75,10 +79,12 @@ def ort_genai_generator(model, ids: list[int], count: int):
     return og.Generator(model, params)
 
 
-def worker_ort_genai(model_dir: str, prompts: dict[str, list[int]], threads: int, new_tokens: int, runs: int) -> dict:
+def contender_ort_genai(model_dir: str, threads: int) -> tuple[Generate, dict]:
     import onnxruntime_genai as og
 
+    start = time.perf_counter()
     model = og.Model(model_dir)
+    load_s = time.perf_counter() - start
 
     def generate(ids: list[int], count: int):
         generator = ort_genai_generator(model, ids, count)
@@ -90,9 +96,9 @@ def worker_ort_genai(model_dir: str, prompts: dict[str, list[int]], threads: int
             tokens.append(int(generator.get_next_tokens()[0]))
             if first is None:
                 first = time.perf_counter()
-        return first - start, time.perf_counter() - first, tokens
+        return first - start, decode_rate(len(tokens), time.perf_counter() - first), tokens
 
-    return timed_runs(generate, prompts, new_tokens, runs)
+    return generate, {"load_s": load_s, "weight_bytes": model_file_bytes(model_dir)}
 
 
 def profile_ort_genai(model_dir: str, ids: list[int], threads: int, new_tokens: int):
@@ -136,28 +142,15 @@ def worker_profile(kind: str, target: str, threads: int, new_tokens: int, prompt
     return asdict(profile_ort_genai(target, ids, threads, new_tokens))
 
 
-def worker(kind: str, target: str, threads: int, new_tokens: int, runs: int, prompts_file: Path) -> dict:
-    from engines.resources import peak_rss_mb
-
-    if kind.startswith("profile:"):
-        return worker_profile(kind.removeprefix("profile:"), target, threads, new_tokens, prompts_file)
-    if kind == "ours":
-        return worker_ours(target, threads, new_tokens, runs)
-    if kind == "transformers":
-        return worker_transformers(target, threads, new_tokens, runs)
-    prompts = json.loads(prompts_file.read_text())
-    start = time.perf_counter()
-    run = {"llama.cpp": worker_llama_cpp, "ort-genai": worker_ort_genai}[kind]
-    results = run(target, prompts, threads, new_tokens, runs)
-    return {"load_s": time.perf_counter() - start, "peak_rss_mb": peak_rss_mb(), "weight_bytes": model_file_bytes(target),
-            **results}
+CONTENDERS = {"ours": contender_ours, "transformers": contender_transformers, "llama.cpp": contender_llama_cpp,
+              "ort-genai": contender_ort_genai}
 
 
 def ensure_package(distribution: str) -> str:
     try:
         return version(distribution)
     except PackageNotFoundError:
-        click.echo(f"installing {distribution} (a peer, not a project dependency)", err=True)
+        click.echo(f"installing {distribution} (for this benchmark only, not a project dependency)", err=True)
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", distribution], check=True)
         return version(distribution)
 
@@ -223,7 +216,7 @@ def markdown(report: dict) -> list[str]:
     lines = [
         f"Default model, {report['machine']}, memory bandwidth {report['bandwidth_gbs']:.1f} GB/s (triad), commit "
         f"{report['commit']}; batch 1, greedy, {report['new_tokens']} new tokens (EOS suppressed), median of "
-        f"{report['runs']} after a warm-up.",
+        f"{report['runs']} after a warm-up, runs interleaved across engines.",
         "",
         "| engine | TTFT short ms | TTFT long ms | decode short tok/s | decode long tok/s | MiB read per token | MBU short "
         "| peak RSS MiB | first 16 tokens = fp32 |",
@@ -278,25 +271,27 @@ def chart(report: dict, path: Path) -> None:
               help="Our engine(s) of the default model; the first must be fp32 (its tokenizer gives every engine's ids).")
 @click.option("--threads", type=int, default=2, show_default=True)
 @click.option("--new-tokens", type=int, default=128, show_default=True)
-@click.option("--runs", type=int, default=3, show_default=True)
+@click.option("--runs", type=int, default=5, show_default=True)
 @click.option("--peers", default="transformers,llama.cpp,ort-genai", show_default=True)
 @click.option("--work", type=click.Path(path_type=Path), default=ROOT / "engines-out" / "peers", show_default=True)
 @click.option("--worker-kind", default=None, hidden=True)
 @click.option("--worker-target", default=None, hidden=True)
 def main(ours, threads, new_tokens, runs, peers, work, worker_kind, worker_target) -> None:
     prompts_file = work / "prompts.json"
-    if worker_kind:
-        print(json.dumps(worker(worker_kind, worker_target, threads, new_tokens, runs, prompts_file)))
+    if worker_kind and worker_kind.startswith("profile:"):
+        print(json.dumps(worker_profile(worker_kind.removeprefix("profile:"), worker_target, threads, new_tokens, prompts_file)))
         return
-    from runner.bench import chat_prompts
+    if worker_kind:
+        generate, info = CONTENDERS[worker_kind](worker_target, threads)
+        serve(generate, info, json.loads(prompts_file.read_text()), new_tokens)
+        return
     from builder.loaders.default import default_gguf_path
-    from runner.llm_engine import LLMEngine
 
-    work.mkdir(parents=True, exist_ok=True)
-    prompts_file.write_text(json.dumps(chat_prompts(LLMEngine(ours[0], verify_checksums=False).codec)))
+    prompts = write_prompts(str(ours[0]), prompts_file)
     engines = [(engine_label(e), "ours", str(e)) for e in ours]
     wanted = [p.strip() for p in peers.split(",") if p.strip()]
     versions = {name: version(name) for name in ("onnxruntime", "torch", "transformers")}
+    ensure_package("matplotlib")  # the chart is drawn last: install it before the run, not after
     for peer in wanted:
         if peer in PEER_PACKAGES:
             versions[PEER_PACKAGES[peer]] = ensure_package(PEER_PACKAGES[peer])
@@ -308,22 +303,23 @@ def main(ours, threads, new_tokens, runs, peers, work, worker_kind, worker_targe
         for precision, model_dir in ort_genai_models(work, threads).items():
             engines.append((f"ort-genai {precision}", "ort-genai", str(model_dir)))
 
+    def worker_argv(kind: str, target: str) -> list[str]:
+        return [sys.executable, __file__, "--ours", str(ours[0]), "--threads", str(threads), "--new-tokens",
+                str(new_tokens), "--work", str(work), "--worker-kind", kind, "--worker-target", target]
+
     def in_own_process(label: str, kind: str, target: str) -> dict:
         click.echo(f"{label}: {kind}", err=True)
-        proc = subprocess.run(
-            [sys.executable, __file__, "--ours", str(ours[0]), "--threads", str(threads), "--new-tokens", str(new_tokens),
-             "--runs", str(runs), "--work", str(work), "--worker-kind", kind, "--worker-target", target],
-            capture_output=True, text=True, check=False, env={**os.environ, "OMP_NUM_THREADS": str(threads)},
-        )
+        proc = subprocess.run(worker_argv(kind, target), capture_output=True, text=True, check=False,
+                              env={**os.environ, "OMP_NUM_THREADS": str(threads)})
         if proc.returncode != 0:
             raise SystemExit(f"{label} failed:\n{proc.stderr[-3000:]}")
         return json.loads(proc.stdout.strip().splitlines()[-1])
 
     bandwidth = memory_bandwidth_gbs(threads)
-    results = {}
-    for label, kind, target in engines:
-        results[label] = in_own_process(label, kind, target)
-        results[label]["mbu_short"] = results[label]["weight_bytes"] * results[label]["short"]["decode_tok_s"] / (bandwidth * 1e9)
+    workers = {label: worker_argv(kind, target) for label, kind, target in engines}
+    results = interleaved_runs(workers, prompts, runs, threads, log=lambda line: click.echo(line, err=True))
+    for r in results.values():
+        r["mbu_short"] = r["weight_bytes"] * r["short"]["decode_tok_s"] / (bandwidth * 1e9)
     # after the timed runs, in their own processes: the profiler slows every node down
     profiles = {label: in_own_process(label, f"profile:{kind}", target) for label, kind, target in engines
                 if kind in ("ours", "ort-genai")}

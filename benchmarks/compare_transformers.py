@@ -2,14 +2,14 @@
 
     python benchmarks/compare_transformers.py --engine engines-out/default [--threads 2] [--new-tokens 128]
 
-Each contender runs in its own process (so peak RSS is its own) on the same token ids, greedy, EOS ignored,
-with a warm-up and the median of several runs. Prints a table and writes benchmarks/results/transformers.json.
+Each contender runs in its own process (so peak RSS is its own) on the same token ids, greedy, EOS suppressed,
+warmed up, with its runs interleaved with the other's (benchmarks/interleave.py) and the median taken. Prints a
+table and writes benchmarks/results/transformers.json.
 """
 
 from __future__ import annotations
 
 import json
-import statistics
 import subprocess
 import sys
 import time
@@ -22,52 +22,32 @@ import click
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.interleave import Generate, decode_rate, interleaved_runs, serve  # noqa: E402
 from runner.machine import cpu_model  # noqa: E402
 
-FIRST_TOKENS = 16  # greedy tokens compared between engines (as many as runner.bench.Timing keeps)
 
-
-def timed_runs(generate, prompts: dict[str, list[int]], new_tokens: int, runs: int) -> dict:
-    """`generate(ids, count)` -> (seconds to first token, seconds after it, tokens): a warm-up, then medians of
-    `runs` per prompt, in the shape `runner.bench.Timing` reports ours."""
-    results = {}
-    for name, ids in prompts.items():
-        generate(ids, 8)
-        measured = [generate(ids, new_tokens) for _ in range(runs)]
-        results[name] = {
-            "prompt_tokens": len(ids), "new_tokens": new_tokens,
-            "ttft_ms": statistics.median(m[0] for m in measured) * 1000,
-            "decode_tok_s": statistics.median((len(m[2]) - 1) / m[1] for m in measured),
-            "first_tokens": measured[0][2][:FIRST_TOKENS],
-        }
-    return results
-
-
-def worker_ours(engine: str, threads: int, new_tokens: int, runs: int) -> dict:
-    from engines.resources import peak_rss_mb
-    from runner.bench import chat_prompts, median_timing, weight_bytes_per_step
+def contender_ours(engine: str, threads: int) -> tuple[Generate, dict]:
+    from runner.bench import time_generation, weight_bytes_per_step
     from runner.llm_engine import LLMEngine
 
     start = time.perf_counter()
     llm = LLMEngine(engine, threads=threads)
     load_s = time.perf_counter() - start
-    prompts = chat_prompts(llm.codec)
-    results = {name: median_timing(llm, ids, new_tokens, runs).to_dict() for name, ids in prompts.items()}
-    return {"load_s": load_s, "peak_rss_mb": peak_rss_mb(), "weight_bytes": weight_bytes_per_step(llm), **results}
+
+    def generate(ids: list[int], count: int) -> tuple[float, float, list[int]]:
+        timing = time_generation(llm, ids, count)
+        return timing.ttft_ms / 1000, timing.decode_tok_s, timing.first_tokens
+
+    return generate, {"load_s": load_s, "weight_bytes": weight_bytes_per_step(llm)}
 
 
-def worker_transformers(engine: str, threads: int, new_tokens: int, runs: int) -> dict:
+def contender_transformers(engine: str, threads: int) -> tuple[Generate, dict]:
     import torch
     import transformers
 
-    from runner.bench import chat_prompts
     from builder.loaders.default import default_gguf_path
-    from engines.resources import peak_rss_mb
-    from runner.llm_engine import LLMEngine
 
     torch.set_num_threads(threads)
-    codec = LLMEngine(engine, verify_checksums=False).codec  # the same token ids as ours
-    prompts = chat_prompts(codec)
     path = default_gguf_path()
     start = time.perf_counter()
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
@@ -90,37 +70,47 @@ def worker_transformers(engine: str, threads: int, new_tokens: int, runs: int) -
             )
         # put() is called first with the prompt, then once per new token
         first, last = streamer_times[1], streamer_times[-1]
-        return first - begin, last - first, out[0, len(ids):].tolist()
+        tokens = out[0, len(ids):].tolist()
+        return first - begin, decode_rate(len(tokens), last - first), tokens
 
-    results = timed_runs(timed, prompts, new_tokens, runs)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # a tied table counts once
-    return {"load_s": load_s, "peak_rss_mb": peak_rss_mb(), "weight_bytes": weight_bytes, **results}
+    return timed, {"load_s": load_s, "weight_bytes": weight_bytes}
 
 
-WORKERS = {"ours": worker_ours, "transformers": worker_transformers}
+CONTENDERS = {"ours": contender_ours, "transformers": contender_transformers}
+
+
+def write_prompts(engine: str, path: Path) -> dict[str, list[int]]:
+    """The benchmark's chat prompts as our engine's tokenizer encodes them: every contender gets these ids."""
+    from runner.bench import chat_prompts
+    from runner.llm_engine import LLMEngine
+
+    prompts = chat_prompts(LLMEngine(engine, verify_checksums=False).codec)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(prompts))
+    return prompts
 
 
 @click.command()
 @click.option("--engine", required=True, type=click.Path(exists=True))
 @click.option("--threads", type=int, default=2, show_default=True)
 @click.option("--new-tokens", type=int, default=128, show_default=True)
-@click.option("--runs", type=int, default=3, show_default=True)
-@click.option("--worker", type=click.Choice(list(WORKERS)), default=None, hidden=True)
+@click.option("--runs", type=int, default=5, show_default=True)
+@click.option("--worker", type=click.Choice(list(CONTENDERS)), default=None, hidden=True)
 @click.option("--out", type=click.Path(path_type=Path), default=ROOT / "benchmarks" / "results" / "transformers.json")
 def main(engine, threads, new_tokens, runs, worker, out) -> None:
+    prompts_file = ROOT / "engines-out" / "benchmark-prompts.json"
     if worker:
-        print(json.dumps(WORKERS[worker](engine, threads, new_tokens, runs)))
+        generate, info = CONTENDERS[worker](engine, threads)
+        serve(generate, info, json.loads(prompts_file.read_text()), new_tokens)
         return
-    results = {}
-    for name in WORKERS:
-        proc = subprocess.run(
-            [sys.executable, __file__, "--engine", engine, "--threads", str(threads), "--new-tokens", str(new_tokens),
-             "--runs", str(runs), "--worker", name],
-            capture_output=True, text=True, check=False,
-        )
-        if proc.returncode != 0:
-            raise SystemExit(f"{name} worker failed:\n{proc.stderr[-3000:]}")
-        results[name] = json.loads(proc.stdout.strip().splitlines()[-1])
+    prompts = write_prompts(engine, prompts_file)
+    workers = {
+        name: [sys.executable, __file__, "--engine", engine, "--threads", str(threads), "--new-tokens", str(new_tokens),
+               "--worker", name]
+        for name in CONTENDERS
+    }
+    results = interleaved_runs(workers, prompts, runs, threads, log=lambda line: click.echo(line, err=True))
     ours, ref = results["ours"], results["transformers"]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     machine = f"{cpu_model()}, {threads} threads"
