@@ -37,7 +37,8 @@ DEFAULT_GROUP = {"int4": 32, "int8": 128, "gptq": 32}
 TOKENIZER_FILE = "tokenizer.json"
 DRAFT_GRAPH = "draft"
 SAMPLER_GRAPH = "sampler"
-SPECULATION_METHODS = ("none", "redrafter", "prompt-lookup")
+SPECULATION_METHODS = ("none", "redrafter", "prompt-lookup", "draft-model")
+DRAFT_ENGINE = "draft"  # a draft-model engine's draft model: a complete engine in this subdirectory
 PROMPT_LOOKUP_MAX_NGRAM = 3
 # The draft graph's linears: int8 groups of 128 with int8 compute (0.7 ms per 3x4 beam search for the default
 # model's head on the CI CPU, against ~3.5 ms in fp32, which reads its 9.4 MB table at every draft step).
@@ -61,13 +62,16 @@ class BuildOptions:
     int8_compute: bool = True  # quantized matmuls quantize activations to int8 (onnxruntime accuracy_level 4)
     keep_source_blocks: bool = True  # GGUF Q4_0/Q4_1/Q8_0 weights that map exactly are taken as they are
     gptq: GPTQOptions = field(default_factory=GPTQOptions)
-    speculative: str = "none"  # "none" | "redrafter"
+    speculative: str = "none"  # one of SPECULATION_METHODS
     draft_head: Path | None = None  # default for `default`: the shipped head
     # 2 beams x 2 + a 4-token prompt-lookup beam measured fastest for the default model on the CI CPU (1.33x on
     # chat, 1.67x on a summary; 3 x 4 accepts more per step but its 13-node verify costs 1.6 decode steps there)
     beam_width: int = 2
     draft_len: int = 2
-    draft_quant: str = "int8"  # the draft graph's linears: "int8" (fused MatMulNBits, int8 compute) or "none"
+    # the draft's linears: "int8" (fused MatMulNBits, int8 compute) or "none"; a draft model may also be "int4"
+    draft_quant: str = "int8"
+    draft_model: str | None = None  # draft-model: the checkpoint of a smaller model with the target's vocabulary
+    verify_tokens: int | None = None  # the longest chunk a verify call scores (default: the speculative tree, else 8)
     prompt_lookup_len: int = 4  # redrafter: also draft this many tokens by prompt lookup, as one more beam
 
     def draft_head_path(self) -> Path | None:
@@ -86,7 +90,7 @@ class BuildOptions:
         """The most drafts one speculative step can accept: its deepest beam."""
         if self.speculative == "redrafter":
             return max(self.draft_len, self.prompt_lookup_len)
-        return self.draft_len if self.speculative == "prompt-lookup" else 0
+        return self.draft_len if self.speculative in ("prompt-lookup", "draft-model") else 0
 
     @property
     def tree_nodes(self) -> int:
@@ -162,7 +166,7 @@ def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> B
     out = Path(options.out)
     _prepare_out(out, options.overwrite)
     draft_head_path = options.draft_head_path()
-    total_steps = 4 if draft_head_path is None else 5
+    total_steps = 5 if draft_head_path is not None or options.speculative == "draft-model" else 4
     start = time.perf_counter()
 
     def step(index: int, what: str) -> None:
@@ -177,11 +181,13 @@ def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> B
         log(f"warning: --max-seq-len {max_seq_len} exceeds the model's {config.max_position_embeddings} positions")
     shapes = BuildShapes(
         max_seq_len=max_seq_len, max_batch=options.max_batch, prefill_chunk=options.prefill_chunk,
-        **({"verify_tokens": options.tree_nodes} if options.speculative != "none" else {}),
+        verify_tokens=options.verify_tokens or (options.tree_nodes if options.speculative != "none" else 8),
     )
     # the attention kernel wants rotary table rows for every position a call spans, padding tokens included
     rotary_positions = max_seq_len + max(shapes.prefill_chunk, shapes.verify_tokens)
     drafter, speculation = _load_drafter(draft_head_path, config, options) if draft_head_path else (None, options.prompt_lookup())
+    if options.speculative == "draft-model":
+        speculation = _check_draft_model(options, checkpoint)
     log(
         f"      {checkpoint.format} checkpoint: {config.num_layers} layers, hidden {config.hidden_size}, "
         f"{config.num_heads} heads / {config.num_kv_heads} KV heads, vocab {config.vocab_size}"
@@ -235,6 +241,10 @@ def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> B
         if drafter is not None:
             step(4, f"exporting the ReDrafter draft graph from {draft_head_path}")
             graphs[DRAFT_GRAPH] = export_draft_graph(drafter, staging)
+        if options.speculative == "draft-model":
+            step(4, f"building the draft model {options.draft_model} ({options.draft_quant})")
+            draft_options = _draft_model_options(options, staging / DRAFT_ENGINE, max_seq_len)
+            build_engine(draft_options, log=lambda line: log(f"      draft: {line}"))
         step(total_steps, "writing tokenizer, manifest and checksums")
         (staging / TOKENIZER_FILE).write_text(checkpoint.tokenizer.tokenizer_json)
         spec = checkpoint.tokenizer
@@ -264,7 +274,7 @@ def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> B
             shutil.rmtree(staging)
 
     report = BuildReport(out=out, seconds=time.perf_counter() - start, peak_rss_mb=peak_rss_mb())
-    report.files = {p.name: p.stat().st_size for p in sorted(out.iterdir())}
+    report.files = {str(p.relative_to(out)): p.stat().st_size for p in sorted(out.rglob("*")) if p.is_file()}
     report.quantization = manifest.quantization
     report.speculation = manifest.speculation
     report.phases = {
@@ -277,6 +287,36 @@ def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> B
 
 def _numpy_dtype(dtype: str) -> str:
     return {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}[dtype]
+
+
+def _check_draft_model(options: BuildOptions, target) -> dict:
+    """Read the draft model's checkpoint before the long export: it must speak the target's tokenizer."""
+    if options.draft_model is None:
+        raise ValueError("--speculative draft-model needs --draft-model (a checkpoint of a model with this vocabulary)")
+    if options.draft_quant not in ("none", "int8", "int4"):
+        raise ValueError(f"unknown draft quantization {options.draft_quant!r}; choose none, int8 or int4")
+    if options.draft_len < 1:
+        raise ValueError("--draft-len must be at least 1")
+    draft = load_checkpoint(options.draft_model)
+    target_vocab = Tokenizer.from_str(target.tokenizer.tokenizer_json).get_vocab()
+    draft_vocab = Tokenizer.from_str(draft.tokenizer.tokenizer_json).get_vocab()
+    if draft.config.vocab_size != target.config.vocab_size or draft_vocab != target_vocab:
+        raise ValueError(
+            f"draft model {options.draft_model} does not share the target's tokenizer (vocabulary "
+            f"{draft.config.vocab_size} vs {target.config.vocab_size} or different token ids)"
+        )
+    return {"method": "draft-model", "engine": DRAFT_ENGINE, "source": draft.source, "draft_len": options.draft_len,
+            "draft_quant": options.draft_quant, "max_tree_nodes": options.tree_nodes}
+
+
+def _draft_model_options(options: BuildOptions, out: Path, max_seq_len: int) -> BuildOptions:
+    """The draft model as an engine of its own: the target's shapes, chunks of up to draft_len + 1 tokens per
+    verify call (a round feeds it the tokens it has not seen: the last one and the drafts just accepted)."""
+    return BuildOptions(
+        source=options.draft_model, out=out, dtype=options.dtype, max_seq_len=max_seq_len, max_batch=options.max_batch,
+        prefill_chunk=options.prefill_chunk, quant=options.draft_quant, verify_tokens=options.draft_len + 1,
+        keep_source_blocks=options.keep_source_blocks,
+    )
 
 
 def _load_drafter(path: Path, config, options: BuildOptions) -> tuple[BeamSearchDrafter, dict]:

@@ -45,20 +45,25 @@ def main() -> None:
 @click.option("--keep-gguf-blocks/--requantize-gguf", default=True, show_default=True,
               help="GGUF Q4_0/Q4_1/Q8_0 weights whose blocks map exactly onto --quant with groups of 32 are taken as "
                    "they are (no float round trip); the build summary says which.")
-@click.option("--speculative", type=click.Choice(["none", "redrafter", "prompt-lookup"]), default="none", show_default=True,
+@click.option("--speculative", type=click.Choice(["none", "redrafter", "prompt-lookup", "draft-model"]), default="none",
+              show_default=True,
               help="Speculative decoding: redrafter = a recurrent draft head with beam search in a draft graph; "
-                   "prompt-lookup = drafts copied from the request's own context after a matching n-gram.")
+                   "prompt-lookup = drafts copied from the request's own context after a matching n-gram; "
+                   "draft-model = a smaller model of the same vocabulary drafts greedily (--draft-model).")
+@click.option("--draft-model", default=None,
+              help="draft-model: its checkpoint (a Hugging Face directory, a .gguf file, or `default`).")
 @click.option("--draft-head", type=click.Path(path_type=Path), default=None,
               help="Draft head from `builder train-drafter` (default for `default`: the head shipped with the builder).")
 @click.option("--beam-width", type=int, default=2, show_default=True, help="Draft beams per step (redrafter).")
 @click.option("--draft-len", type=int, default=2, show_default=True, help="Draft tokens per beam.")
-@click.option("--draft-quant", type=click.Choice(["int8", "none"]), default="int8", show_default=True,
-              help="The draft graph's matmuls: int8 (fused, int8 compute; drafts only propose, so output is unchanged).")
+@click.option("--draft-quant", type=click.Choice(["int8", "int4", "none"]), default="int8", show_default=True,
+              help="The draft's matmuls: int8 (fused, int8 compute; drafts only propose, so output is unchanged); "
+                   "int4 for a draft model.")
 @click.option("--prompt-lookup-len", type=int, default=4, show_default=True,
               help="redrafter: also draft this many tokens by prompt lookup, as one more beam of the tree (0 = off).")
 def build(checkpoint, out, dtype, max_seq_len, max_batch, prefill_chunk, overwrite, quant, group_size, quant_lm_head,
           int8_compute, gptq_damping, gptq_act_order, gptq_samples, gptq_sample_len, calibration_text, keep_gguf_blocks,
-          speculative, draft_head, beam_width, draft_len, draft_quant,
+          speculative, draft_model, draft_head, beam_width, draft_len, draft_quant,
           prompt_lookup_len) -> None:
     """Build an engine from CHECKPOINT: a Hugging Face directory, a .gguf file, or `default`."""
     try:
@@ -72,7 +77,7 @@ def build(checkpoint, out, dtype, max_seq_len, max_batch, prefill_chunk, overwri
         prefill_chunk=prefill_chunk, overwrite=overwrite, quant=quant, group_size=int(group_size) if group_size else None,
         quantize_lm_head=quant_lm_head, int8_compute=int8_compute, keep_source_blocks=keep_gguf_blocks, gptq=gptq,
         speculative=speculative, draft_head=draft_head, beam_width=beam_width, draft_len=draft_len,
-        draft_quant=draft_quant, prompt_lookup_len=prompt_lookup_len,
+        draft_quant=draft_quant, prompt_lookup_len=prompt_lookup_len, draft_model=draft_model,
     )
     try:
         report = build_engine(options, log=lambda line: click.echo(line, err=True))

@@ -12,6 +12,7 @@ import numpy as np
 
 from engines.backends import open_backend
 from engines.format import open_artifact
+from runner.draft_model import DraftModel
 from runner.executor import Executor
 from runner.request import Request, TokenLogprob
 from runner.sampler import Sampler
@@ -63,6 +64,10 @@ class LLMEngine:
         self.scheduler = Scheduler(rows, self.executor.max_chunk)
         self.sampler = Sampler(backend, manifest.sampler, manifest.model.vocab_size, set(manifest.model.eos_token_ids))
         self.speculation = manifest.speculation  # None for a plain engine
+        self.draft_model = None  # draft-model engines: the draft model, an engine of its own (runner/draft_model.py)
+        if self.speculation is not None and self.speculation["method"] == "draft-model":
+            self.draft_model = DraftModel(self.artifact.path(self.speculation["engine"]), self.speculation["draft_len"],
+                                          threads, verify_checksums)
         self.speculation_stats = SpeculationStats()
         # positions a generating request may add to the cache in one step: the root plus its accepted drafts
         self.tokens_per_generation_step = 1 + manifest.sampler.max_depth
@@ -160,12 +165,16 @@ class LLMEngine:
                 if not request.finished:
                     self.executor.commit(request.row, request.num_computed, result.path)
                     request.num_computed += len(result.path)
+                    if self.draft_model is not None:
+                        self.draft_model.accepted(request, len(result.path) - 1)
             if self.speculation is not None and not request.finished:
                 to_draft.append((request, row.hidden[result.path[-1]]))  # drafting resumes where acceptance stopped
         if to_draft:
             self._draft(to_draft)
         if not self.scheduler.running:
             self.executor.cache.release()
+            if self.draft_model is not None:
+                self.draft_model.release()
         return events
 
     def _verify(self, requests: list[Request]) -> list[_Pending]:
@@ -185,13 +194,16 @@ class LLMEngine:
         ]
 
     def _draft(self, requests: list[tuple[Request, np.ndarray]]) -> None:
-        """New drafts for the next step: the draft graph's beams from each request's hidden state (ReDrafter), and/or
-        the continuation of the latest earlier match of the context's last tokens (prompt lookup)."""
+        """New drafts for the next step: the draft graph's beams from each request's hidden state (ReDrafter), the
+        draft model's greedy continuation, and/or the continuation of the latest earlier match of the context's last
+        tokens (prompt lookup)."""
         started = time.perf_counter()
         spec = self.speculation
         lookup_len = spec["draft_len"] if spec["method"] == "prompt-lookup" else spec.get("prompt_lookup_len", 0)
         if spec["method"] == "prompt-lookup":
             beams = [[] for _ in requests]
+        elif spec["method"] == "draft-model":
+            beams = [[draft] for draft in self.draft_model.draft([request for request, _ in requests])]
         else:
             beams = self.executor.draft(np.stack([hidden for _, hidden in requests]), [r.output_token_ids[-1] for r, _ in requests])
         for (request, _), request_beams in zip(requests, beams):

@@ -43,6 +43,7 @@ class Request:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     drafts: list | np.ndarray | None = None  # speculative engines: draft beams (token id sequences) for the next step
+    draft_computed: int = 0  # draft-model engines: context tokens in the draft model's cache
 
     @property
     def prefilling(self) -> bool:

@@ -93,6 +93,9 @@ def test_speculative_build_errors(checkpoint_factory, tiny_draft_head, tmp_path)
                              "redrafter", "--draft-head", str(tiny_draft_head[0])])
     assert foreign.returncode == 2 and "was trained for hidden size 64" in foreign.stderr
     assert not (tmp_path / "c").exists()  # nothing half-built is left behind
+    no_model = run(BUILDER + ["build", str(checkpoint_factory("gqa")), "--out", str(tmp_path / "d"), "--speculative",
+                              "draft-model"])
+    assert no_model.returncode == 2 and "needs --draft-model" in no_model.stderr
 
 
 def test_serve_answers_and_stops_cleanly_on_sigint(engine_factory):

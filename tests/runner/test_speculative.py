@@ -185,3 +185,70 @@ def test_prompt_lookup_engine_equals_plain_greedy(plain, engine_factory):
     assert [spec.generate(p, params)[0].token_ids for p in prompts] == expected
     assert [o.token_ids for o in spec.generate(prompts, params)] == expected
     assert spec.engine.speculation_stats.verify_steps > 0
+
+
+LONG_PROMPT = " ".join(PROMPTS * 3)  # several prompt chunks of 8: the draft model catches up in chunks too
+
+
+def test_draft_model_engine_equals_plain_greedy(plain, engine_factory):
+    """A different tiny model (MQA, untied) drafts for the GQA target: whatever it proposes, output is the target's."""
+    spec = LLM(engine_factory("gqa", prefill_chunk=8, draft_model="mqa", draft_len=3))
+    assert spec.engine.speculation["method"] == "draft-model" and spec.engine.speculation["draft_len"] == 3
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    prompts = PROMPTS + [LONG_PROMPT]
+    expected = [o.token_ids for o in plain.generate(prompts, params)]
+    assert [spec.generate(p, params)[0].token_ids for p in prompts] == expected
+    assert [o.token_ids for o in spec.generate(prompts, params)] == expected
+    assert spec.engine.speculation_stats.verify_steps > 0
+
+
+def test_a_model_drafting_for_itself_has_its_drafts_accepted(plain, engine_factory):
+    """The target's own weights as the draft model (fp32): every draft is the target's greedy token, so each step
+    emits draft_len + 1 tokens until the end of the answer cuts the tree: only right if the draft model's cache
+    holds exactly the context (catch-up after accepted drafts, the prompt in chunks, batched rows)."""
+    spec = LLM(engine_factory("gqa", prefill_chunk=8, draft_model="gqa", draft_len=3, draft_quant="none"))
+    params = SamplingParams(max_tokens=41, temperature=0.0, ignore_eos=True)
+    prompts = PROMPTS[:3] + [LONG_PROMPT]
+    expected = [o.token_ids for o in plain.generate(prompts, params)]
+    assert [o.token_ids for o in spec.generate(prompts, params)] == expected
+    stats = spec.engine.speculation_stats
+    # 41 tokens = the first (from the prompt) + 10 steps of 4 per request
+    assert stats.verify_steps == 10 * len(prompts) and stats.accepted_histogram == {3: 10 * len(prompts)}
+
+
+def test_draft_model_must_share_the_targets_tokenizer(checkpoint_factory, tmp_path):
+    from builder.build import BuildOptions, build_engine
+    from tests.builder.test_loaders import copy_with_config
+
+    foreign = copy_with_config(checkpoint_factory("mqa"), tmp_path / "foreign", lambda c: c.update(vocab_size=c["vocab_size"] + 1))
+    options = BuildOptions(str(checkpoint_factory("gqa")), tmp_path / "engine", speculative="draft-model", draft_model=str(foreign))
+    with pytest.raises(ValueError, match="does not share the target's tokenizer"):
+        build_engine(options, log=lambda line: None)
+    with pytest.raises(ValueError, match="needs --draft-model"):
+        build_engine(BuildOptions(str(checkpoint_factory("gqa")), tmp_path / "e2", speculative="draft-model"), log=lambda _: None)
+    assert not (tmp_path / "engine").exists()
+
+
+def test_draft_model_drafts_are_its_own_greedy_continuation(engine_factory):
+    """With an int4 copy of the target drafting, some drafts are accepted and some not (every acceptance length
+    occurs), and the draft cache reuses the accepted ones: each round's draft must still be exactly what the draft
+    engine alone, from scratch, continues the context with."""
+    engine_dir = engine_factory("gqa", prefill_chunk=8, draft_model="gqa", draft_len=3, draft_quant="int4")
+    spec = LLM(engine_dir)
+    drafted: list[tuple[list[int], list[int]]] = []
+    draft = spec.engine.draft_model.draft
+
+    def recording(requests):
+        beams = draft(requests)
+        drafted.extend((r.prompt_token_ids + r.output_token_ids, beam) for r, beam in zip(requests, beams))
+        return beams
+
+    spec.engine.draft_model.draft = recording
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    spec.generate(PROMPTS + [LONG_PROMPT], params)
+    assert set(spec.engine.speculation_stats.accepted_histogram) == {0, 1, 2, 3}
+    alone = LLM(engine_dir / "draft")
+    checked = [(context, beam) for context, beam in drafted if len(context) + 3 <= 256][::3]
+    continuations = alone.generate(prompt_token_ids=[c for c, _ in checked], sampling_params=SamplingParams(
+        max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert [o.token_ids for o in continuations] == [beam for _, beam in checked]
