@@ -29,6 +29,11 @@ class Executor:
         self.cache = KVCache(manifest.kv_cache, self.decode_phase.batch_sizes, self.decode_phase.past_lengths, _headroom(phases))
         self._bound: dict[tuple[str, int, int], object] = {}  # (graph, rows) -> graph with those cache rows bound
         self._bound_generation = self.cache.generation
+        # the step graph's outputs besides the cache, [rows, logits_index count, size]: their arrays are bound per run
+        step = {t.name: t for t in manifest.graphs[self.decode_phase.graph].outputs}
+        config = manifest.model
+        self._per_token_outputs = {"logits": (config.vocab_size, np.dtype(step["logits"].dtype)),
+                                   "hidden": (config.hidden_size, np.dtype(step["hidden"].dtype))}
 
     def reserve(self, rows: int, length: int) -> None:
         """Make room for `rows` rows (row ids below it) of up to `length` positions before a step."""
@@ -50,10 +55,13 @@ class Executor:
                 buffers[f"past_key.{i}"] = buffers[f"present_key.{i}"] = k
                 buffers[f"past_value.{i}"] = buffers[f"present_value.{i}"] = v
             bound = self._bound[key] = self.backend.bind(phase.graph, buffers)
-        return bound.run({
+        batch, count = logits_index.shape
+        outputs = {name: np.empty((batch, count, size), dtype) for name, (size, dtype) in self._per_token_outputs.items()}
+        bound.run({
             "input_ids": input_ids, "positions": positions, "past_lens": past_lens, "query_lens": query_lens,
             "attention_bias": attention_bias, "logits_index": logits_index,
-        })
+        }, outputs)
+        return outputs
 
     def prefill(self, row: int, token_ids: list[int], start: int) -> tuple[np.ndarray, np.ndarray]:
         """Run one prompt chunk of one row whose first `start` tokens are cached; returns the last token's logits
