@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import torch
 
+from plugins.onnx_schema import register_contrib_op
+
 HEAD_DIM_MULTIPLE = 16  # onnxruntime's CPU kernel refuses other head sizes
 
 
@@ -89,37 +91,16 @@ def _(qkv, past_key, past_value, seqlens_k, total_len, cos_cache, sin_cache, pos
     return qkv.new_empty(*qkv.shape[:2], num_heads * head_dim), torch.empty_like(past_key), torch.empty_like(past_value)
 
 
-def _register_onnx_schema() -> None:
-    """onnxscript needs the contrib op's schema before it can emit it (onnx ships none for com.microsoft)."""
-    from onnx import defs
-
-    try:
-        defs.get_schema("GroupQueryAttention", 1, "com.microsoft")
-        return
-    except defs.SchemaError:
-        pass
-    param, option = defs.OpSchema.FormalParameter, defs.OpSchema.FormalParameterOption.Optional
-    attribute, kind = defs.OpSchema.Attribute, defs.OpSchema.AttrType
-    inputs = [
-        param("query", "T"), param("key", "T", param_option=option), param("value", "T", param_option=option),
-        param("past_key", "T", param_option=option), param("past_value", "T", param_option=option),
-        param("seqlens_k", "M"), param("total_sequence_length", "M"),
-        param("cos_cache", "T", param_option=option), param("sin_cache", "T", param_option=option),
-        param("position_ids", "tensor(int64)", param_option=option),
-        param("attention_bias", "T", param_option=option),
-    ] + [param(name, "T", param_option=option) for name in ("head_sink", "k_scale", "v_scale", "q_norm_weight", "k_norm_weight")] + [
-        param("query_seqlens", "M", param_option=option),
-    ]
-    defs.register_schema(
-        defs.OpSchema(
-            "GroupQueryAttention", "com.microsoft", 1,
-            inputs=inputs,
-            outputs=[param("output", "T"), param("present_key", "T"), param("present_value", "T")],
-            type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], ""),
-                              ("M", ["tensor(int32)"], "")],
-            attributes=[attribute(n, kind.INT, "") for n in ("num_heads", "kv_num_heads", "do_rotary", "rotary_interleaved")]
-            + [attribute("scale", kind.FLOAT, "")],
-        )
+def _register_schema() -> None:
+    optional = ["key?:T", "value?:T", "past_key?:T", "past_value?:T"]
+    rotary = ["cos_cache?:T", "sin_cache?:T", "position_ids?:tensor(int64)", "attention_bias?:T"]
+    unused = [f"{n}?:T" for n in ("head_sink", "k_scale", "v_scale", "q_norm_weight", "k_norm_weight")]
+    register_contrib_op(
+        "GroupQueryAttention",
+        inputs=["query:T", *optional, "seqlens_k:M", "total_sequence_length:M", *rotary, *unused, "query_seqlens?:M"],
+        outputs=["output:T", "present_key:T", "present_value:T"],
+        types={"T": ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "M": ["tensor(int32)"]},
+        attributes={"num_heads": int, "kv_num_heads": int, "do_rotary": int, "rotary_interleaved": int, "scale": float},
     )
 
 
@@ -127,7 +108,7 @@ def onnx_translations() -> dict:
     """custom_translation_table entries for torch.onnx.export."""
     import onnxscript
 
-    _register_onnx_schema()
+    _register_schema()
     microsoft = onnxscript.values.Opset("com.microsoft", 1)
 
     def group_query_attention_to_onnx(qkv, past_key, past_value, seqlens_k, total_len, cos_cache, sin_cache,

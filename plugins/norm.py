@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from plugins.onnx_schema import register_contrib_op
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Normalise in fp32 whatever the weight dtype, as the reference implementation does.
@@ -31,25 +33,13 @@ def _(x, residual, weight, eps):
     return torch.empty_like(x), torch.empty_like(x)
 
 
-def _register_onnx_schema() -> None:
-    """onnxscript needs the contrib op's schema before it can emit it (onnx ships none for com.microsoft)."""
-    from onnx import defs
-
-    try:
-        defs.get_schema("SkipSimplifiedLayerNormalization", 1, "com.microsoft")
-        return
-    except defs.SchemaError:
-        pass
-    param, option = defs.OpSchema.FormalParameter, defs.OpSchema.FormalParameterOption.Optional
-    defs.register_schema(
-        defs.OpSchema(
-            "SkipSimplifiedLayerNormalization", "com.microsoft", 1,
-            inputs=[param("input", "T"), param("skip", "T"), param("gamma", "T"), param("bias", "T", param_option=option)],
-            outputs=[param("output", "T"), param("mean", "U", param_option=option),
-                     param("inv_std_var", "U", param_option=option), param("input_skip_bias_sum", "T", param_option=option)],
-            type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], ""), ("U", ["tensor(float)"], "")],
-            attributes=[defs.OpSchema.Attribute("epsilon", defs.OpSchema.AttrType.FLOAT, "")],
-        )
+def _register_schema() -> None:
+    register_contrib_op(
+        "SkipSimplifiedLayerNormalization",
+        inputs=["input:T", "skip:T", "gamma:T", "bias?:T"],
+        outputs=["output:T", "mean?:U", "inv_std_var?:U", "input_skip_bias_sum?:T"],
+        types={"T": ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "U": ["tensor(float)"]},
+        attributes={"epsilon": float},
     )
 
 
@@ -57,7 +47,7 @@ def onnx_translations() -> dict:
     """custom_translation_table entries for torch.onnx.export."""
     import onnxscript
 
-    _register_onnx_schema()
+    _register_schema()
     microsoft = onnxscript.values.Opset("com.microsoft", 1)
 
     def add_rms_norm_to_onnx(x, residual, weight, eps: float):

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from plugins.onnx_schema import register_contrib_op
+
 SUPPORTED_BITS = (4, 8)
 SUPPORTED_BLOCKS = (16, 32, 64, 128, 256)
 
@@ -138,24 +140,13 @@ class QuantizedLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def _register_onnx_schema() -> None:
-    """onnxscript needs the contrib op's schema before it can emit it (onnx ships none for com.microsoft)."""
-    from onnx import defs
-
-    try:
-        defs.get_schema("MatMulNBits", 1, "com.microsoft")
-        return
-    except defs.SchemaError:
-        pass
-    param = defs.OpSchema.FormalParameter
-    defs.register_schema(
-        defs.OpSchema(
-            "MatMulNBits", "com.microsoft", 1,
-            inputs=[param("A", "T1"), param("B", "T2"), param("scales", "T1")],
-            outputs=[param("Y", "T1")],
-            type_constraints=[("T1", ["tensor(float)", "tensor(float16)"], ""), ("T2", ["tensor(uint8)"], "")],
-            attributes=[defs.OpSchema.Attribute(n, defs.OpSchema.AttrType.INT, "") for n in ("K", "N", "bits", "block_size", "accuracy_level")],
-        )
+def _register_schema() -> None:
+    register_contrib_op(
+        "MatMulNBits",
+        inputs=["A:T1", "B:T2", "scales:T1"],
+        outputs=["Y:T1"],
+        types={"T1": ["tensor(float)", "tensor(float16)"], "T2": ["tensor(uint8)"]},
+        attributes={name: int for name in ("K", "N", "bits", "block_size", "accuracy_level")},
     )
 
 
@@ -163,7 +154,7 @@ def onnx_translations() -> dict:
     """custom_translation_table entries for torch.onnx.export."""
     import onnxscript
 
-    _register_onnx_schema()
+    _register_schema()
     microsoft = onnxscript.values.Opset("com.microsoft", 1)
 
     def matmul_nbits_to_onnx(x, qweight, scales, in_features: int, out_features: int, bits: int, block_size: int, accuracy_level: int):
