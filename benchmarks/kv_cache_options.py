@@ -3,13 +3,15 @@
     python benchmarks/kv_cache_options.py [--threads 2]
 
 Options, each a one-layer ONNX graph run by onnxruntime at batch 1 for several cached lengths L:
-  inputs_views   ours: the cache is an input fed as a view of the runner's bucket-sized buffer (K stored
-                 transposed); scores against the cache and against the new token are computed apart; only the new
-                 K/V come out and the runner writes them in place (its write is included in the timing).
+  inputs_views   the engine's contract until artifact schema 2: the cache is an input fed as a view of the
+                 runner's bucket-sized buffer (K stored transposed); scores against the cache and against the new
+                 token are computed apart; only the new K/V come out and the runner writes them in place (its write
+                 is included in the timing).
   concat         the common export: present = Concat(past, new) as an output, i.e. the whole cache is copied
                  every step and fed back.
   gqa_shared     com.microsoft::GroupQueryAttention with past and present bound to the same buffer through
-                 IOBinding (onnxruntime-genai's contract): written in place, cost follows the used length.
+                 IOBinding (onnxruntime-genai's contract, and ours since schema 2: plugins/attention.py): written in
+                 place, cost follows the used length.
 """
 
 from __future__ import annotations
