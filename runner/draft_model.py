@@ -47,10 +47,8 @@ class DraftModel:
             for start in range(request.draft_computed, len(context), executor.max_chunk):  # the prompt, in chunks
                 last_logits[index], _ = executor.prefill(request.row, context[start:start + executor.max_chunk], start)
         if chains:
-            verified = executor.verify(
-                [requests[i].row for i, _, _ in chains], [(tokens, np.tril(np.ones((len(tokens),) * 2, bool))) for _, _, tokens in chains],
-                [start for _, start, _ in chains],
-            )
+            causal = [(tokens, np.tril(np.ones((len(tokens), len(tokens)), bool))) for _, _, tokens in chains]
+            verified = executor.verify([requests[i].row for i, _, _ in chains], causal, [start for _, start, _ in chains])
             for row, (index, _, tokens) in enumerate(chains):
                 last_logits[index] = verified.logits[row, len(tokens) - 1]
         for request, context in zip(requests, contexts):

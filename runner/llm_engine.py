@@ -35,7 +35,6 @@ class _Pending:
     logits: np.ndarray  # the target's logits at the tree's nodes [>= nodes, vocab]
     hidden: np.ndarray | None = None  # hidden states at the nodes (where a draft head starts from)
     verified: bool = False  # its nodes' K/V wait in the cache for the accepted path to be kept
-    outputs_before: int = 0
 
 
 @dataclass(frozen=True)
@@ -155,13 +154,14 @@ class LLMEngine:
             self.speculation_stats.verify_seconds += time.perf_counter() - started  # acceptance is part of verifying
         events, to_draft = [], []
         for row, result in zip(pending, sampled):
-            request = row.request
+            request, emitted = row.request, 0
             for token, logprob in zip(result.tokens, result.logprobs or [None] * len(result.tokens)):
                 events.append(self._emit(request, token, logprob))
+                emitted += 1
                 if request.finished:
                     break
             if row.verified:
-                self.speculation_stats.record(len(request.output_token_ids) - row.outputs_before)
+                self.speculation_stats.record(emitted)
                 if not request.finished:
                     self.executor.commit(request.row, request.num_computed, result.path)
                     request.num_computed += len(result.path)
@@ -189,7 +189,7 @@ class LLMEngine:
         )
         self.speculation_stats.verify_seconds += time.perf_counter() - started
         return [
-            _Pending(request, tree, verified.logits[index], verified.hidden[index], True, len(request.output_token_ids))
+            _Pending(request, tree, verified.logits[index], verified.hidden[index], True)
             for index, (request, tree) in enumerate(zip(requests, trees))
         ]
 

@@ -28,9 +28,6 @@ class TokenTree:
     parents: list[int]  # node -> parent node (-1 for the root)
     mask: np.ndarray  # [n, n] bool: node t attends to node s (its ancestors and itself)
 
-    def children(self, node: int) -> list[int]:
-        return [child for child, parent in enumerate(self.parents) if parent == node]
-
 
 def pack_tree(root_token: int, beams, max_depth: int) -> TokenTree:
     """Merge draft beams (sequences of token ids, best first; any lengths) under `root_token` into a trie of at
