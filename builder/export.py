@@ -41,7 +41,7 @@ def input_names(num_layers: int) -> list[str]:
 def output_names(num_layers: int) -> list[str]:
     """present_key.i / present_value.i are the cache buffers with the new tokens written in: the runner binds each
     to the buffer it feeds as past_key.i / past_value.i (see engines.format.KVCacheSpec)."""
-    return ["logits", "hidden"] + [f"present_key.{i}" for i in range(num_layers)] + [f"present_value.{i}" for i in range(num_layers)]
+    return ["logits", "argmax", "hidden"] + [f"present_key.{i}" for i in range(num_layers)] + [f"present_value.{i}" for i in range(num_layers)]
 
 
 DRAFT_GRAPH_FILE = "draft.onnx"

@@ -80,7 +80,7 @@ def collect_traces(engine_dir: Path, prompts: list[str], max_new_tokens: int, th
     for output in outputs:
         tokens = output.prompt_token_ids + output.token_ids
         executor.reserve(1, len(tokens))
-        hidden = np.concatenate([executor.score(0, tokens[i:i + chunk], i)[1] for i in range(0, len(tokens), chunk)])
+        hidden = np.concatenate([executor.score(0, tokens[i:i + chunk], i).hidden for i in range(0, len(tokens), chunk)])
         first = len(output.prompt_token_ids) - 1
         traces.append(Trace(np.asarray(tokens[first:], np.int64), hidden[first:].astype(np.float32)))
     executor.cache.release()

@@ -15,10 +15,11 @@ from typing import Any
 
 from engines.model_config import ModelConfig
 
+# 4: the step graph also outputs the argmax of its logits (a plain greedy step's token, no sampler call);
 # 3: a sampler graph chooses every token (sampling and speculative acceptance in the engine);
 # 2: attention is one fused node per layer writing the cache in place (present_* bound to past_*), K stored
 # [B, kv_heads, L, head_dim] like V, attention_bias replaces tree_mask; 1: new K/V were graph outputs.
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 MANIFEST_NAME = "manifest.json"
 _HASH_CHUNK = 1 << 24
 

@@ -1,11 +1,11 @@
 """A separate draft model (gpt-fast style): a smaller engine of the same vocabulary, built into the target engine's
-`draft/` directory, proposes `draft_len` tokens per step by greedy decoding. The target verifies them like any
-other draft (a tree of one chain) and the sampler graph accepts, so the output is the target's whatever the draft
-model says.
+`draft/` directory, proposes `draft_len` tokens per step by greedy decoding (its step graph's argmax, so drafting
+runs in its graphs). The target verifies them like any other draft (a tree of one chain) and the sampler graph
+accepts, so the output is the target's whatever the draft model says.
 
 The draft model keeps its own KV cache, on the same row ids as the target's. A request's `draft_computed` counts
 the context tokens in it. A round first feeds the tokens it lacks (one call for all rows: the target's last token,
-and the last draft when all were accepted; the whole prompt, in chunks, the first time), whose last logits give the
+and the last draft when all were accepted; the whole prompt, in chunks, the first time), whose last argmax is the
 first draft, then decodes the rest of the draft one token at a time for all rows at once. Drafting fed d1..d(k-1)
 through the draft model, so when the target accepts a drafts, the first min(a, k-1) of them are in its cache
 already (`accepted`); the next round writes over the rejected ones.
@@ -37,7 +37,7 @@ class DraftModel:
         contexts = [r.prompt_token_ids + r.output_token_ids for r in requests]
         longest = max(len(c) for c in contexts)
         executor.reserve(max(r.row for r in requests) + 1, min(longest + self.draft_len, self.max_seq_len))
-        last_logits: dict[int, np.ndarray] = {}
+        first_drafts: dict[int, int] = {}  # the step graph's argmax after each row's context
         chains = []  # (index, first position, tokens) of rows that lack a few tokens
         for index, (request, context) in enumerate(zip(requests, contexts)):
             missing = context[request.draft_computed:]
@@ -45,24 +45,24 @@ class DraftModel:
                 chains.append((index, request.draft_computed, missing))
                 continue
             for start in range(request.draft_computed, len(context), executor.max_chunk):  # the prompt, in chunks
-                last_logits[index], _ = executor.prefill(request.row, context[start:start + executor.max_chunk], start)
+                first_drafts[index] = int(executor.prefill(request.row, context[start:start + executor.max_chunk], start).argmax)
         if chains:
             causal = [(tokens, np.tril(np.ones((len(tokens), len(tokens)), bool))) for _, _, tokens in chains]
             verified = executor.verify([requests[i].row for i, _, _ in chains], causal, [start for _, start, _ in chains])
             for row, (index, _, tokens) in enumerate(chains):
-                last_logits[index] = verified.logits[row, len(tokens) - 1]
+                first_drafts[index] = int(verified.argmax[row, len(tokens) - 1])
         for request, context in zip(requests, contexts):
             request.draft_computed = len(context)
-        drafts = [[int(np.argmax(last_logits[i]))] for i in range(len(requests))]
+        drafts = [[first_drafts[i]] for i in range(len(requests))]
         for step in range(1, self.draft_len):
             room = [i for i, c in enumerate(contexts) if len(c) + step <= self.max_seq_len]  # the sequence's end
             if not room:
                 break
-            logits = executor.decode(
+            decoded = executor.decode(
                 [requests[i].row for i in room], [drafts[i][-1] for i in room], [len(contexts[i]) + step - 1 for i in room]
             )
-            for i, row_logits in zip(room, logits):
-                drafts[i].append(int(np.argmax(row_logits)))
+            for i, token in zip(room, decoded.argmax.tolist()):
+                drafts[i].append(token)
         return drafts
 
     def accepted(self, request: Request, drafts: int) -> None:

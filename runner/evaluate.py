@@ -50,7 +50,7 @@ def perplexity(engine: LLMEngine, token_ids: list[int], window: int, stride: int
         end = min(begin + window, len(token_ids))
         executor.reserve(1, end - begin)
         logits = np.concatenate(
-            [executor.score(0, token_ids[i:min(i + chunk, end)], i - begin)[0] for i in range(begin, end, chunk)]
+            [executor.score(0, token_ids[i:min(i + chunk, end)], i - begin).logits for i in range(begin, end, chunk)]
         )
         # logits row j (position begin + j) predicts token begin + j + 1; a window's first token has no context in
         # it, so it is scored only if an earlier window did (when stride == window it is skipped, as in HF's recipe)

@@ -29,18 +29,19 @@ class Executor:
         self.cache = KVCache(manifest.kv_cache, self.decode_phase.batch_sizes, self.decode_phase.past_lengths, _headroom(phases))
         self._bound: dict[tuple[str, int, int], object] = {}  # (graph, rows) -> graph with those cache rows bound
         self._bound_generation = self.cache.generation
-        # the step graph's outputs besides the cache, [rows, logits_index count, size]: their arrays are bound per run
+        # the step graph's outputs besides the cache, [rows, logits_index count, *size]: their arrays are bound per run
         step = {t.name: t for t in manifest.graphs[self.decode_phase.graph].outputs}
         config = manifest.model
-        self._per_token_outputs = {"logits": (config.vocab_size, np.dtype(step["logits"].dtype)),
-                                   "hidden": (config.hidden_size, np.dtype(step["hidden"].dtype))}
+        self._per_token_outputs = {"logits": ((config.vocab_size,), np.dtype(step["logits"].dtype)),
+                                   "argmax": ((), np.dtype(step["argmax"].dtype)),
+                                   "hidden": ((config.hidden_size,), np.dtype(step["hidden"].dtype))}
 
     def reserve(self, rows: int, length: int) -> None:
         """Make room for `rows` rows (row ids below it) of up to `length` positions before a step."""
         self.cache.fit(rows, length)
 
     def _run(self, phase: PhaseSpec, input_ids, positions, past_lens, query_lens, attention_bias, logits_index,
-             start_row: int) -> dict:
+             start_row: int) -> Scored:
         """One call over cache rows [start_row, start_row + batch): those rows' buffers are bound as the graph's cache
         inputs and outputs, so the new K/V land in them. Rows with query_lens 0 take no part."""
         if self._bound_generation != self.cache.generation:  # re-sized: bindings point at freed buffers
@@ -56,24 +57,23 @@ class Executor:
                 buffers[f"past_value.{i}"] = buffers[f"present_value.{i}"] = v
             bound = self._bound[key] = self.backend.bind(phase.graph, buffers)
         batch, count = logits_index.shape
-        outputs = {name: np.empty((batch, count, size), dtype) for name, (size, dtype) in self._per_token_outputs.items()}
+        outputs = {name: np.empty((batch, count, *size), dtype) for name, (size, dtype) in self._per_token_outputs.items()}
         bound.run({
             "input_ids": input_ids, "positions": positions, "past_lens": past_lens, "query_lens": query_lens,
             "attention_bias": attention_bias, "logits_index": logits_index,
         }, outputs)
-        return outputs
+        return Scored(**outputs)
 
-    def prefill(self, row: int, token_ids: list[int], start: int) -> tuple[np.ndarray, np.ndarray]:
+    def prefill(self, row: int, token_ids: list[int], start: int) -> Scored:
         """Run one prompt chunk of one row whose first `start` tokens are cached; returns the last token's logits
-        [vocab] and final hidden state [hidden] (where a draft head starts from)."""
-        logits, hidden = self._chunk(self.prefill_phase, row, token_ids, start)
-        return logits[0], hidden[0]
+        [vocab], their argmax [] and the final hidden state [hidden] (where a draft head starts from)."""
+        return self._chunk(self.prefill_phase, row, token_ids, start)[0, 0]
 
-    def score(self, row: int, token_ids: list[int], start: int) -> tuple[np.ndarray, np.ndarray]:
-        """Like `prefill`, but returns the logits [n, vocab] and hidden states [n, hidden] after every token."""
-        return self._chunk(self.score_phase, row, token_ids, start)
+    def score(self, row: int, token_ids: list[int], start: int) -> Scored:
+        """Like `prefill`, but after every token: logits [n, vocab], argmax [n], hidden states [n, hidden]."""
+        return self._chunk(self.score_phase, row, token_ids, start)[0]
 
-    def _chunk(self, phase: PhaseSpec, row: int, token_ids: list[int], start: int) -> tuple[np.ndarray, np.ndarray]:
+    def _chunk(self, phase: PhaseSpec, row: int, token_ids: list[int], start: int) -> Scored:
         count = len(token_ids)
         steps = bucket_for(count, phase.steps)
         input_ids = np.zeros((1, steps), np.int64)
@@ -82,11 +82,11 @@ class Executor:
         positions[0, :count] += np.arange(count)
         logits_index = np.arange(count)[None] if phase.logits == "all" else np.array([[count - 1]])
         bias = np.zeros((1, 1, steps, start + steps), np.float32)  # a chunk is causal, which the graph knows
-        out = self._run(phase, input_ids, positions, np.array([start]), np.array([count]), bias, logits_index, row)
-        return out["logits"][0], out["hidden"][0]
+        return self._run(phase, input_ids, positions, np.array([start]), np.array([count]), bias, logits_index, row)
 
-    def decode(self, rows: list[int], token_ids: list[int], positions: list[int]) -> np.ndarray:
-        """One token for each of `rows` (token at `positions`, i.e. that many cached); returns [len(rows), vocab]."""
+    def decode(self, rows: list[int], token_ids: list[int], positions: list[int]) -> Scored:
+        """One token for each of `rows` (token at `positions`, i.e. that many cached); returns logits
+        [len(rows), vocab], argmax [len(rows)], hidden [len(rows), hidden]."""
         batch = bucket_for(max(rows) + 1, self.decode_phase.batch_sizes)
         input_ids, past_lens, query_lens = np.zeros((batch, 1), np.int64), np.zeros(batch, np.int64), np.zeros(batch, np.int64)
         input_ids[rows, 0] = token_ids
@@ -94,14 +94,13 @@ class Executor:
         query_lens[rows] = 1
         bias = np.zeros((batch, 1, 1, past_lens.max() + 1), np.float32)
         zeros = np.zeros((batch, 1), np.int64)
-        out = self._run(self.decode_phase, input_ids, past_lens[:, None], past_lens, query_lens, bias, zeros, 0)
-        return out["logits"][rows, 0]
+        return self._run(self.decode_phase, input_ids, past_lens[:, None], past_lens, query_lens, bias, zeros, 0)[_select(rows), 0]
 
-    def verify(self, rows: list[int], trees: list[tuple[list[int], np.ndarray]], starts: list[int]) -> Verified:
+    def verify(self, rows: list[int], trees: list[tuple[list[int], np.ndarray]], starts: list[int]) -> Scored:
         """Score a token tree per row, all rows in one call: trees are (node tokens, ancestors mask [n, n]), each
         after its row's `start` cached positions.
 
-        Returns logits [rows, nodes, vocab] and hidden states. Every node's K/V is written after its row's `start`
+        Returns logits [rows, nodes, vocab], their argmax and hidden states. Every node's K/V is written after its row's `start`
         cached positions, in node order; only accepted nodes belong in the cache (`commit` keeps them)."""
         batch = bucket_for(max(rows) + 1, self.verify_phase.batch_sizes)
         steps = bucket_for(max(len(tokens) for tokens, _ in trees), self.verify_phase.steps)
@@ -115,8 +114,7 @@ class Executor:
             positions[row, :count] = start + tree_mask.sum(axis=1) - 1  # a node's position is its depth
             bias[row, 0, :count, start:start + count][~tree_mask] = MASKED  # (the graph masks what is causal)
         index = np.tile(np.arange(steps, dtype=np.int64), (batch, 1))
-        out = self._run(self.verify_phase, input_ids, positions, past_lens, query_lens, bias, index, 0)
-        return Verified(out["logits"][rows], out["hidden"][rows])
+        return self._run(self.verify_phase, input_ids, positions, past_lens, query_lens, bias, index, 0)[_select(rows)]
 
     def commit(self, row: int, start: int, nodes: list[int]) -> None:
         """Keep the K/V of the accepted `nodes` of a verified tree (root first, then the accepted path)."""
@@ -135,9 +133,21 @@ class Executor:
 
 
 @dataclass(frozen=True)
-class Verified:
-    logits: np.ndarray  # [rows, nodes, vocab]
-    hidden: np.ndarray  # [rows, nodes, hidden]
+class Scored:
+    """What the step graph computes for the tokens that get logits (leading axes: rows, tokens)."""
+
+    logits: np.ndarray  # [..., vocab]
+    argmax: np.ndarray  # [...] int64: each logits row's argmax, greedy decoding's token when nothing adjusts it
+    hidden: np.ndarray  # [..., hidden]: final-normed hidden state (where a draft head starts from)
+
+    def __getitem__(self, index) -> Scored:
+        """The same rows / tokens of all three."""
+        return Scored(self.logits[index], self.argmax[index], self.hidden[index])
+
+
+def _select(rows: list[int]) -> slice | list[int]:
+    """Index of `rows` in a batch: a slice (a view, no copy of their logits) when they are consecutive."""
+    return slice(rows[0], rows[-1] + 1) if rows == list(range(rows[0], rows[-1] + 1)) else rows
 
 
 def _headroom(phases: list[PhaseSpec]) -> int:

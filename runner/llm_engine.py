@@ -15,7 +15,7 @@ from engines.format import open_artifact
 from runner.draft_model import DraftModel
 from runner.executor import Executor
 from runner.request import Request, TokenLogprob
-from runner.sampler import Sampler
+from runner.sampler import SampledRow, Sampler
 from runner.sampling import SamplingParams
 from runner.speculative import SpeculationStats, TokenTree, pack_tree, prompt_lookup_draft
 from runner.scheduler import Scheduler
@@ -35,6 +35,7 @@ class _Pending:
     logits: np.ndarray  # the target's logits at the tree's nodes [>= nodes, vocab]
     hidden: np.ndarray | None = None  # hidden states at the nodes (where a draft head starts from)
     verified: bool = False  # its nodes' K/V wait in the cache for the accepted path to be kept
+    argmax: int | None = None  # the step graph's argmax at the root, for a tree of the root alone
 
 
 @dataclass(frozen=True)
@@ -132,24 +133,25 @@ class LLMEngine:
         if step.decode and self.speculation is not None:
             pending += self._verify(step.decode)
         elif step.decode:
-            logits = self.executor.decode(
+            decoded = self.executor.decode(
                 [r.row for r in step.decode], [r.output_token_ids[-1] for r in step.decode], [r.num_computed for r in step.decode]
             )
-            for request, row_logits in zip(step.decode, logits):
+            for index, request in enumerate(step.decode):
                 request.num_computed += 1
-                pending.append(_Pending(request, pack_tree(request.output_token_ids[-1], [], 0), row_logits[None]))
+                root = pack_tree(request.output_token_ids[-1], [], 0)
+                pending.append(_Pending(request, root, decoded.logits[index, None], argmax=int(decoded.argmax[index])))
         if step.prefill is not None:
             request, count = step.prefill
             start = request.num_computed
-            row_logits, hidden = self.executor.prefill(request.row, request.prompt_token_ids[start:start + count], start)
+            scored = self.executor.prefill(request.row, request.prompt_token_ids[start:start + count], start)
             request.num_computed += count
             if not request.prefilling:
                 root = pack_tree(request.prompt_token_ids[-1], [], 0)
-                pending.append(_Pending(request, root, row_logits[None], hidden[None]))
+                pending.append(_Pending(request, root, scored.logits[None], scored.hidden[None], argmax=int(scored.argmax)))
         if not pending:
             return []
         started = time.perf_counter()
-        sampled = self.sampler.sample([(p.request, p.tree, p.logits) for p in pending])
+        sampled = self._sample(pending)
         if self.speculation is not None:
             self.speculation_stats.verify_seconds += time.perf_counter() - started  # acceptance is part of verifying
         events, to_draft = [], []
@@ -176,6 +178,14 @@ class LLMEngine:
             if self.draft_model is not None:
                 self.draft_model.release()
         return events
+
+    def _sample(self, pending: list[_Pending]) -> list[SampledRow]:
+        """The sampler graph's choice for every pending row, in one call; a root alone whose argmax is already the
+        sampler's choice (Sampler.takes_argmax) takes it without one."""
+        by_argmax = [p.argmax is not None and self.sampler.takes_argmax(p.request, p.argmax) for p in pending]
+        to_sample = [(p.request, p.tree, p.logits) for p, taken in zip(pending, by_argmax) if not taken]
+        sampled = iter(self.sampler.sample(to_sample) if to_sample else [])
+        return [SampledRow([p.argmax], [0], None) if taken else next(sampled) for p, taken in zip(pending, by_argmax)]
 
     def _verify(self, requests: list[Request]) -> list[_Pending]:
         """Score each generating request's draft tree (one verify call for all); the sampler graph then accepts."""

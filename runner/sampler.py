@@ -32,6 +32,17 @@ class Sampler:
         params = request.params
         return set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
 
+    def takes_argmax(self, request: Request, token: int) -> bool:
+        """Whether `token`, the step graph's argmax of the request's next-token logits, is exactly what the sampler
+        graph would choose: the request is greedy, wants no logprobs and has no penalties, and the token is not
+        banned (masking banned tokens leaves a first maximum that is not banned where it is). A plain greedy step
+        then skips the sampler call."""
+        params = request.params
+        if not params.greedy or params.logprobs is not None or params.repetition_penalty != 1.0 \
+                or params.presence_penalty or params.frequency_penalty:
+            return False
+        return len(request.output_token_ids) >= params.min_tokens or token not in self.stop_ids(request)
+
     def sample(self, rows: list[tuple[Request, TokenTree, np.ndarray]]) -> list[SampledRow]:
         """rows: (request, its token tree, the target's logits at the tree's nodes [>= nodes, vocab]). One graph call."""
         out = self.backend.run(self.spec.graph, self.feeds(rows))

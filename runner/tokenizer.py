@@ -57,18 +57,26 @@ class TextCodec:
 
 
 class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text increments, holding back incomplete UTF-8 sequences."""
+    """Turns a growing list of token ids into text increments, holding back incomplete UTF-8 sequences.
+
+    Each token decodes a short window, not the whole output (that made a step's cost grow with the output): the
+    ids from `prefix` on, against the same window without the newest ids. Starting both at a token already shown
+    keeps what a tokenizer does at a token boundary (a leading space of a word piece) the same in both."""
 
     def __init__(self, codec: TextCodec) -> None:
         self._codec = codec
         self._ids: list[int] = []
+        self._prefix = 0  # where the window starts: a token or so before the ids not shown yet
+        self._shown = 0  # ids up to here are in `text`
         self.text = ""
 
     def push(self, token_id: int) -> str:
         self._ids.append(token_id)
-        text = self._codec.decode(self._ids)
-        if text.endswith("\ufffd"):  # a multi-byte character split across tokens: wait for the rest
+        before = self._codec.decode(self._ids[self._prefix:self._shown])
+        window = self._codec.decode(self._ids[self._prefix:])
+        if window.endswith("\ufffd") or len(window) <= len(before):  # a split character: wait for the rest
             return ""
-        delta = text[len(self.text):]
-        self.text = text
+        delta = window[len(before):]
+        self.text += delta
+        self._prefix, self._shown = self._shown, len(self._ids)
         return delta

@@ -27,11 +27,11 @@ def test_prefill_and_20_decode_steps_match_transformers(name, engine_factory, ch
     tokens = engine.codec.encode(TEXT)
     executor.reserve(1, len(tokens) + 20)
 
-    logits, _ = executor.prefill(0, tokens, 0)
+    logits = executor.prefill(0, tokens, 0).logits
     assert_logits_close(logits, reference_logits(reference, tokens)[-1])
     for _ in range(20):
         tokens.append(int(np.argmax(logits)))
-        logits = executor.decode([0], [tokens[-1]], [len(tokens) - 1])[0]
+        logits = executor.decode([0], [tokens[-1]], [len(tokens) - 1]).logits[0]
         assert_logits_close(logits, reference_logits(reference, tokens)[-1])
 
 
@@ -75,8 +75,10 @@ def test_verify_phase_scores_chains_and_trees_in_one_batch_like_the_reference(en
     assert_logits_close(verified.logits[0], reference_logits(reference, prompt + chain)[len(prompt):])
     assert_logits_close(verified.logits[1, 1], reference_logits(reference, other + [5, 17])[-1])
     assert_logits_close(verified.logits[1, 3], reference_logits(reference, other + [5, 42, 9])[-1])
+    assert (verified.argmax == verified.logits.argmax(-1)).all()  # the graph's own argmax output
 
     # keep only the path 5 -> 42 -> 9 of row 1; the next token then sees exactly that history
     executor.commit(1, len(other), [0, 2, 3])
-    logits = executor.decode([1], [11], [len(other) + 3])[0]
-    assert_logits_close(logits, reference_logits(reference, other + [5, 42, 9, 11])[-1])
+    decoded = executor.decode([1], [11], [len(other) + 3])
+    assert_logits_close(decoded.logits[0], reference_logits(reference, other + [5, 42, 9, 11])[-1])
+    assert decoded.argmax.tolist() == [int(np.argmax(decoded.logits[0]))]

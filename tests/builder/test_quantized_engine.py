@@ -18,9 +18,9 @@ def teacher_forced_logits(engine: LLMEngine, prompt: list[int], forced: list[int
     """Logits after the prompt and after each forced token: [len(forced) + 1, vocab]."""
     executor = engine.executor
     executor.reserve(1, len(prompt) + len(forced) + 1)
-    rows = [executor.prefill(0, prompt, 0)[0]]
+    rows = [executor.prefill(0, prompt, 0).logits]
     for i, token in enumerate(forced):
-        rows.append(executor.decode([0], [token], [len(prompt) + i])[0])
+        rows.append(executor.decode([0], [token], [len(prompt) + i]).logits[0])
     return np.stack(rows)
 
 

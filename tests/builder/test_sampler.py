@@ -170,3 +170,26 @@ def test_min_tokens_bans_stop_tokens_by_depth(sampler):
     assert result.tokens == [11, 11, EOS] and result.path == [0, 1, 2]
     banned = node_distribution(logits[0], params, [1], [9, 9], {EOS})
     assert banned[EOS] == 0.0
+
+
+def test_the_argmax_shortcut_is_taken_only_where_it_is_the_graphs_choice(sampler):
+    """Sampler.takes_argmax lets a plain greedy step skip the graph: where it says yes, the graph picks the argmax
+    (ties included: the first maximum); it says no for every parameter set that can change the choice."""
+    rng = np.random.default_rng(3)
+    taken = 0
+    for index in range(200):
+        params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, min_tokens=3),
+                  SamplingParams(temperature=0.0, stop_token_ids=[5], min_tokens=2)][index % 3]
+        logits = rng.integers(-3, 3, (1, VOCAB)).astype(np.float32)  # many ties
+        logits[0, [EOS, 5]] += rng.integers(0, 3)  # stop tokens often the maximum
+        row = request(params, 0, [1], rng.integers(0, VOCAB, rng.integers(0, 4)).tolist())
+        argmax = int(np.argmax(logits[0]))
+        (result,) = sampler.sample([(row, pack_tree(row.output_token_ids[-1] if row.output_token_ids else 7, [], 0), logits)])
+        if sampler.takes_argmax(row, argmax):
+            taken += 1
+            assert result.tokens == [argmax]
+        else:
+            assert argmax in sampler.stop_ids(row) and len(row.output_token_ids) < params.min_tokens
+    assert 50 < taken < 200  # both answers occur
+    for params in PARAMS[1:8]:  # sampling, penalties, logprobs: never
+        assert not sampler.takes_argmax(request(params, 0, [1], [9]), 3)

@@ -95,6 +95,17 @@ def test_incremental_detokenizer_holds_back_split_characters(llm):
     assert all("\ufffd" not in p for p in pieces)
 
 
+@pytest.mark.parametrize("text", ["  leading spaces and  double  spaces ", "line one\n\n  indented\tTab", "emoji 🙂🙂 and 漢字 mixed",
+                                  "a" * 300 + " long words " + "b" * 50])
+def test_incremental_detokenizer_pieces_add_up_to_the_whole_decode(llm, text):
+    """It decodes a short window per token: the pieces must still add up to decoding every id at once."""
+    codec = llm.tokenizer
+    ids = codec.encode(text)
+    detok = IncrementalDetokenizer(codec)
+    pieces = [detok.push(t) for t in ids]
+    assert "".join(pieces) == detok.text == codec.decode(ids)
+
+
 def test_more_prompts_than_cache_rows_queue_and_all_finish(engine_factory):
     llm = LLM(engine_factory("gqa", max_batch=2))
     assert llm.engine.executor.max_rows == 2

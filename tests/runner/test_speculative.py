@@ -151,11 +151,11 @@ def test_sampled_second_token_follows_the_target_distribution(plain, oracle):
     prompt = plain.tokenizer.encode(PROMPTS[1])
     executor = plain.engine.executor
     executor.reserve(1, len(prompt) + 2)
-    first_logits, _ = executor.prefill(0, prompt, 0)
+    first_logits = executor.prefill(0, prompt, 0).logits
     first = processed_probs(first_logits, params)
     expected = np.zeros_like(first)
     for token in np.flatnonzero(first > 1e-6):
-        logits = executor.decode([0], [int(token)], [len(prompt)])[0]
+        logits = executor.decode([0], [int(token)], [len(prompt)]).logits[0]
         expected += first[token] * processed_probs(logits, params)
     executor.cache.release()
 
