@@ -94,14 +94,15 @@ class Executor:
         query_lens[rows] = 1
         bias = np.zeros((batch, 1, 1, past_lens.max() + 1), np.float32)
         zeros = np.zeros((batch, 1), np.int64)
-        return self._run(self.decode_phase, input_ids, past_lens[:, None], past_lens, query_lens, bias, zeros, 0)[_select(rows), 0]
+        decoded = self._run(self.decode_phase, input_ids, past_lens[:, None], past_lens, query_lens, bias, zeros, 0)
+        return decoded[_select(rows), 0]
 
     def verify(self, rows: list[int], trees: list[tuple[list[int], np.ndarray]], starts: list[int]) -> Scored:
         """Score a token tree per row, all rows in one call: trees are (node tokens, ancestors mask [n, n]), each
         after its row's `start` cached positions.
 
-        Returns logits [rows, nodes, vocab], their argmax and hidden states. Every node's K/V is written after its row's `start`
-        cached positions, in node order; only accepted nodes belong in the cache (`commit` keeps them)."""
+        Returns logits [rows, nodes, vocab], their argmax and hidden states. Every node's K/V is written after its
+        row's `start` cached positions, in node order; only accepted nodes belong in the cache (`commit` keeps them)."""
         batch = bucket_for(max(rows) + 1, self.verify_phase.batch_sizes)
         steps = bucket_for(max(len(tokens) for tokens, _ in trees), self.verify_phase.steps)
         input_ids, positions = np.zeros((batch, steps), np.int64), np.zeros((batch, steps), np.int64)
