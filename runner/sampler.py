@@ -38,8 +38,7 @@ class Sampler:
         banned (masking banned tokens leaves a first maximum that is not banned where it is). A plain greedy step
         then skips the sampler call."""
         params = request.params
-        if not params.greedy or params.logprobs is not None or params.repetition_penalty != 1.0 \
-                or params.presence_penalty or params.frequency_penalty:
+        if not params.greedy or params.logprobs is not None or params.penalised:
             return False
         return len(request.output_token_ids) >= params.min_tokens or token not in self.stop_ids(request)
 
@@ -87,7 +86,7 @@ class Sampler:
             feeds["ancestors"][index, :size, :size] = tree.mask
             if not params.greedy:  # a greedy request draws nothing (its tokens do not depend on its generator)
                 feeds["uniforms"][index, :size] = request.rng.random((size, 2))
-            if params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
+            if params.penalised:
                 feeds["output_counts"][index] = np.bincount(request.output_token_ids, minlength=vocab)[:vocab]
                 feeds["prompt_tokens"][index, request.prompt_token_ids] = True
             stop_ids = self.stop_ids(request)  # banned until min_tokens
