@@ -11,14 +11,16 @@ from plugins.quant_linear import QuantizedLinear, QuantSpec, dequantize_blockwis
 
 
 def numpy_reference_quantize(weight: np.ndarray, bits: int, block: int) -> tuple[np.ndarray, np.ndarray]:
-    """Written from the MatMulNBits spec, independently of the plugin: q = round(w / s) + 2^(bits-1), s = max|w| / qmax."""
+    """Written from the MatMulNBits spec and llama.cpp's Q4_0 rule, independently of the plugin:
+    q = clip(round(w / s), -2^(bits-1), 2^(bits-1) - 1) + 2^(bits-1), s = (the block's value of largest |w|) / -2^(bits-1)."""
     n, k = weight.shape
     blocks = -(-k // block)
     padded = np.zeros((n, blocks * block), np.float32)
     padded[:, :k] = weight
     grouped = padded.reshape(n, blocks, block)
     qmax = 2 ** (bits - 1) - 1
-    scales = np.abs(grouped).max(-1) / qmax
+    extreme = np.take_along_axis(grouped, np.abs(grouped).argmax(-1)[..., None], -1)[..., 0]
+    scales = extreme / -(qmax + 1)
     scales[scales == 0] = 1.0
     q = (np.clip(np.round(grouped / scales[..., None]), -(qmax + 1), qmax) + qmax + 1).astype(np.uint8)
     if bits == 4:
@@ -40,7 +42,13 @@ def test_packing_is_bit_exact_and_round_trips(bits, block, shape):
     np.testing.assert_array_equal(scales.numpy(), expected_scales.astype(np.float32))
     restored = dequantize_blockwise(qweight, scales, shape[1], bits)
     step = scales.view(shape[0], -1).repeat_interleave(block, dim=1)[:, : shape[1]]
-    assert torch.all((restored - weight).abs() <= step / 2 + 1e-6)  # round to nearest: at most half a step
+    error = (restored - weight).abs()
+    # round to nearest: at most half a step, except values beyond the highest code (opposite in sign to the block's
+    # extreme, more than 2^(bits-1) - 0.5 steps away from 0), which clamp to it: less than a step
+    clamped = weight / step > 2 ** (bits - 1) - 1 + 0.5
+    assert torch.all(error[~clamped] <= step.abs()[~clamped] / 2 + 1e-6)
+    assert torch.all(error[clamped] < step.abs()[clamped])
+    assert torch.all((weight / step).amin(dim=1) >= -(2 ** (bits - 1)) - 1e-4)  # the extreme is the lowest code, exactly
 
 
 def export_one_linear(tmp_path, linear: QuantizedLinear, batch_shape=(2, 3)):
