@@ -1,12 +1,13 @@
 """The README's quantization table for the default model, measured side by side in one run.
 
-    python benchmarks/quantization.py [--out-dir engines-out/quant] [--threads 2]
+    python benchmarks/quantization.py [--out-dir engines-out/quant] [--threads 2] [--runs 5]
 
 Builds each variant with `builder build default` in its own process (build peak RSS is the build's own report),
-then measures each engine in a fresh process: runner peak RSS, TTFT of the ~40-token chat prompt and prefill of the
-~650-token one, decode tokens/s at batch 1 (128 tokens, EOS banned, median of 3), and perplexity on CPython's
-LICENSE.txt (window 512, stride 256; real prose nobody here wrote, read from the interpreter's install).
-Writes benchmarks/results/quantization.json and prints the Markdown table.
+then times all engines side by side, each in a worker process of its own with runs interleaved round-robin
+(benchmarks/interleave.py; this VM's speed drifts by 10-20% over minutes): runner peak RSS, TTFT of the ~40-token
+chat prompt and prefill of the ~650-token one, decode tokens/s at batch 1 (128 tokens, EOS banned, median of
+`--runs`). Then perplexity of each on CPython's LICENSE.txt (window 512, stride 256; real prose nobody here wrote,
+read from the interpreter's install). Writes benchmarks/results/quantization.json and prints the Markdown table.
 """
 
 from __future__ import annotations
@@ -23,12 +24,14 @@ import click
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.compare_transformers import worker_ours  # noqa: E402
+from benchmarks.compare_transformers import contender_ours, write_prompts  # noqa: E402
+from benchmarks.interleave import interleaved_runs, serve  # noqa: E402
 from runner.machine import cpu_model  # noqa: E402
 from runner.bench import license_text  # noqa: E402
 
 # name -> `builder build default` options. The default model is a Q4_1 GGUF: "fp32" is its blocks dequantized;
 # RTN and GPTQ start from that float model; "GGUF blocks" keeps the file's own Q4_1 / Q8_0 blocks.
+NEW_TOKENS = 128
 VARIANTS = {
     "fp32": [],
     "int8 RTN g128": ["--quant", "int8"],
@@ -38,14 +41,13 @@ VARIANTS = {
 }
 
 
-def measure(engine: str, threads: int) -> dict:
+def perplexity_of(engine: str, threads: int) -> dict:
     from runner.evaluate import perplexity
     from runner.llm_engine import LLMEngine
 
-    timings = worker_ours(engine, threads, new_tokens=128, runs=3)  # peak RSS is read before perplexity runs
     llm = LLMEngine(engine, threads=threads)
     result = perplexity(llm, llm.codec.encode(license_text()), window=512, stride=256)
-    return {**timings, "perplexity": result.perplexity, "perplexity_tokens": result.tokens_scored}
+    return {"perplexity": result.perplexity, "perplexity_tokens": result.tokens_scored}
 
 
 def build(name: str, flags: list[str], out: Path) -> dict:
@@ -64,7 +66,7 @@ def table(results: dict) -> list[str]:
     fp32 = results["fp32"]
     lines = [
         "| engine | size MiB | vs fp32 | build peak RSS MiB | runner peak RSS MiB | decode tok/s | vs fp32 "
-        "| TTFT 37 tok ms | prefill 654 tok ms | perplexity | vs fp32 |",
+        f"| TTFT {fp32['short']['prompt_tokens']} tok ms | prefill {fp32['long']['prompt_tokens']} tok ms | perplexity | vs fp32 |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in results.items():
@@ -80,33 +82,49 @@ def table(results: dict) -> list[str]:
 @click.command()
 @click.option("--out-dir", type=click.Path(path_type=Path), default=ROOT / "engines-out" / "quant", show_default=True)
 @click.option("--threads", type=int, default=2, show_default=True)
-@click.option("--measure-engine", default=None, hidden=True)
+@click.option("--runs", type=int, default=5, show_default=True)
+@click.option("--worker", default=None, hidden=True, help="Serve timed runs of this engine (interleave protocol).")
+@click.option("--perplexity", "perplexity_engine", default=None, hidden=True)
 @click.option("--out", type=click.Path(path_type=Path), default=ROOT / "benchmarks" / "results" / "quantization.json")
-def main(out_dir, threads, measure_engine, out) -> None:
-    if measure_engine:
-        print(json.dumps(measure(measure_engine, threads)))
+def main(out_dir, threads, runs, worker, perplexity_engine, out) -> None:
+    prompts_file = ROOT / "engines-out" / "benchmark-prompts.json"
+    if worker:
+        generate, info = contender_ours(worker, threads)
+        serve(generate, info, json.loads(prompts_file.read_text()), NEW_TOKENS)
         return
+    if perplexity_engine:
+        print(json.dumps(perplexity_of(perplexity_engine, threads)))
+        return
+    engines = {name: out_dir / re.sub(r"\W+", "-", name) for name in VARIANTS}
     results = {}
     for name, flags in VARIANTS.items():
-        engine = out_dir / re.sub(r"\W+", "-", name)
         click.echo(f"{name}: building", err=True)
-        facts = build(name, flags, engine)
-        click.echo(f"{name}: measuring", err=True)
+        results[name] = build(name, flags, engines[name])
+    prompts = write_prompts(str(engines["fp32"]), prompts_file)
+    workers = {name: [sys.executable, __file__, "--worker", str(engine), "--threads", str(threads)]
+               for name, engine in engines.items()}
+    timed = interleaved_runs(workers, prompts, runs, threads, log=lambda line: click.echo(line, err=True))
+    for name, engine in engines.items():
+        click.echo(f"{name}: perplexity", err=True)
         proc = subprocess.run(
-            [sys.executable, __file__, "--measure-engine", str(engine), "--threads", str(threads)],
+            [sys.executable, __file__, "--perplexity", str(engine), "--threads", str(threads)],
             capture_output=True, text=True, check=False,
         )
         if proc.returncode != 0:
-            raise SystemExit(f"measuring {name} failed:\n{proc.stderr[-3000:]}")
-        results[name] = {**facts, **json.loads(proc.stdout.strip().splitlines()[-1])}
+            raise SystemExit(f"measuring {name}'s perplexity failed:\n{proc.stderr[-3000:]}")
+        results[name].update(timed[name], **json.loads(proc.stdout.strip().splitlines()[-1]))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     machine = f"{cpu_model()}, {threads} threads"
     versions = {name: version(name) for name in ("onnxruntime", "torch", "onnx")}
-    lines = [f"Default model (SmolLM2-135M-Instruct Q4_1 GGUF), {machine}, commit {commit}, batch 1, greedy.", ""]
+    lines = [f"Default model (SmolLM2-135M-Instruct Q4_1 GGUF), {machine}, commit {commit}, batch 1, greedy, "
+             f"{NEW_TOKENS} new tokens, median of {runs} interleaved runs.", ""]
     lines += table(results)
     click.echo("\n".join(lines))
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": machine, "commit": commit, "versions": versions, "results": results}, indent=2))
+    out.write_text(json.dumps(
+        {"machine": machine, "commit": commit, "versions": versions, "runs": runs, "new_tokens": NEW_TOKENS,
+         "results": results}, indent=2,
+    ))
 
 
 if __name__ == "__main__":
