@@ -33,8 +33,8 @@ _LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.d
 
 @dataclass(frozen=True)
 class GPTQOptions:
-    # added to H's diagonal, as a fraction of its mean: 0.1 rather than the paper's 0.01, which fitted the few
-    # thousand calibration tokens too closely (worse than RTN on other text for the default model)
+    # added to H's diagonal, as a fraction of its mean: 0.1 rather than the paper's 0.01, chosen when 0.01 fitted
+    # the calibration tokens too closely; with the Q4_0-rule scales both give the same perplexity (12.57 / 12.60)
     damping: float = 0.1
     act_order: bool = True  # quantize the columns with the largest H diagonal (most used inputs) first
     samples: int = 48  # calibration sequences
