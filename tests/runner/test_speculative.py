@@ -230,8 +230,10 @@ def test_draft_model_must_share_the_targets_tokenizer(checkpoint_factory, tmp_pa
 
 def test_draft_model_drafts_are_its_own_greedy_continuation(engine_factory):
     """With an int4 copy of the target drafting, some drafts are accepted and some not (every acceptance length
-    occurs), and the draft cache reuses the accepted ones: each round's draft must still be exactly what the draft
-    engine alone, from scratch, continues the context with."""
+    occurs), and the draft cache reuses the accepted ones: each round's draft must still be what the draft engine
+    alone, from scratch, continues the context with. The int4 matmuls quantize activations to int8, so the two ways
+    of filling the cache (chunks of other sizes, batched rows) round differently: where a draft token differs, the
+    lone engine's logits of both tokens must be a near tie (a wrong cache moves logits by far more)."""
     engine_dir = engine_factory("gqa", prefill_chunk=8, draft_model="gqa", draft_len=3, draft_quant="int4")
     spec = LLM(engine_dir)
     drafted: list[tuple[list[int], list[int]]] = []
@@ -250,4 +252,22 @@ def test_draft_model_drafts_are_its_own_greedy_continuation(engine_factory):
     checked = [(context, beam) for context, beam in drafted if len(context) + 3 <= 256][::3]
     continuations = alone.generate(prompt_token_ids=[c for c, _ in checked], sampling_params=SamplingParams(
         max_tokens=3, temperature=0.0, ignore_eos=True))
-    assert [o.token_ids for o in continuations] == [beam for _, beam in checked]
+    mismatches = 0
+    for (context, beam), alone_output in zip(checked, continuations):
+        if alone_output.token_ids == beam:
+            continue
+        mismatches += 1
+        first = next(i for i, (a, b) in enumerate(zip(beam, alone_output.token_ids)) if a != b)
+        logits = _scored_logits(alone, context + beam[:first])
+        assert abs(logits[beam[first]] - logits[alone_output.token_ids[first]]) < 0.05, (context, beam, alone_output.token_ids)
+    assert mismatches <= len(checked) // 10
+
+
+def _scored_logits(llm: LLM, token_ids: list[int]) -> np.ndarray:
+    """The engine's next-token logits after `token_ids`, by its score phase from an empty cache."""
+    executor = llm.engine.executor
+    chunk = max(executor.score_phase.steps)
+    executor.reserve(1, len(token_ids))
+    logits = [executor.score(0, token_ids[i:i + chunk], i).logits for i in range(0, len(token_ids), chunk)]
+    executor.cache.release()
+    return logits[-1][-1]
