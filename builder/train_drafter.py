@@ -75,12 +75,10 @@ def collect_traces(engine_dir: Path, prompts: list[str], max_new_tokens: int, th
     generated = sum(len(o.token_ids) for o in outputs)
     log(f"      target answered {len(prompts)} prompts: {generated} tokens in {time.perf_counter() - start:.0f} s")
     executor = llm.engine.executor
-    chunk = max(executor.score_phase.steps)
     traces = []
     for output in outputs:
         tokens = output.prompt_token_ids + output.token_ids
-        executor.reserve(1, len(tokens))
-        hidden = np.concatenate([executor.score(0, tokens[i:i + chunk], i).hidden for i in range(0, len(tokens), chunk)])
+        hidden = np.concatenate([scored.hidden for scored in executor.score_chunks(tokens)])
         first = len(output.prompt_token_ids) - 1
         traces.append(Trace(np.asarray(tokens[first:], np.int64), hidden[first:].astype(np.float32)))
     executor.cache.release()

@@ -42,16 +42,12 @@ def perplexity(engine: LLMEngine, token_ids: list[int], window: int, stride: int
         raise ValueError("the text has fewer than 2 tokens")
     if engine.scheduler.has_work:
         raise RuntimeError("evaluate on an idle engine: it uses cache row 0")
-    chunk = max(executor.score_phase.steps)
     start_time = time.perf_counter()
     total, count, scored_until = 0.0, 0, 1  # token 0 is never predicted
     begin = 0
     while scored_until < len(token_ids):
         end = min(begin + window, len(token_ids))
-        executor.reserve(1, end - begin)
-        logits = np.concatenate(
-            [executor.score(0, token_ids[i:min(i + chunk, end)], i - begin).logits for i in range(begin, end, chunk)]
-        )
+        logits = np.concatenate([scored.logits for scored in executor.score_chunks(token_ids[begin:end])])
         # logits row j (position begin + j) predicts token begin + j + 1; a window's first token has no context in
         # it, so it is scored only if an earlier window did (when stride == window it is skipped, as in HF's recipe)
         target_from = max(scored_until, begin + 1)

@@ -4,6 +4,7 @@ of requests or sampling."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -72,6 +73,14 @@ class Executor:
     def score(self, row: int, token_ids: list[int], start: int) -> Scored:
         """Like `prefill`, but after every token: logits [n, vocab], argmax [n], hidden states [n, hidden]."""
         return self._chunk(self.score_phase, row, token_ids, start)[0]
+
+    def score_chunks(self, token_ids: list[int]) -> Iterator[Scored]:
+        """Score a whole sequence from position 0 in cache row 0 (room reserved), one `score` call per chunk: each
+        chunk's Scored in turn (callers concatenate only what they need: logits over a 49k vocabulary are large)."""
+        self.reserve(1, len(token_ids))
+        chunk = max(self.score_phase.steps)
+        for start in range(0, len(token_ids), chunk):
+            yield self.score(0, token_ids[start:start + chunk], start)
 
     def _chunk(self, phase: PhaseSpec, row: int, token_ids: list[int], start: int) -> Scored:
         count = len(token_ids)

@@ -266,8 +266,6 @@ def test_draft_model_drafts_are_its_own_greedy_continuation(engine_factory):
 def _scored_logits(llm: LLM, token_ids: list[int]) -> np.ndarray:
     """The engine's next-token logits after `token_ids`, by its score phase from an empty cache."""
     executor = llm.engine.executor
-    chunk = max(executor.score_phase.steps)
-    executor.reserve(1, len(token_ids))
-    logits = [executor.score(0, token_ids[i:i + chunk], i).logits for i in range(0, len(token_ids), chunk)]
+    *_, last = executor.score_chunks(token_ids)
     executor.cache.release()
-    return logits[-1][-1]
+    return last.logits[-1]
