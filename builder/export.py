@@ -168,5 +168,28 @@ def _export(module: torch.nn.Module, args: tuple, shapes: dict, path: Path, inpu
                 **quant_linear.onnx_translations(), **attention.onnx_translations(), **norm.onnx_translations()
             },
         )
-    graph = onnx.load(str(path), load_external_data=False).graph
-    return GraphSpec(path.name, [_spec(v) for v in graph.input], [_spec(v) for v in graph.output])
+    model = onnx.load(str(path), load_external_data=False)
+    if _drop_unused_optional_outputs(model.graph):
+        onnx.save(model, str(path))  # the graph only: initializers keep pointing at the external data written above
+    return GraphSpec(path.name, [_spec(v) for v in model.graph.input], [_spec(v) for v in model.graph.output])
+
+
+def _drop_unused_optional_outputs(graph) -> int:
+    """Unname node outputs that nothing reads where the op's schema says they are optional, so the kernel need not
+    write them. The exporter names every output of the fused norm (its mean and inverse std too): 120 small tensors
+    per decode step that cost ~2% of an int4 step (3.68 -> 3.60 ms, default model). Returns how many it dropped."""
+    from onnx import defs
+
+    read = {name for node in graph.node for name in node.input} | {value.name for value in graph.output}
+    dropped = 0
+    for node in graph.node:
+        try:
+            schema = defs.get_schema(node.op_type, OPSET if node.domain in ("", "ai.onnx") else 1, node.domain)
+        except defs.SchemaError:
+            continue
+        for index, name in enumerate(node.output):
+            optional = index < len(schema.outputs) and schema.outputs[index].option == defs.OpSchema.FormalParameterOption.Optional
+            if name and name not in read and optional:
+                node.output[index] = ""
+                dropped += 1
+    return dropped
