@@ -122,11 +122,14 @@ class LLMEngine:
         step = self.scheduler.schedule()
         if step.empty:
             return []
-        # every running request's cached positions must survive a re-size, not only this step's
+        # Room for every running request's whole extent (prompt + max_tokens) from its first step on, not only for
+        # this step's tokens: growing the cache copies it into freshly mapped pages (20-60 ms at 1 row x 1024
+        # positions here), which mid-generation stalled a stream and cost ~0.5 ms per token over a 128-token answer.
         scheduled = {id(r): self.tokens_per_generation_step for r in step.decode}
         if step.prefill is not None:
             scheduled[id(step.prefill[0])] = step.prefill[1]
-        length = min(self.max_seq_len, max(r.num_computed + scheduled.get(id(r), 0) for r in self.scheduler.running))
+        length = min(self.max_seq_len, max(max(r.max_positions, r.num_computed + scheduled.get(id(r), 0))
+                                           for r in self.scheduler.running))
         self.executor.reserve(self.scheduler.rows_in_use(), length)
 
         pending: list[_Pending] = []  # rows whose next tokens the sampler graph chooses this step

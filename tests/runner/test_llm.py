@@ -114,6 +114,22 @@ def test_more_prompts_than_cache_rows_queue_and_all_finish(engine_factory):
     assert [o.token_ids for o in batched] == [llm.generate(p, GREEDY)[0].token_ids for p in prompts]
 
 
+def test_cache_is_sized_for_a_whole_request_before_it_generates(llm):
+    # growing the cache copies it into fresh pages (tens of ms): never in the middle of a stream
+    engine = llm.engine
+    prompt = llm.tokenizer.encode("hello world")
+    buckets = engine.executor.decode_phase.past_lengths
+    max_tokens = buckets[1] + 1 - len(prompt)  # prompt + output cross the first two length buckets
+    request = engine.add_request(None, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    engine.step()
+    generation, length = engine.executor.cache.generation, engine.executor.cache.length
+    while not request.finished:
+        engine.step()
+        if not request.finished:
+            assert engine.executor.cache.generation == generation
+    assert length >= len(prompt) + max_tokens and len(request.output_token_ids) == max_tokens
+
+
 def test_half_precision_engine_is_refused_on_cpu_with_a_reason(checkpoint_factory, tmp_path):
     from builder.build import BuildOptions, build_engine
     from engines.format import ArtifactError
