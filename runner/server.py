@@ -162,7 +162,9 @@ def create_app(engine: AsyncEngine, model_name: str, shutdown_grace: float = 10.
     async def chat(body: ChatBody, http: Request):
         check_model(body)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = _sampling(body, body.max_completion_tokens or body.max_tokens, logprobs)
+        # without a limit a chat answer may use the rest of the context (OpenAI's and vLLM's chat default), not 16
+        limit = next((v for v in (body.max_completion_tokens, body.max_tokens) if v is not None), llm.max_seq_len)
+        params = _sampling(body, limit, logprobs)
         messages = [{"role": m.role, "content": _message_text(m.content)} for m in body.messages]
         try:
             prompt = llm.codec.apply_chat_template(messages)

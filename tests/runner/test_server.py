@@ -81,6 +81,14 @@ def test_chat_streaming_equals_non_streaming_with_usage(server):
     assert chunks[-2].choices[0].finish_reason == "length"
 
 
+def test_chat_without_max_tokens_may_use_the_rest_of_the_context(server):
+    answer = server.client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hello"}], temperature=0.0, extra_body={"ignore_eos": True},
+    )
+    assert answer.choices[0].finish_reason == "length"
+    assert answer.usage.prompt_tokens + answer.usage.completion_tokens == server.engine.engine.max_seq_len
+
+
 def test_completions_streaming_and_not(server):
     full = server.client.completions.create(model=MODEL, prompt="The quick brown", max_tokens=10, temperature=0.0, extra_body={"ignore_eos": True})
     streamed = server.client.completions.create(model=MODEL, prompt="The quick brown", max_tokens=10, temperature=0.0, stream=True, extra_body={"ignore_eos": True})
