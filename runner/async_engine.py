@@ -41,6 +41,7 @@ class AsyncEngine:
         self.engine = engine
         self.max_waiting = max_waiting
         self.metrics = metrics or EngineMetrics()
+        self.metrics.track_cache(engine.executor.cache.resident_bytes)
         if engine.speculation is not None:
             self.metrics.track_speculation(engine.speculation_stats)
         self._commands: queue.Queue = queue.Queue()
@@ -140,8 +141,6 @@ class AsyncEngine:
 
     def _after_aborts(self) -> None:
         scheduler = self.engine.scheduler
-        if not scheduler.running:
-            self.engine.executor.cache.release()
         self.metrics.observe_step(len(scheduler.waiting) + self._pending, len(scheduler.running), 0, time.perf_counter())
 
     def _deliver(self, event: TokenEvent, now: float) -> None:

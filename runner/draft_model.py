@@ -35,8 +35,6 @@ class DraftModel:
         """`draft_len` greedy tokens after each request's context."""
         executor = self.executor
         contexts = [r.prompt_token_ids + r.output_token_ids for r in requests]
-        extent = max(max(r.max_positions, len(c)) for r, c in zip(requests, contexts))  # as the target's (llm_engine)
-        executor.reserve(max(r.row for r in requests) + 1, min(extent + self.draft_len, self.max_seq_len))
         first_drafts: dict[int, int] = {}  # the step graph's argmax after each row's context
         chains = []  # (index, first position, tokens) of rows that lack a few tokens
         for index, (request, context) in enumerate(zip(requests, contexts)):
@@ -69,5 +67,5 @@ class DraftModel:
         """The target accepted the first `drafts` tokens of this request's last draft."""
         request.draft_computed += min(drafts, self.draft_len - 1)
 
-    def release(self) -> None:
-        self.executor.cache.release()
+    def free_row(self, row: int) -> None:
+        self.executor.cache.free_row(row)

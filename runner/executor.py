@@ -27,9 +27,8 @@ class Executor:
         self.max_rows = max(self.decode_phase.batch_sizes)
         self.max_chunk = max(self.prefill_phase.steps)
         phases = [p for p in manifest.phases.values() if p.graph == self.decode_phase.graph]
-        self.cache = KVCache(manifest.kv_cache, self.decode_phase.batch_sizes, self.decode_phase.past_lengths, _headroom(phases))
+        self.cache = KVCache(manifest.kv_cache, self.max_rows, manifest.max_seq_len, _headroom(phases))
         self._bound: dict[tuple[str, int, int], object] = {}  # (graph, rows) -> graph with those cache rows bound
-        self._bound_generation = self.cache.generation
         # the step graph's outputs besides the cache, [rows, logits_index count, *size]: their arrays are bound per run
         step = {t.name: t for t in manifest.graphs[self.decode_phase.graph].outputs}
         config = manifest.model
@@ -37,17 +36,10 @@ class Executor:
                                    "argmax": ((), np.dtype(step["argmax"].dtype)),
                                    "hidden": ((config.hidden_size,), np.dtype(step["hidden"].dtype))}
 
-    def reserve(self, rows: int, length: int) -> None:
-        """Make room for `rows` rows (row ids below it) of up to `length` positions before a step."""
-        self.cache.fit(rows, length)
-
     def _run(self, phase: PhaseSpec, input_ids, positions, past_lens, query_lens, attention_bias, logits_index,
              start_row: int) -> Scored:
         """One call over cache rows [start_row, start_row + batch): those rows' buffers are bound as the graph's cache
         inputs and outputs, so the new K/V land in them. Rows with query_lens 0 take no part."""
-        if self._bound_generation != self.cache.generation:  # re-sized: bindings point at freed buffers
-            self._bound.clear()
-            self._bound_generation = self.cache.generation
         key = (phase.graph, start_row, start_row + len(input_ids))
         bound = self._bound.get(key)
         if bound is None:
@@ -75,9 +67,8 @@ class Executor:
         return self._chunk(self.score_phase, row, token_ids, start)[0]
 
     def score_chunks(self, token_ids: list[int]) -> Iterator[Scored]:
-        """Score a whole sequence from position 0 in cache row 0 (room reserved), one `score` call per chunk: each
-        chunk's Scored in turn (callers concatenate only what they need: logits over a 49k vocabulary are large)."""
-        self.reserve(1, len(token_ids))
+        """Score a whole sequence from position 0 in cache row 0, one `score` call per chunk: each chunk's Scored in
+        turn (callers concatenate only what they need: logits over a 49k vocabulary are large)."""
         chunk = max(self.score_phase.steps)
         for start in range(0, len(token_ids), chunk):
             yield self.score(0, token_ids[start:start + chunk], start)

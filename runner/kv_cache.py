@@ -1,19 +1,27 @@
 """The static KV cache the runner owns and binds to every graph call.
 
-Buffers are sized to a (batch bucket, KV-length bucket) pair and re-sized only when the needed buckets grow (or
-the length can halve). Each graph call binds per-layer views of them (no copy) as its cache inputs *and* outputs:
-the fused attention writes the new tokens' K/V in place and reads only the positions each row holds, so a step
-costs what the rows hold, not what the buffer could hold. Layout per layer, keys and values alike:
-[rows, kv_heads, positions, head_dim].
+One buffer for K and one for V, `[layers, rows, kv_heads, positions, head_dim]`, sized once for every row the engine
+batches at its longest sequence, and never moved: the graph bindings are made once, and no step ever waits for a
+re-size (growing bucket-sized buffers copied the cache into fresh pages: 20-60 ms for one row, hundreds of ms for
+eight, stalling every stream). The size is only address space: a page becomes memory when a row first writes it,
+and a finished row's pages are handed back to the system at once (madvise), so memory follows what the running
+rows hold. Pages are small ones on purpose: with transparent huge pages a row's first token would make 2 MB per
+layer resident.
 
-Calls are padded (to a batch bucket and a token bucket), but padding never enters the cache: the graph writes
-only each row's real tokens, and rows a batched call passes over are left as they are. Every buffer has
-`headroom` positions past its length bucket, because the kernel wants room for a row's whole padded chunk.
+Each graph call binds per-layer views of the rows it covers as its cache inputs *and* outputs: the fused attention
+writes the new tokens' K/V in place and reads only the positions each row holds, so a step costs what the rows
+hold, not what the buffer could hold. Calls are padded (to a batch bucket and a token bucket), but padding never
+enters the cache: the graph writes only each row's real tokens, and rows a batched call passes over are left as
+they are. Every row has `headroom` positions past the longest sequence, because the kernel wants room for a row's
+whole padded chunk.
 """
 
 from __future__ import annotations
 
 import bisect
+import ctypes
+import math
+import mmap
 
 import numpy as np
 
@@ -28,50 +36,21 @@ def bucket_for(value: int, buckets: list[int]) -> int:
 
 
 class KVCache:
-    def __init__(self, spec: KVCacheSpec, row_buckets: list[int], length_buckets: list[int], headroom: int) -> None:
+    def __init__(self, spec: KVCacheSpec, rows: int, length: int, headroom: int) -> None:
         self.spec = spec
-        self.row_buckets = sorted(row_buckets)
-        self.length_buckets = sorted(length_buckets)
-        self.headroom = headroom  # the most padding a call adds after a row's real tokens
         self.dtype = np.dtype(spec.dtype)
-        self.generation = 0  # changes whenever the buffers are replaced (bindings of the old ones are stale)
-        self._allocate(0, 0)
+        position_bytes = spec.num_kv_heads * spec.head_dim * self.dtype.itemsize
+        # a row of one layer must fill whole pages, so that a finished row's pages can be handed back alone
+        step = mmap.PAGESIZE // math.gcd(mmap.PAGESIZE, position_bytes)
+        self.positions = -(-(length + headroom) // step) * step
+        self.shape = (spec.num_layers, rows, spec.num_kv_heads, self.positions, spec.head_dim)
+        self._row_bytes = self.positions * position_bytes  # one layer's part of one row
+        self._maps = [_anonymous_map(math.prod(self.shape) * self.dtype.itemsize) for _ in range(2)]
+        self.keys, self.values = (np.frombuffer(m, self.dtype).reshape(self.shape) for m in self._maps)
 
     @property
     def rows(self) -> int:
-        return self.keys.shape[1]
-
-    @property
-    def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
-
-    def _allocate(self, rows: int, length: int) -> None:
-        s = self.spec
-        shape = (s.num_layers, rows, s.num_kv_heads, length + self.headroom if rows else 0, s.head_dim)
-        self.keys, self.values = np.zeros(shape, self.dtype), np.zeros(shape, self.dtype)
-        self.length = length  # the length bucket: positions a row may hold
-        self.generation += 1
-
-    def fit(self, rows: int, length: int) -> None:
-        """Make room for `rows` rows of `length` positions, keeping the cached contents.
-
-        Rows only grow (a decode call reads just the rows it uses, so spare rows cost memory, not time). The
-        length grows to the needed bucket at once and shrinks only to a bucket at most half the current one, so
-        requests coming and going cannot make the buffers (hundreds of MB at 16 rows) flip back and forth."""
-        rows = max(bucket_for(max(rows, 1), self.row_buckets), self.rows)
-        needed = bucket_for(max(length, 1), self.length_buckets)
-        length = needed if needed > self.length or 2 * needed <= self.length else self.length
-        if (rows, length) == (self.rows, self.length):
-            return
-        keys, values = self.keys, self.values
-        keep_rows, keep_len = min(rows, keys.shape[1]), min(length, self.length)
-        self._allocate(rows, length)
-        self.keys[:, :keep_rows, :, :keep_len] = keys[:, :keep_rows, :, :keep_len]
-        self.values[:, :keep_rows, :, :keep_len] = values[:, :keep_rows, :, :keep_len]
-
-    def release(self) -> None:
-        """Give the memory back (nothing is cached any more)."""
-        self._allocate(0, 0)
+        return self.shape[1]
 
     def views(self, start_row: int, stop_row: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """Per-layer buffers of rows [start_row, stop_row): contiguous views, no copy."""
@@ -85,3 +64,36 @@ class KVCache:
         source = start + np.asarray(nodes)
         for buffer in (self.keys[:, row], self.values[:, row]):  # [layers, kv_heads, positions, head_dim]
             buffer[:, :, start:start + len(nodes)] = buffer[:, :, source]
+
+    def free_row(self, row: int) -> None:
+        """Hand the row's pages back (its request is gone; the next one writes before it reads)."""
+        for layer in range(self.spec.num_layers):
+            offset = (layer * self.rows + row) * self._row_bytes
+            for buffer in self._maps:
+                buffer.madvise(mmap.MADV_DONTNEED, offset, self._row_bytes)
+
+    def release(self) -> None:
+        """Hand every page back (nothing is cached any more)."""
+        for buffer in self._maps:
+            buffer.madvise(mmap.MADV_DONTNEED)
+
+    def resident_bytes(self) -> int:
+        """Memory the cache holds now: its pages that are resident (mincore)."""
+        return sum(_resident_pages(m) for m in self._maps) * mmap.PAGESIZE
+
+
+def _anonymous_map(size: int) -> mmap.mmap:
+    buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        buffer.madvise(mmap.MADV_NOHUGEPAGE)
+    return buffer
+
+
+def _resident_pages(buffer: mmap.mmap) -> int:
+    libc = ctypes.CDLL(None, use_errno=True)
+    pages = -(-len(buffer) // mmap.PAGESIZE)
+    status = (ctypes.c_ubyte * pages)()
+    address = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+    if libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(len(buffer)), status) != 0:
+        raise OSError(ctypes.get_errno(), "mincore failed")
+    return int((np.frombuffer(status, np.uint8) & 1).sum())

@@ -116,22 +116,19 @@ class LLMEngine:
 
     def abort(self, request: Request) -> None:
         if not request.finished:
-            self.scheduler.finish(request, "abort")
+            self._finish(request, "abort")
+
+    def _finish(self, request: Request, reason: str) -> None:
+        row = self.scheduler.finish(request, reason)
+        if row is not None:  # its cache pages go back to the system now, not when the engine is idle
+            self.executor.cache.free_row(row)
+            if self.draft_model is not None:
+                self.draft_model.free_row(row)
 
     def step(self) -> list[TokenEvent]:
         step = self.scheduler.schedule()
         if step.empty:
             return []
-        # Room for every running request's whole extent (prompt + max_tokens) from its first step on, not only for
-        # this step's tokens: growing the cache copies it into freshly mapped pages (20-60 ms at 1 row x 1024
-        # positions here), which mid-generation stalled a stream and cost ~0.5 ms per token over a 128-token answer.
-        scheduled = {id(r): self.tokens_per_generation_step for r in step.decode}
-        if step.prefill is not None:
-            scheduled[id(step.prefill[0])] = step.prefill[1]
-        length = min(self.max_seq_len, max(max(r.max_positions, r.num_computed + scheduled.get(id(r), 0))
-                                           for r in self.scheduler.running))
-        self.executor.reserve(self.scheduler.rows_in_use(), length)
-
         pending: list[_Pending] = []  # rows whose next tokens the sampler graph chooses this step
         if step.decode and self.speculation is not None:
             pending += self._verify(step.decode)
@@ -176,10 +173,6 @@ class LLMEngine:
                 to_draft.append((request, row.hidden[result.path[-1]]))  # drafting resumes where acceptance stopped
         if to_draft:
             self._draft(to_draft)
-        if not self.scheduler.running:
-            self.executor.cache.release()
-            if self.draft_model is not None:
-                self.draft_model.release()
         return events
 
     def _sample(self, pending: list[_Pending]) -> list[SampledRow]:
@@ -251,7 +244,7 @@ class LLMEngine:
         delta = visible[len(request.text):]
         request.text = visible
         if reason is not None:
-            self.scheduler.finish(request, reason)
+            self._finish(request, reason)
         return TokenEvent(request, delta, reason is not None)
 
     def run(self, requests: list[Request]) -> Iterator[TokenEvent]:

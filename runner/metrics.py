@@ -28,6 +28,11 @@ class EngineMetrics:
         self.tokens_per_second = Gauge("engine_generation_tokens_per_second", f"Generated tokens/s over the last {_THROUGHPUT_WINDOW_S:.0f} s", registry=r)
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
 
+    def track_cache(self, resident_bytes) -> None:
+        """The KV cache's memory (its resident pages), read at scrape time."""
+        Gauge("engine_kv_cache_resident_bytes", "Memory the KV cache holds (pages rows have written)",
+              registry=self.registry).set_function(resident_bytes)
+
     def track_speculation(self, stats: SpeculationStats) -> None:
         """A speculative engine's acceptance and draft/verify time, read from its counters at scrape time."""
         r = self.registry

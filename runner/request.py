@@ -57,11 +57,6 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
-    @property
-    def max_positions(self) -> int:
-        """The most tokens this request can ever hold in the cache: its prompt and max_tokens outputs."""
-        return len(self.prompt_token_ids) + self.params.max_tokens
-
     def output(self) -> RequestOutput:
         return RequestOutput(
             self.request_id, self.prompt, self.prompt_token_ids, self.text, list(self.output_token_ids),

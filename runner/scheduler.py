@@ -51,14 +51,14 @@ class Scheduler:
                 step.decode.append(request)
         return step
 
-    def finish(self, request: Request, reason: str) -> None:
-        """End a request (done, aborted, disconnected) and free its cache row at once."""
+    def finish(self, request: Request, reason: str) -> int | None:
+        """End a request (done, aborted, disconnected) and free its cache row at once; returns that row (None if
+        the request never had one)."""
         request.finish_reason = reason
         if request in self.running:
             self.running.remove(request)
             self._free_rows.append(request.row)
-        elif request in self.waiting:
+            return request.row
+        if request in self.waiting:
             self.waiting.remove(request)
-
-    def rows_in_use(self) -> int:
-        return max((r.row for r in self.running), default=-1) + 1
+        return None

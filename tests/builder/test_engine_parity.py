@@ -25,7 +25,6 @@ def test_prefill_and_20_decode_steps_match_transformers(name, engine_factory, ch
     reference = load_reference(checkpoint_factory(name))
     executor = engine.executor
     tokens = engine.codec.encode(TEXT)
-    executor.reserve(1, len(tokens) + 20)
 
     logits = executor.prefill(0, tokens, 0).logits
     assert_logits_close(logits, reference_logits(reference, tokens)[-1])
@@ -63,7 +62,6 @@ def test_verify_phase_scores_chains_and_trees_in_one_batch_like_the_reference(en
     executor = engine.executor
     prompt = engine.codec.encode(TEXT)
     other = prompt[:7]
-    executor.reserve(2, len(prompt) + 8)
     executor.prefill(0, prompt, 0)
     executor.prefill(1, other, 0)
 

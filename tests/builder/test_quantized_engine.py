@@ -17,7 +17,6 @@ TEXT = "The quick brown fox jumps over the lazy dog."
 def teacher_forced_logits(engine: LLMEngine, prompt: list[int], forced: list[int]) -> np.ndarray:
     """Logits after the prompt and after each forced token: [len(forced) + 1, vocab]."""
     executor = engine.executor
-    executor.reserve(1, len(prompt) + len(forced) + 1)
     rows = [executor.prefill(0, prompt, 0).logits]
     for i, token in enumerate(forced):
         rows.append(executor.decode([0], [token], [len(prompt) + i]).logits[0])

@@ -37,7 +37,7 @@ def test_perplexity_matches_transformers(window, stride, engine_factory, checkpo
     skipped = 0 if stride < window else len(range(window, len(ids), window))  # window starts without context
     assert ours.tokens_scored == len(ids) - 1 - skipped
     assert ours.perplexity == pytest.approx(expected, rel=1e-4)
-    assert not engine.scheduler.has_work and engine.executor.cache.nbytes == 0
+    assert not engine.scheduler.has_work and engine.executor.cache.resident_bytes() == 0
 
 
 def test_bad_windows_are_refused(engine_factory):

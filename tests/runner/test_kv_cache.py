@@ -1,5 +1,7 @@
-"""The runner-owned KV cache: bucket sizing with headroom, contents kept across re-sizes, zero-copy views, keeping
-the accepted nodes of a verified tree."""
+"""The runner-owned KV cache: sized once with headroom and page-aligned rows, zero-copy views, pages handed back per
+row, keeping the accepted nodes of a verified tree."""
+
+import mmap
 
 import numpy as np
 
@@ -11,49 +13,41 @@ HEADROOM = 3
 
 
 def filled_cache() -> tuple[KVCache, np.ndarray]:
-    cache = KVCache(SPEC, [1, 2, 4], [8, 16, 32, 64], HEADROOM)
-    cache.fit(2, 5)
+    cache = KVCache(SPEC, rows=4, length=60, headroom=HEADROOM)
     contents = np.random.default_rng(0).random((2, 2, 2, 5, 4), dtype=np.float32)  # [layers, rows, kvh, 5, D]
-    cache.keys[:, :, :, :5] = contents
-    cache.values[:, :, :, :5] = contents + 1
+    cache.keys[:, :2, :, :5] = contents
+    cache.values[:, :2, :, :5] = contents + 1
     return cache, contents
 
 
-def test_buffers_have_headroom_past_the_length_bucket():
+def test_every_row_has_the_longest_sequence_plus_headroom_in_whole_pages():
     cache, _ = filled_cache()
-    assert (cache.rows, cache.length) == (2, 8)
-    assert cache.keys.shape == cache.values.shape == (2, 2, 2, 8 + HEADROOM, 4)
+    assert cache.keys.shape == cache.values.shape == (2, 4, 2, cache.positions, 4)
+    assert cache.positions >= 60 + HEADROOM
+    row_bytes = cache.keys[0, 0].nbytes
+    assert row_bytes % mmap.PAGESIZE == 0  # so one row's pages can be handed back alone
+    assert cache.positions - (60 + HEADROOM) < mmap.PAGESIZE // (2 * 4 * 4)
 
 
-def test_growth_keeps_contents_and_rows_never_shrink():
-    cache, contents = filled_cache()
-    generation = cache.generation
-    cache.fit(3, 20)
-    assert (cache.rows, cache.length) == (4, 32) and cache.generation != generation
-    np.testing.assert_array_equal(cache.keys[:, :2, :, :5], contents)
-    np.testing.assert_array_equal(cache.values[:, :2, :, :5], contents + 1)
-    cache.fit(1, 20)
-    assert cache.rows == 4
-
-
-def test_length_shrinks_only_to_half_or_less():
-    cache = KVCache(SPEC, [1, 2], [8, 16, 32, 48, 64], HEADROOM)
-    cache.fit(2, 5)
-    cache.values[:, 1, :, :5] = 7.0
-    cache.fit(2, 60)
-    assert cache.length == 64
-    generation = cache.generation
-    cache.fit(2, 40)  # needs 48: more than half of 64, so no re-size
-    assert cache.length == 64 and cache.generation == generation
-    cache.fit(2, 20)  # needs 32: half of 64
-    assert cache.length == 32
-    assert (cache.values[:, 1, :, :5] == 7.0).all()
+def test_only_written_pages_are_memory_and_a_freed_row_gives_them_back():
+    cache = KVCache(SPEC, rows=4, length=4096, headroom=HEADROOM)
+    assert cache.resident_bytes() == 0  # address space only
+    cache.keys[:, 1, :, :100] = 1.0
+    cache.values[:, 1, :, :100] = 2.0
+    cache.keys[:, 2, :, :10] = 3.0
+    written = cache.resident_bytes()
+    assert 0 < written < cache.keys.nbytes // 10
+    cache.free_row(1)
+    assert 0 < cache.resident_bytes() < written
+    assert not cache.keys[:, 1].any() and (cache.keys[:, 2, :, :10] == 3.0).all()  # only row 1 was handed back
+    cache.release()
+    assert cache.resident_bytes() == 0
 
 
 def test_views_are_contiguous_and_zero_copy():
     cache, _ = filled_cache()
     keys, values = cache.views(1, 2)
-    assert all(np.shares_memory(k, cache.keys) and k.flags.c_contiguous and k.shape == (1, 2, 11, 4) for k in keys)
+    assert all(np.shares_memory(k, cache.keys) and k.flags.c_contiguous and k.shape == (1, 2, cache.positions, 4) for k in keys)
     assert all(np.shares_memory(v, cache.values) and v.flags.c_contiguous for v in values)
 
 
@@ -64,9 +58,3 @@ def test_keep_moves_the_accepted_nodes_down_in_path_order():
     np.testing.assert_array_equal(cache.keys[:, 1, :, 1:4], contents[:, 1, :, [1, 3, 4]].transpose(1, 2, 0, 3))
     np.testing.assert_array_equal(cache.values[:, 1, :, 0], contents[:, 1, :, 0] + 1)  # before the tree: untouched
     np.testing.assert_array_equal(cache.keys[:, 0, :, :5], contents[:, 0])  # other rows untouched
-
-
-def test_release_frees_the_buffers():
-    cache, _ = filled_cache()
-    cache.release()
-    assert cache.nbytes == 0 and cache.rows == 0

@@ -114,20 +114,20 @@ def test_more_prompts_than_cache_rows_queue_and_all_finish(engine_factory):
     assert [o.token_ids for o in batched] == [llm.generate(p, GREEDY)[0].token_ids for p in prompts]
 
 
-def test_cache_is_sized_for_a_whole_request_before_it_generates(llm):
-    # growing the cache copies it into fresh pages (tens of ms): never in the middle of a stream
+def test_finished_requests_hand_their_cache_pages_back(llm):
     engine = llm.engine
-    prompt = llm.tokenizer.encode("hello world")
-    buckets = engine.executor.decode_phase.past_lengths
-    max_tokens = buckets[1] + 1 - len(prompt)  # prompt + output cross the first two length buckets
-    request = engine.add_request(None, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-    engine.step()
-    generation, length = engine.executor.cache.generation, engine.executor.cache.length
-    while not request.finished:
+    cache = engine.executor.cache
+    first = engine.add_request(None, llm.tokenizer.encode("hello world " * 20), GREEDY)
+    second = engine.add_request(None, llm.tokenizer.encode("hello"), SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    while not (first.output_token_ids and second.output_token_ids):
         engine.step()
-        if not request.finished:
-            assert engine.executor.cache.generation == generation
-    assert length >= len(prompt) + max_tokens and len(request.output_token_ids) == max_tokens
+    both = cache.resident_bytes()
+    while not first.finished:
+        engine.step()
+    assert 0 < cache.resident_bytes() < both  # the first row's pages are gone, the second's stay
+    while not second.finished:
+        engine.step()
+    assert cache.resident_bytes() == 0
 
 
 def test_half_precision_engine_is_refused_on_cpu_with_a_reason(checkpoint_factory, tmp_path):

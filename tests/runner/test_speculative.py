@@ -150,7 +150,6 @@ def test_sampled_second_token_follows_the_target_distribution(plain, oracle):
     params = SamplingParams(temperature=1.0, top_p=0.95)
     prompt = plain.tokenizer.encode(PROMPTS[1])
     executor = plain.engine.executor
-    executor.reserve(1, len(prompt) + 2)
     first_logits = executor.prefill(0, prompt, 0).logits
     first = processed_probs(first_logits, params)
     expected = np.zeros_like(first)
