@@ -69,8 +69,6 @@ class LLMEngine:
             self.draft_model = DraftModel(self.artifact.path(self.speculation["engine"]), self.speculation["draft_len"],
                                           threads, verify_checksums)
         self.speculation_stats = SpeculationStats()
-        # positions a generating request may add to the cache in one step: the root plus its accepted drafts
-        self.tokens_per_generation_step = 1 + manifest.sampler.max_depth
         self._ids = itertools.count()
 
     @property
