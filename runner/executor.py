@@ -4,13 +4,14 @@ of requests or sampling."""
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
 from engines.format import Artifact, PhaseSpec
-from runner.kv_cache import KVCache, bucket_for
+from runner.kv_cache import KVCache
 
 MASKED = np.finfo(np.float32).min  # attention bias of a position a token must not see
 
@@ -144,6 +145,13 @@ class Scored:
     def __getitem__(self, index) -> Scored:
         """The same rows / tokens of all three."""
         return Scored(self.logits[index], self.argmax[index], self.hidden[index])
+
+
+def bucket_for(value: int, buckets: list[int]) -> int:
+    index = bisect.bisect_left(buckets, value)
+    if index == len(buckets):
+        raise ValueError(f"{value} exceeds the largest bucket {buckets[-1]}")
+    return buckets[index]
 
 
 def _select(rows: list[int]) -> slice | list[int]:

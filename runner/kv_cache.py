@@ -18,7 +18,6 @@ whole padded chunk.
 
 from __future__ import annotations
 
-import bisect
 import ctypes
 import math
 import mmap
@@ -28,29 +27,22 @@ import numpy as np
 from engines.format import KVCacheSpec
 
 
-def bucket_for(value: int, buckets: list[int]) -> int:
-    index = bisect.bisect_left(buckets, value)
-    if index == len(buckets):
-        raise ValueError(f"{value} exceeds the largest bucket {buckets[-1]}")
-    return buckets[index]
-
-
 class KVCache:
     def __init__(self, spec: KVCacheSpec, rows: int, length: int, headroom: int) -> None:
         self.spec = spec
-        self.dtype = np.dtype(spec.dtype)
-        position_bytes = spec.num_kv_heads * spec.head_dim * self.dtype.itemsize
+        dtype = np.dtype(spec.dtype)
+        position_bytes = spec.num_kv_heads * spec.head_dim * dtype.itemsize
         # a row of one layer must fill whole pages, so that a finished row's pages can be handed back alone
         step = mmap.PAGESIZE // math.gcd(mmap.PAGESIZE, position_bytes)
         self.positions = -(-(length + headroom) // step) * step
-        self.shape = (spec.num_layers, rows, spec.num_kv_heads, self.positions, spec.head_dim)
         self._row_bytes = self.positions * position_bytes  # one layer's part of one row
-        self._maps = [_anonymous_map(math.prod(self.shape) * self.dtype.itemsize) for _ in range(2)]
-        self.keys, self.values = (np.frombuffer(m, self.dtype).reshape(self.shape) for m in self._maps)
+        shape = (spec.num_layers, rows, spec.num_kv_heads, self.positions, spec.head_dim)
+        self._maps = [_anonymous_map(spec.num_layers * rows * self._row_bytes) for _ in range(2)]
+        self.keys, self.values = (np.frombuffer(m, dtype).reshape(shape) for m in self._maps)
 
     @property
     def rows(self) -> int:
-        return self.shape[1]
+        return self.keys.shape[1]
 
     def views(self, start_row: int, stop_row: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """Per-layer buffers of rows [start_row, stop_row): contiguous views, no copy."""
