@@ -15,8 +15,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
-
 from engines.backends import open_backend
 from engines.format import open_artifact
 from runner.executor import Executor
@@ -45,10 +43,10 @@ class DraftModel:
             for start in range(request.draft_computed, len(context), executor.max_chunk):  # the prompt, in chunks
                 first_drafts[index] = int(executor.prefill(request.row, context[start:start + executor.max_chunk], start).argmax)
         if chains:
-            causal = [(tokens, np.tril(np.ones((len(tokens), len(tokens)), bool))) for _, _, tokens in chains]
-            verified = executor.verify([requests[i].row for i, _, _ in chains], causal, [start for _, start, _ in chains])
-            for row, (index, _, tokens) in enumerate(chains):
-                first_drafts[index] = int(verified.argmax[row, len(tokens) - 1])
+            fed = executor.extend([requests[i].row for i, _, _ in chains], [tokens for _, _, tokens in chains],
+                                  [start for _, start, _ in chains])
+            for row, (index, _, _) in enumerate(chains):
+                first_drafts[index] = int(fed.argmax[row])
         for request, context in zip(requests, contexts):
             request.draft_computed = len(context)
         drafts = [[first_drafts[i]] for i in range(len(requests))]

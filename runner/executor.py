@@ -104,6 +104,17 @@ class Executor:
 
         Returns logits [rows, nodes, vocab], their argmax and hidden states. Every node's K/V is written after its
         row's `start` cached positions, in node order; only accepted nodes belong in the cache (`commit` keeps them)."""
+        return self._score_trees(rows, trees, starts, last_only=False)
+
+    def extend(self, rows: list[int], token_lists: list[list[int]], starts: list[int]) -> Scored:
+        """Append a few tokens to each of `rows` (after its `start` cached positions), all rows in one call; returns
+        logits [rows, vocab], argmax and hidden state of each row's last token only (one LM-head row per row: the
+        vocabulary projection is the largest matmul of a small model)."""
+        chains = [(tokens, np.tril(np.ones((len(tokens), len(tokens)), bool))) for tokens in token_lists]
+        return self._score_trees(rows, chains, starts, last_only=True)[:, 0]
+
+    def _score_trees(self, rows: list[int], trees: list[tuple[list[int], np.ndarray]], starts: list[int],
+                     last_only: bool) -> Scored:
         batch = bucket_for(max(rows) + 1, self.verify_phase.batch_sizes)
         steps = bucket_for(max(len(tokens) for tokens, _ in trees), self.verify_phase.steps)
         input_ids, positions = np.zeros((batch, steps), np.int64), np.zeros((batch, steps), np.int64)
@@ -115,7 +126,10 @@ class Executor:
             input_ids[row, :count] = tokens
             positions[row, :count] = start + tree_mask.sum(axis=1) - 1  # a node's position is its depth
             bias[row, 0, :count, start:start + count][~tree_mask] = MASKED  # (the graph masks what is causal)
-        index = np.tile(np.arange(steps, dtype=np.int64), (batch, 1))
+        if last_only:
+            index = np.maximum(query_lens - 1, 0)[:, None]
+        else:
+            index = np.tile(np.arange(steps, dtype=np.int64), (batch, 1))
         return self._run(self.verify_phase, input_ids, positions, past_lens, query_lens, bias, index, 0)[_select(rows)]
 
     def commit(self, row: int, start: int, nodes: list[int]) -> None:

@@ -80,3 +80,22 @@ def test_verify_phase_scores_chains_and_trees_in_one_batch_like_the_reference(en
     decoded = executor.decode([1], [11], [len(other) + 3])
     assert_logits_close(decoded.logits[0], reference_logits(reference, other + [5, 42, 9, 11])[-1])
     assert decoded.argmax.tolist() == [int(np.argmax(decoded.logits[0]))]
+
+
+def test_extend_appends_chains_of_different_lengths_and_scores_each_rows_last_token(engine_factory, checkpoint_factory):
+    engine = LLMEngine(engine_factory("gqa"))
+    reference = load_reference(checkpoint_factory("gqa"))
+    executor = engine.executor
+    prompt = engine.codec.encode(TEXT)
+    other = prompt[:7]
+    executor.prefill(0, prompt, 0)
+    executor.prefill(2, other, 0)
+
+    extended = executor.extend([0, 2], [[5, 17], [42]], [len(prompt), len(other)])
+    assert extended.logits.shape == (2, engine.artifact.manifest.model.vocab_size)
+    assert_logits_close(extended.logits[0], reference_logits(reference, prompt + [5, 17])[-1])
+    assert_logits_close(extended.logits[1], reference_logits(reference, other + [42])[-1])
+    assert extended.argmax.tolist() == extended.logits.argmax(-1).tolist()
+    # both tokens of row 0 are in its cache: the next one sees them
+    decoded = executor.decode([0], [9], [len(prompt) + 2])
+    assert_logits_close(decoded.logits[0], reference_logits(reference, prompt + [5, 17, 9])[-1])
