@@ -55,7 +55,8 @@ def main() -> None:
 @click.option("--draft-head", type=click.Path(path_type=Path), default=None,
               help="Draft head from `builder train-drafter` (default for `default`: the head shipped with the builder).")
 @click.option("--beam-width", type=int, default=2, show_default=True, help="Draft beams per step (redrafter).")
-@click.option("--draft-len", type=int, default=2, show_default=True, help="Draft tokens per beam.")
+@click.option("--draft-len", type=int, default=None,
+              help="Draft tokens per beam  [default: 2 for redrafter, 4 for prompt-lookup and draft-model].")
 @click.option("--draft-quant", type=click.Choice(["int8", "int4", "none"]), default="int8", show_default=True,
               help="The draft's matmuls: int8 (fused, int8 compute; drafts only propose, so output is unchanged); "
                    "int4 for a draft model.")
