@@ -88,10 +88,14 @@ class BoundGraph:
             bind = self.binding.bind_input if name in inputs else self.binding.bind_output
             bind(name, "cpu", 0, array.dtype, list(array.shape), _address(name, array))
         self.buffers = buffers  # the bound memory must outlive the binding
+        self.per_run_inputs = inputs - set(buffers)
         self.per_run_outputs = {o.name for o in session.get_outputs()} - set(buffers)
 
     def run(self, feeds: dict[str, np.ndarray], outputs: dict[str, np.ndarray]) -> None:
         """Run with these inputs, writing the remaining outputs into `outputs` (arrays of their exact shapes)."""
+        # a name left out would keep the previous run's binding, whose memory may be gone
+        if set(feeds) != self.per_run_inputs:
+            raise ValueError(f"every input not bound for good needs a value: {sorted(self.per_run_inputs)}")
         if set(outputs) != self.per_run_outputs:
             raise ValueError(f"every output not bound for good needs an array: {sorted(self.per_run_outputs)}")
         for name, value in feeds.items():
