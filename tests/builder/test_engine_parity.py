@@ -56,14 +56,19 @@ def test_alone_batched_and_chunked_prefill_give_the_same_tokens(engine_factory, 
     assert alone[0] == reference_greedy(reference, prompts[0], 24)
 
 
-def test_verify_phase_scores_chains_and_trees_in_one_batch_like_the_reference(engine_factory, checkpoint_factory):
+def two_prefilled_rows(engine_factory, checkpoint_factory, rows: tuple[int, int]):
+    """An engine whose cache rows hold TEXT and its first 7 tokens, and the reference model of the same weights."""
     engine = LLMEngine(engine_factory("gqa"))
-    reference = load_reference(checkpoint_factory("gqa"))
-    executor = engine.executor
     prompt = engine.codec.encode(TEXT)
     other = prompt[:7]
-    executor.prefill(0, prompt, 0)
-    executor.prefill(1, other, 0)
+    engine.executor.prefill(rows[0], prompt, 0)
+    engine.executor.prefill(rows[1], other, 0)
+    return engine, load_reference(checkpoint_factory("gqa")), prompt, other
+
+
+def test_verify_phase_scores_chains_and_trees_in_one_batch_like_the_reference(engine_factory, checkpoint_factory):
+    engine, reference, prompt, other = two_prefilled_rows(engine_factory, checkpoint_factory, (0, 1))
+    executor = engine.executor
 
     chain = [5, 17, 42, 9]
     chain_mask = np.tril(np.ones((4, 4), dtype=bool))
@@ -83,13 +88,8 @@ def test_verify_phase_scores_chains_and_trees_in_one_batch_like_the_reference(en
 
 
 def test_extend_appends_chains_of_different_lengths_and_scores_each_rows_last_token(engine_factory, checkpoint_factory):
-    engine = LLMEngine(engine_factory("gqa"))
-    reference = load_reference(checkpoint_factory("gqa"))
+    engine, reference, prompt, other = two_prefilled_rows(engine_factory, checkpoint_factory, (0, 2))
     executor = engine.executor
-    prompt = engine.codec.encode(TEXT)
-    other = prompt[:7]
-    executor.prefill(0, prompt, 0)
-    executor.prefill(2, other, 0)
 
     extended = executor.extend([0, 2], [[5, 17], [42]], [len(prompt), len(other)])
     assert extended.logits.shape == (2, engine.artifact.manifest.model.vocab_size)
