@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from builder.build import DTYPES, BuildOptions, build_engine
+from builder.build import DEFAULT_DRAFT_LEN, DTYPES, BuildOptions, build_engine
 from builder.gptq import GPTQOptions
 from builder.loaders import CheckpointError
 
@@ -56,7 +56,8 @@ def main() -> None:
               help="Draft head from `builder train-drafter` (default for `default`: the head shipped with the builder).")
 @click.option("--beam-width", type=int, default=2, show_default=True, help="Draft beams per step (redrafter).")
 @click.option("--draft-len", type=int, default=None,
-              help="Draft tokens per beam  [default: 2 for redrafter, 4 for prompt-lookup and draft-model].")
+              help="Draft tokens per beam  [default: "
+                   + ", ".join(f"{n} for {method}" for method, n in DEFAULT_DRAFT_LEN.items()) + "].")
 @click.option("--draft-quant", type=click.Choice(["int8", "int4", "none"]), default="int8", show_default=True,
               help="The draft's matmuls: int8 (fused, int8 compute; drafts only propose, so output is unchanged); "
                    "int4 for a draft model.")
