@@ -105,9 +105,11 @@ def build(checkpoint, out, dtype, max_seq_len, max_batch, prefill_chunk, overwri
               help="Cache of the target's answers and hidden states: read if it exists, else written.")
 @click.option("--threads", type=int, default=None, help="CPU threads for the target engine.")
 @click.option("--checkpoint", default=None, help="Where the target's embeddings are read (default: the engine's source).")
+@click.option("--bf16/--fp32", "bf16", default=None,
+              help="Train in bfloat16 autocast or float32 (default: bfloat16 where the CPU has native bf16 matmuls).")
 @click.option("--seed", type=int, default=0, show_default=True)
 def train_drafter_command(engine, out, prompts, validation, max_new_tokens, draft_vocab, horizon, blocks, epochs, dropout,
-                          traces, threads, checkpoint, seed) -> None:
+                          traces, threads, checkpoint, bf16, seed) -> None:
     """Distil a ReDrafter draft head for the target ENGINE from its own answers to the shipped prompts."""
     from builder.train_drafter import DrafterTrainingOptions, train_drafter
     from engines.format import ArtifactError
@@ -115,7 +117,7 @@ def train_drafter_command(engine, out, prompts, validation, max_new_tokens, draf
     options = DrafterTrainingOptions(
         engine, out, prompts=prompts, validation=validation, max_new_tokens=max_new_tokens, draft_vocab=draft_vocab,
         horizon=horizon, num_blocks=blocks, epochs=epochs, dropout=dropout, traces=traces, threads=threads,
-        checkpoint=checkpoint, seed=seed,
+        checkpoint=checkpoint, bf16=bf16, seed=seed,
     )
     try:
         facts = train_drafter(options, log=lambda line: click.echo(line, err=True))

@@ -36,6 +36,26 @@ TEMPLATES = [
     "Create a short quiz with answers about {topic}.",
     "Give me a one-sentence definition of {topic}, then explain it.",
     "What are the risks associated with {topic}?",
+    "Write a short dialogue between two friends discussing {topic}.",
+    "What are some common mistakes people make with {topic}?",
+    "Give me a short outline for a presentation on {topic}.",
+    "Explain {topic} using an analogy.",
+    "Write a tweet about {topic}.",
+    "What jobs are related to {topic}?",
+    "Describe a typical day of someone who works with {topic}.",
+    "What are three fun facts about {topic}?",
+    "How can I explain {topic} to my grandmother?",
+    "Write a limerick about {topic}.",
+    "What questions remain unanswered about {topic}?",
+    "What books or resources would you recommend for learning about {topic}?",
+    "Write a diary entry from the perspective of someone discovering {topic}.",
+    "What is the future of {topic}?",
+    "Write a short news report about {topic}.",
+    "Which words should I know to talk about {topic}?",
+    "Argue for and against {topic} in two short paragraphs.",
+    "Plan a one-week study schedule for {topic}.",
+    "What would a scientist say about {topic}?",
+    "Write a motivational message about {topic}.",
 ]
 
 TOPICS = [
@@ -56,6 +76,32 @@ TOPICS = [
     "the human skeleton", "trains", "composting", "magnets", "the Silk Road", "sharks", "solar panels",
     "public libraries", "the stock exchange", "origami", "bridges", "weather forecasting", "the Internet of Things",
     "classical music", "honey", "space telescopes", "kindness", "calendars", "submarines", "spices",
+    "octopuses", "quantum computing", "gravity", "the Pacific Ocean", "wolves", "the violin", "opera", "museums",
+    "fossils", "the Arctic", "hot air balloons", "dogs", "cats", "horses", "whales", "butterflies", "ants",
+    "spiders", "rivers", "waterfalls", "caves", "islands", "snowflakes", "the northern lights", "comets", "Mars",
+    "the Sun", "satellites", "rockets", "the International Space Station", "microscopes", "bacteria", "DNA",
+    "genetics", "antibiotics", "the common cold", "allergies", "dental hygiene", "good posture", "stretching",
+    "swimming", "basketball", "tennis", "hiking", "skiing", "fishing", "sailing", "surfing", "rock climbing",
+    "martial arts", "dance", "ballet", "theatre", "film making", "animation", "comic books",
+    "watercolor painting", "sculpture", "interior design", "fashion", "sewing", "woodworking", "calligraphy",
+    "handwriting", "spelling", "grammar", "punctuation", "storytelling", "fairy tales", "mythology",
+    "the Greek gods", "the Vikings", "the Aztecs", "medieval castles", "knights", "pirates", "samurai",
+    "the Cold War", "the United Nations", "elections", "taxes", "insurance", "mortgages", "credit cards",
+    "inflation", "supply and demand", "small businesses", "marketing", "negotiation", "leadership", "teamwork",
+    "remote work", "email etiquette", "spreadsheets", "databases", "programming in Python",
+    "open source software", "computer viruses", "cloud computing", "web browsers", "search engines",
+    "virtual reality", "drones", "self-driving cars", "batteries", "nuclear power", "hydroelectric dams",
+    "water purification", "air pollution", "forests", "wetlands", "urban gardening", "houseplants", "tomatoes",
+    "apples", "rice", "cheese", "olive oil", "fermentation", "breakfast", "table manners", "birthdays",
+    "weddings", "holidays around the world", "traveling on a budget", "packing a suitcase", "maps", "compasses",
+    "clocks", "coins", "stamps", "postcards", "the telephone", "radio", "television", "newspapers", "podcasts",
+    "bookshops", "reading habits", "memory", "habits", "motivation", "stress", "happiness", "empathy",
+    "curiosity", "patience", "parenting", "siblings", "grandparents", "neighbours", "city planning",
+    "public transport", "traffic lights", "roads", "tunnels", "ships", "the Titanic", "canals", "fire safety",
+    "firefighters", "nurses", "teachers", "farmers", "astronauts", "inventors", "Leonardo da Vinci",
+    "Marie Curie", "Isaac Newton", "Albert Einstein", "Shakespeare", "fractions", "geometry", "statistics",
+    "probability", "algebra", "the number zero", "infinity", "logic puzzles", "sudoku", "crossword puzzles",
+    "magic tricks", "circuses", "zoos", "aquariums", "national parks", "mountains", "the Himalayas", "the Nile",
 ]
 
 VALIDATION_TEMPLATES = [
@@ -78,7 +124,7 @@ def _shuffled(templates: list[str], topics: list[str], seed: int) -> list[str]:
 
 
 def drafter_prompts(count: int | None = None, seed: int = 0) -> list[str]:
-    """Training prompts (up to len(TEMPLATES) x len(TOPICS) = 2,496)."""
+    """Training prompts (up to len(TEMPLATES) x len(TOPICS) = 44 x 294 = 12,936)."""
     prompts = _shuffled(TEMPLATES, TOPICS, seed)
     return prompts if count is None else prompts[:count]
 

@@ -18,6 +18,8 @@ target) and writes a head the builder folds into a speculative engine.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import time
 from collections import Counter
@@ -53,6 +55,7 @@ class DrafterTrainingOptions:
     threads: int | None = None
     checkpoint: str | None = None  # where the target's embeddings come from (default: the engine's source)
     traces: Path | None = None  # answers + hidden states: read if the file exists, else written there
+    bf16: bool | None = None  # train the head's matmuls in bfloat16 autocast (None: where the CPU has native bf16)
 
 
 @dataclass(frozen=True)
@@ -147,6 +150,12 @@ def first_draft_accuracy(head: DraftHead, hidden: torch.Tensor, inputs: torch.Te
     return (head.draft_to_target[best] == labels[:, 0])[valid].float().mean().item()
 
 
+def native_bf16() -> bool:
+    """bfloat16 matmuls are ~2.7x faster than float32 for the head on a CPU with AVX-512 BF16, slower without it."""
+    probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+    return bool(probe and probe())
+
+
 def target_embedding(source: str) -> torch.Tensor:
     from builder.loaders import load_checkpoint
 
@@ -163,14 +172,17 @@ def train_drafter(options: DrafterTrainingOptions, log: Callable[[str], None] = 
     manifest = open_artifact(options.engine).manifest
     config = manifest.model
     begin = time.perf_counter()
-    key = f"{manifest.source}|{manifest.files[manifest.graphs['step'].file].sha256[:16]}|{options.prompts}|{options.validation}|{options.max_new_tokens}"
+    prompts = drafter_prompts(options.prompts) + validation_prompts(options.validation)
+    # The key names everything the traces depend on, prompt texts included, so that an edited prompt set is never
+    # trained on answers to the old one.
+    prompt_digest = hashlib.sha256(json.dumps([options.prompts, prompts]).encode()).hexdigest()[:16]
+    key = f"{manifest.source}|{manifest.files[manifest.graphs['step'].file].sha256[:16]}|{prompt_digest}|{options.max_new_tokens}"
     if options.traces is not None and Path(options.traces).is_file():
         log(f"[1/3] reading the target's answers from {options.traces}")
         groups = load_traces(Path(options.traces), key)
     else:
         log(f"[1/3] target {options.engine} answers {options.prompts} + {options.validation} validation prompts "
             f"(greedy, {options.max_new_tokens} tokens max)")
-        prompts = drafter_prompts(options.prompts) + validation_prompts(options.validation)
         traces = collect_traces(options.engine, prompts, options.max_new_tokens, options.threads, log)
         groups = {"train": traces[:options.prompts], "validation": traces[options.prompts:]}
         if options.traces is not None:
@@ -195,6 +207,8 @@ def train_drafter(options: DrafterTrainingOptions, log: Callable[[str], None] = 
     splits = {"train": (hidden[probe], inputs[probe], labels[probe]), "validation": (held_hidden, held_inputs, held_labels)}
     accuracy = {f"{name}_before": first_draft_accuracy(head, *split) for name, split in splits.items()}
     head.dropout.p = options.dropout
+    bf16 = native_bf16() if options.bf16 is None else options.bf16
+    log(f"      matmuls in {'bfloat16 autocast (fp32 weights and softmax)' if bf16 else 'float32'}")
     optimizer = torch.optim.AdamW(head.parameters(), lr=options.learning_rate, weight_decay=0.0)
     best = (0.0, None, 0)  # validation tokens per step, weights, epoch
     epoch_losses = []
@@ -206,7 +220,8 @@ def train_drafter(options: DrafterTrainingOptions, log: Callable[[str], None] = 
         total = 0.0
         for index in range(batches):
             pick = order[index * options.batch_size:(index + 1) * options.batch_size]
-            logprobs = head.teacher_forced(hidden[pick], inputs[pick])
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                logprobs = head.teacher_forced(hidden[pick], inputs[pick])
             loss = torch.nn.functional.nll_loss(logprobs.flatten(0, 1), draft_labels[pick].flatten(), ignore_index=IGNORE)
             optimizer.zero_grad()
             loss.backward()
@@ -231,6 +246,7 @@ def train_drafter(options: DrafterTrainingOptions, log: Callable[[str], None] = 
         "target": manifest.source, "prompts": options.prompts, "validation_prompts": options.validation,
         "answer_tokens": int(sum(len(t.tokens) - 1 for t in train_traces)), "epochs": options.epochs,
         "kept_epoch": best[2], "epoch_losses": epoch_losses, "horizon": options.horizon, "dropout": options.dropout,
+        "draft_vocab": vocab_size, "bf16": bf16,
         "validation_tokens_per_step": acceptance,
         "first_draft_accuracy": {
             **{k: round(v, 4) for k, v in accuracy.items()},

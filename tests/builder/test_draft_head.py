@@ -114,3 +114,22 @@ def test_head_file_round_trip_and_errors(tmp_path):
     save_file({"x": torch.zeros(1)}, str(tmp_path / "other.safetensors"))
     with pytest.raises(ValueError, match="not a draft head"):
         load_draft_head(tmp_path / "other.safetensors")
+
+
+def test_traces_cache_is_reused_for_the_same_prompts_and_refused_for_others(engine_factory, tmp_path):
+    from builder.train_drafter import DrafterTrainingOptions, train_drafter
+
+    def train(prompts: int, bf16: bool) -> list[str]:
+        lines = []
+        options = DrafterTrainingOptions(
+            engine_factory("gqa"), tmp_path / "head.safetensors", prompts=prompts, validation=2, max_new_tokens=6,
+            draft_vocab=32, epochs=1, batch_size=16, traces=tmp_path / "traces.npz", bf16=bf16,
+        )
+        facts = train_drafter(options, log=lines.append)
+        assert facts["bf16"] is bf16 and facts["draft_vocab"] == 32
+        return lines
+
+    assert "answers 6 + 2 validation prompts" in train(6, bf16=False)[0]
+    assert "reading the target's answers" in train(6, bf16=True)[0]
+    with pytest.raises(ValueError, match="another engine or prompt set"):
+        train(7, bf16=False)

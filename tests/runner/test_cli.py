@@ -58,7 +58,7 @@ def test_the_runner_needs_no_torch(engine_factory, tiny_draft_head):
 def test_train_drafter_then_build_and_bench_a_speculative_engine(checkpoint_factory, engine_factory, tmp_path):
     head = tmp_path / "head.safetensors"
     trained = run(BUILDER + ["train-drafter", str(engine_factory("gqa")), "--out", str(head), "--prompts", "12",
-                             "--validation", "4", "--max-new-tokens", "16", "--epochs", "1", "--draft-vocab", "64"])
+                             "--validation", "4", "--max-new-tokens", "16", "--epochs", "1", "--draft-vocab", "64", "--fp32"])
     assert trained.returncode == 0, trained.stderr
     assert "draft head:" in trained.stdout and "validation tokens per step" in trained.stdout
     out = tmp_path / "engine"
