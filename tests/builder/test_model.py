@@ -42,4 +42,4 @@ def test_bucket_plan():
     assert phases["decode"].batch_sizes == [1, 2, 4, 6]
     assert phases["prefill"].steps == [16, 32, 48, 64, 80, 96, 100]
     assert phases["decode"].past_lengths[-1] == 1000
-    assert phases["verify"].steps == [1, 2, 4, 8] and phases["verify"].logits == "all"
+    assert phases["verify"].steps == [1, 2, 3, 4, 5, 6, 7, 8] and phases["verify"].logits == "all"
