@@ -61,21 +61,21 @@ TEMPLATES = [
 TOPICS = [
     "photosynthesis", "the water cycle", "compound interest", "machine learning", "the French Revolution",
     "volcanoes", "healthy sleep habits", "public speaking", "recycling", "the solar system", "prime numbers",
-    "gardening", "electric cars", "the human heart", "learning a new language", "climate change", "chess",
+    "gardening", "electric cars", "the human heart", "learning a new language", "chess",
     "cooking pasta", "budgeting", "the internet", "vaccines", "earthquakes", "meditation", "the Roman Empire",
-    "bees and pollination", "renewable energy", "writing a resume", "the stock market", "black holes",
+    "renewable energy", "writing a resume", "the stock market", "black holes",
     "time management", "coffee", "the printing press", "ocean tides", "friendship", "running a marathon",
-    "computer passwords", "rainbows", "democracy", "baking bread", "dinosaurs", "the moon landing", "jazz music",
+    "computer passwords", "democracy", "baking bread", "dinosaurs", "the moon landing", "jazz music",
     "the immune system", "plate tectonics", "social media", "electricity", "the Great Wall of China",
     "camping in the mountains", "recycling plastic", "artificial intelligence", "the Olympic Games", "bicycles",
     "hurricanes", "the periodic table", "first aid", "photography", "the Renaissance", "nutrition", "robots",
-    "the Amazon rainforest", "saving money", "yoga", "video games", "the human brain", "airplanes", "tea",
+    "the Amazon rainforest", "saving money", "yoga", "video games", "the human brain", "airplanes",
     "volunteering", "deserts", "the theory of evolution", "smartphones", "ancient Egypt", "wind turbines",
     "job interviews", "penguins", "the speed of light", "knitting", "cryptography", "coral reefs", "soccer",
     "the Industrial Revolution", "mushrooms", "3D printing", "glaciers", "recycling electronics", "poetry",
     "the human skeleton", "trains", "composting", "magnets", "the Silk Road", "sharks", "solar panels",
-    "public libraries", "the stock exchange", "origami", "bridges", "weather forecasting", "the Internet of Things",
-    "classical music", "honey", "space telescopes", "kindness", "calendars", "submarines", "spices",
+    "public libraries", "the stock exchange", "origami", "bridges", "the Internet of Things",
+    "classical music", "space telescopes", "kindness", "calendars", "submarines", "spices",
     "octopuses", "quantum computing", "gravity", "the Pacific Ocean", "wolves", "the violin", "opera", "museums",
     "fossils", "the Arctic", "hot air balloons", "dogs", "cats", "horses", "whales", "butterflies", "ants",
     "spiders", "rivers", "waterfalls", "caves", "islands", "snowflakes", "the northern lights", "comets", "Mars",
@@ -124,7 +124,7 @@ def _shuffled(templates: list[str], topics: list[str], seed: int) -> list[str]:
 
 
 def drafter_prompts(count: int | None = None, seed: int = 0) -> list[str]:
-    """Training prompts (up to len(TEMPLATES) x len(TOPICS) = 44 x 294 = 12,936)."""
+    """Training prompts (up to len(TEMPLATES) x len(TOPICS) = 44 x 288 = 12,672)."""
     prompts = _shuffled(TEMPLATES, TOPICS, seed)
     return prompts if count is None else prompts[:count]
 

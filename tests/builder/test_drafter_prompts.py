@@ -1,4 +1,6 @@
-"""The drafter's prompt sets: training, validation and the speculative benchmark must not share a prompt."""
+"""The drafter's prompt sets: training, validation and the speculative benchmark must not share a prompt or a topic."""
+
+import re
 
 from benchmarks.speculative import HELD_OUT_PROMPTS
 from builder.drafter_prompts import (
@@ -27,3 +29,18 @@ def test_prompt_lists_are_fixed_shuffled_prefixes():
 
 def test_benchmark_prompts_are_in_neither_set():
     assert not set(HELD_OUT_PROMPTS) & (set(drafter_prompts()) | set(validation_prompts()))
+
+
+def _stems(text: str) -> set[str]:
+    """Content words, plural 's' dropped: 'rainbows' and 'a rainbow forms' share 'rainbow'."""
+    return {word.lower().rstrip("s") for word in re.findall(r"[A-Za-z]+", text) if len(word) > 2} - {"the", "and"}
+
+
+def test_benchmark_prompts_share_no_topic_with_training():
+    # a topic word inside a benchmark word counts too ('bees' in 'honeybees'); generic words and false friends
+    # ('table' in 'vegetable') are allowed
+    generic = {"good", "thing", "table"}
+    benchmark_words = set().union(*(_stems(prompt) for prompt in HELD_OUT_PROMPTS)) - generic
+    for topic in TOPICS + VALIDATION_TOPICS:
+        shared = {w for w in _stems(topic) - generic for b in benchmark_words if w == b or (len(w) >= 3 and w in b)}
+        assert not shared, f"training topic {topic!r} is in a benchmark prompt ({shared})"
