@@ -43,4 +43,4 @@ def test_benchmark_prompts_share_no_topic_with_training():
     benchmark_words = set().union(*(_stems(prompt) for prompt in HELD_OUT_PROMPTS)) - generic
     for topic in TOPICS + VALIDATION_TOPICS:
         shared = {w for w in _stems(topic) - generic for b in benchmark_words if w == b or (len(w) >= 3 and w in b)}
-        assert not shared, f"training topic {topic!r} is in a benchmark prompt ({shared})"
+        assert not shared, f"drafter topic {topic!r} is in a benchmark prompt ({shared})"
