@@ -1,12 +1,20 @@
 """Load benchmark: N concurrent streaming clients against `runner serve`, for several --max-batch settings.
 
-    python benchmarks/load_server.py --engine engines-out/default16 [--threads 2] [--requests-per-client 3]
+    python benchmarks/load_server.py --engine engines-out/default-b16 [--batches 1,8,16] [--duration 20] [--rounds 3]
 
-The engine must be built with --max-batch at least the largest setting (16 by default). For each setting the
-server starts in its own process with that --max-batch and as many concurrent clients; every client sends chat
-requests one after another (mixed: by default every 4th is the ~650-token prompt, the others short chat turns;
-output lengths 32..128, EOS ignored, seeded; the same mix for every client count).
-Prints output tokens/s, TTFT p50/p99 and inter-token latency p50/p99 per setting; writes benchmarks/results/load.json.
+The engine must be built with --max-batch at least the largest setting. One server per setting (--max-batch N,
+N clients) runs for the whole benchmark, and the settings take turns: in each of --rounds rounds every setting in
+turn gets its N clients for --duration seconds. Each client sends chat requests back to back (mixed: by default
+every 4th is the ~650-token prompt, the others short chat turns; output lengths 32..128, EOS ignored, seeded; the
+same mix for every client count) until the round's deadline, when it disconnects (the server cancels what it was
+generating).
+
+Throughput is steady state: output tokens streamed while all N clients were sending, per second. A run of a fixed
+number of requests instead ends in a drain where fewer and fewer clients are left, which says more about how the
+request lengths fell than about batching. Turns alternate because this VM's speed drifts by 10-30% within minutes:
+a ratio is taken between runs of the same round. Prints, per setting, output tokens/s (median of the rounds), its
+ratio to the first setting's in the same rounds (median), TTFT p50/p99 and inter-token latency p50/p99 over all
+rounds, and the machine's memory bandwidth (STREAM triad) before each round; writes benchmarks/results/load.json.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
@@ -45,41 +54,60 @@ def long_question() -> str:
     return "Summarise this text:\n" + " ".join(license_text().split()[:420])
 
 
-async def client(url: str, rng: random.Random, count: int, long_text: str, long_every: int, records: list) -> None:
+@dataclass(frozen=True)
+class Turn:
+    """One setting's clients for one round: what they received before the deadline."""
+
+    clients: int
+    seconds: float
+    tokens: int  # content chunks streamed before the deadline (one per generated token)
+    ttft_s: list[float]  # of requests whose first token came before the deadline
+    itl_s: list[float]
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds
+
+
+async def client(url: str, rng: random.Random, deadline: float, long_text: str, long_every: int, turn: dict) -> None:
     async with httpx.AsyncClient(timeout=600) as http:
-        for index in range(count):
+        index = 0
+        while time.perf_counter() < deadline:
             # every client sends the same mix, whatever the number of clients: each `long_every`-th is long
             long = long_every > 0 and index % long_every == long_every - 1
-            question = long_text if long else rng.choice(QUESTIONS)
+            index += 1
             body = {
-                "model": "bench", "messages": [{"role": "user", "content": question}], "stream": True,
-                "max_tokens": rng.randint(32, 128), "temperature": 0.0, "ignore_eos": True,
-                "stream_options": {"include_usage": True},
+                "model": "bench", "messages": [{"role": "user", "content": long_text if long else rng.choice(QUESTIONS)}],
+                "stream": True, "max_tokens": rng.randint(32, 128), "temperature": 0.0, "ignore_eos": True,
             }
             start = time.perf_counter()
             stamps = []
-            tokens = 0
             async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
                 response.raise_for_status()
                 async for line in response.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    if chunk.get("usage"):
-                        tokens = chunk["usage"]["completion_tokens"]
-                    elif chunk["choices"] and chunk["choices"][0]["delta"].get("content") is not None:
-                        stamps.append(time.perf_counter())
-            records.append({"ttft": stamps[0] - start, "itl": list(np.diff(stamps)), "tokens": tokens})
+                    now = time.perf_counter()
+                    if now >= deadline:
+                        break  # leaving the stream disconnects; the server cancels the request
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        choices = json.loads(line[6:])["choices"]
+                        if choices and choices[0]["delta"].get("content") is not None:
+                            stamps.append(now)
+            turn["tokens"] += len(stamps)
+            if stamps:
+                turn["ttft_s"].append(stamps[0] - start)
+                turn["itl_s"] += np.diff(stamps).tolist()
 
 
-async def run_clients(url: str, clients: int, per_client: int, long_text: str, long_every: int) -> tuple[list, float]:
-    records: list = []
+async def run_turn(url: str, clients: int, seconds: float, long_text: str, long_every: int, seed: int) -> Turn:
+    turn = {"tokens": 0, "ttft_s": [], "itl_s": []}
     start = time.perf_counter()
-    await asyncio.gather(*(client(url, random.Random(i), per_client, long_text, long_every, records) for i in range(clients)))
-    return records, time.perf_counter() - start
+    await asyncio.gather(*(
+        client(url, random.Random(seed * 1000 + i), start + seconds, long_text, long_every, turn) for i in range(clients)
+    ))
+    return Turn(clients, seconds, **turn)
 
 
-def measure(engine: str, max_batch: int, threads: int, per_client: int, long_text: str, long_every: int) -> dict:
+def start_server(engine: str, max_batch: int, threads: int) -> tuple[subprocess.Popen, str]:
     port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "runner.cli", "serve", engine, "--port", str(port), "--max-batch", str(max_batch),
@@ -87,27 +115,28 @@ def measure(engine: str, max_batch: int, threads: int, per_client: int, long_tex
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"server did not start: {server.stderr.read() if server.poll() is not None else 'timeout'}")
-                time.sleep(0.3)
-        asyncio.run(run_clients(url, 1, 1, long_text, 0))  # warm-up
-        records, seconds = asyncio.run(run_clients(url, max_batch, per_client, long_text, long_every))
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
-    ttft = np.array([r["ttft"] for r in records]) * 1000
-    itl = np.array([x for r in records for x in r["itl"]]) * 1000
-    tokens = sum(r["tokens"] for r in records)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return server, url
+        except httpx.TransportError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                server.kill()
+                raise SystemExit(f"server did not start: {server.stderr.read() if server.poll() is not None else 'timeout'}")
+            time.sleep(0.3)
+
+
+def summarise(turns: list[Turn], base_turns: list[Turn]) -> dict:
+    ttft = np.array([x for t in turns for x in t.ttft_s]) * 1000
+    itl = np.array([x for t in turns for x in t.itl_s]) * 1000
     return {
-        "max_batch": max_batch, "clients": max_batch, "requests": len(records), "output_tokens": tokens,
-        "seconds": seconds, "output_tok_s": tokens / seconds,
+        "max_batch": turns[0].clients, "clients": turns[0].clients,
+        "output_tok_s": float(np.median([t.tok_s for t in turns])),
+        "output_tok_s_rounds": [round(t.tok_s, 1) for t in turns],
+        "vs_base": float(np.median([t.tok_s / b.tok_s for t, b in zip(turns, base_turns)])),
+        "vs_base_rounds": [round(t.tok_s / b.tok_s, 2) for t, b in zip(turns, base_turns)],
+        "requests_started": len(ttft),
         "ttft_ms_p50": float(np.percentile(ttft, 50)), "ttft_ms_p99": float(np.percentile(ttft, 99)),
         "itl_ms_p50": float(np.percentile(itl, 50)), "itl_ms_p99": float(np.percentile(itl, 99)),
     }
@@ -115,27 +144,53 @@ def measure(engine: str, max_batch: int, threads: int, per_client: int, long_tex
 
 @click.command()
 @click.option("--engine", required=True, type=click.Path(exists=True))
-@click.option("--batches", default="1,8,16", show_default=True, help="--max-batch settings (clients = max-batch).")
+@click.option("--batches", default="1,8,16", show_default=True, help="--max-batch settings (clients = max-batch); the first is the base of the ratios.")
 @click.option("--threads", type=int, default=2, show_default=True)
-@click.option("--requests-per-client", type=int, default=4, show_default=True)
+@click.option("--duration", type=float, default=20.0, show_default=True, help="Seconds of load per setting and round.")
+@click.option("--rounds", type=int, default=3, show_default=True)
 @click.option("--long-every", type=int, default=4, show_default=True, help="Each client's every N-th request is the ~650-token prompt (0: none).")
 @click.option("--out", type=click.Path(path_type=Path), default=ROOT / "benchmarks" / "results" / "load.json")
-def main(engine, batches, threads, requests_per_client, long_every, out) -> None:
-    from runner.machine import cpu_model
+def main(engine, batches, threads, duration, rounds, long_every, out) -> None:
+    from runner.machine import cpu_model, memory_bandwidth_gbs
 
+    settings = [int(b) for b in batches.split(",")]
     long_text = long_question()
-    results = [measure(engine, int(b), threads, requests_per_client, long_text, long_every) for b in batches.split(",")]
-    base = results[0]["output_tok_s"]
-    print(f"machine: {cpu_model()}, {threads} threads; {requests_per_client} requests per client, "
-          f"every {long_every}th a ~650-token prompt, the others short chat turns" if long_every else "all short chat turns")
-    print(f"{'max-batch':>9} {'clients':>7} | {'out tok/s':>9} {'vs 1':>6} | {'TTFT p50':>9} {'p99':>8} | {'ITL p50':>8} {'p99':>8}")
+    servers = {}
+    try:
+        for batch in settings:
+            servers[batch] = start_server(engine, batch, threads)
+            asyncio.run(run_turn(servers[batch][1], 1, 3.0, long_text, 0, seed=999))  # warm-up: first runs of each shape
+        turns: dict[int, list[Turn]] = {batch: [] for batch in settings}
+        bandwidths = []  # one decoding row is bound by memory bandwidth, a full batch far less: it sets the ratios
+        for round_index in range(rounds):
+            bandwidths.append(memory_bandwidth_gbs(threads))
+            print(f"round {round_index + 1}: memory bandwidth {bandwidths[-1]:.1f} GB/s", flush=True)
+            for batch in settings:
+                turn = asyncio.run(run_turn(servers[batch][1], batch, duration, long_text, long_every, seed=round_index))
+                turns[batch].append(turn)
+                print(f"round {round_index + 1}: {batch} clients {turn.tok_s:.1f} tok/s", flush=True)
+                time.sleep(0.5)  # the server just left notices the disconnects and goes idle
+    finally:
+        for server, _ in servers.values():
+            server.terminate()
+            server.wait(timeout=60)
+    results = [summarise(turns[batch], turns[settings[0]]) for batch in settings]
+    mix = f"every {long_every}th request a ~650-token prompt, the others short chat turns" if long_every else "all short chat turns"
+    print(f"machine: {cpu_model()}, {threads} threads, memory bandwidth (triad) "
+          f"{'/'.join(f'{b:.1f}' for b in bandwidths)} GB/s in the rounds; {rounds} rounds of {duration:.0f} s per setting; {mix}")
+    print(f"{'clients':>7} | {'out tok/s':>9} {'vs ' + str(settings[0]):>6} {'(rounds)':<20} | "
+          f"{'TTFT p50':>9} {'p99':>8} | {'ITL p50':>8} {'p99':>8}")
     for r in results:
-        print(f"{r['max_batch']:>9} {r['clients']:>7} | {r['output_tok_s']:>9.1f} {r['output_tok_s'] / base:>5.2f}x | "
+        per_round = "/".join(f"{x:.2f}" for x in r["vs_base_rounds"])
+        print(f"{r['clients']:>7} | {r['output_tok_s']:>9.1f} {r['vs_base']:>5.2f}x {per_round:<20} | "
               f"{r['ttft_ms_p50']:>7.0f}ms {r['ttft_ms_p99']:>6.0f}ms | {r['itl_ms_p50']:>6.1f}ms {r['itl_ms_p99']:>6.0f}ms")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": f"{cpu_model()}, {threads} threads", "commit": commit,
-                               "requests_per_client": requests_per_client, "long_every": long_every, "results": results}, indent=2))
+    out.write_text(json.dumps({
+        "machine": f"{cpu_model()}, {threads} threads", "commit": commit, "duration_s": duration, "rounds": rounds,
+        "bandwidth_gbs_rounds": [round(b, 1) for b in bandwidths],
+        "long_every": long_every, "results": results,
+    }, indent=2))
 
 
 if __name__ == "__main__":
