@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import click
@@ -10,6 +9,7 @@ import click
 from builder.build import DEFAULT_DRAFT_LEN, DTYPES, BuildOptions, build_engine
 from builder.gptq import GPTQOptions
 from builder.loaders import CheckpointError
+from runner.cli_errors import exit_on
 
 
 @click.group()
@@ -68,12 +68,9 @@ def build(checkpoint, out, dtype, max_seq_len, max_batch, prefill_chunk, overwri
           speculative, draft_model, draft_head, beam_width, draft_len, draft_quant,
           prompt_lookup_len) -> None:
     """Build an engine from CHECKPOINT: a Hugging Face directory, a .gguf file, or `default`."""
-    try:
+    with exit_on(ValueError):
         gptq = GPTQOptions(gptq_damping, gptq_act_order, gptq_samples, gptq_sample_len,
                            tuple(calibration_text) or GPTQOptions.calibration)
-    except ValueError as err:
-        click.echo(f"error: {err}", err=True)
-        sys.exit(2)
     options = BuildOptions(
         source=checkpoint, out=out, dtype=dtype, max_seq_len=max_seq_len, max_batch=max_batch,
         prefill_chunk=prefill_chunk, overwrite=overwrite, quant=quant, group_size=int(group_size) if group_size else None,
@@ -81,11 +78,8 @@ def build(checkpoint, out, dtype, max_seq_len, max_batch, prefill_chunk, overwri
         speculative=speculative, draft_head=draft_head, beam_width=beam_width, draft_len=draft_len,
         draft_quant=draft_quant, prompt_lookup_len=prompt_lookup_len, draft_model=draft_model,
     )
-    try:
+    with exit_on(CheckpointError, FileExistsError, ValueError):
         report = build_engine(options, log=lambda line: click.echo(line, err=True))
-    except (CheckpointError, FileExistsError, ValueError) as err:
-        click.echo(f"error: {err}", err=True)
-        sys.exit(2)
     for line in report.lines():
         click.echo(line)
 
@@ -119,11 +113,8 @@ def train_drafter_command(engine, out, prompts, validation, max_new_tokens, draf
         horizon=horizon, num_blocks=blocks, epochs=epochs, dropout=dropout, traces=traces, threads=threads,
         checkpoint=checkpoint, bf16=bf16, seed=seed,
     )
-    try:
+    with exit_on(ArtifactError, CheckpointError, ValueError):
         facts = train_drafter(options, log=lambda line: click.echo(line, err=True))
-    except (ArtifactError, CheckpointError, ValueError) as err:
-        click.echo(f"error: {err}", err=True)
-        sys.exit(2)
     click.echo(f"draft head: {out} ({out.stat().st_size / 2**20:.1f} MiB), kept epoch {facts['kept_epoch']}, "
                f"validation tokens per step: {facts['validation_tokens_per_step']}")
 

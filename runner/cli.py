@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
 import click
 
 from engines.format import ArtifactError
+from runner.cli_errors import exit_on
 from runner.llm import LLM
 from runner.llm_engine import LLMEngine, PromptError
 from runner.sampling import SamplingParams
@@ -34,7 +34,7 @@ def main() -> None:
 @click.option("--stats/--no-stats", default=True, help="Print token counts and speed to stderr.")
 def generate(engine, prompt, max_tokens, temperature, top_k, top_p, seed, chat, threads, stats) -> None:
     """Generate a completion of PROMPT with ENGINE, streamed to stdout."""
-    try:
+    with exit_on(ArtifactError, PromptError, ChatTemplateError, ValueError):
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         llm = LLM(engine, threads=threads)
         if chat:
@@ -46,9 +46,6 @@ def generate(engine, prompt, max_tokens, temperature, top_k, top_p, seed, chat, 
             first = first or time.perf_counter()
             click.echo(event.delta, nl=False)
         click.echo()
-    except (ArtifactError, PromptError, ChatTemplateError, ValueError) as err:
-        click.echo(f"error: {err}", err=True)
-        sys.exit(2)
     if stats:
         decode_s = time.perf_counter() - first
         generated = len(request.output_token_ids)
@@ -76,11 +73,8 @@ def serve(engine, host, port, max_batch, max_waiting, threads, model_name, shutd
     from runner.async_engine import AsyncEngine
     from runner.server import create_app
 
-    try:
+    with exit_on(ArtifactError, ValueError):
         llm_engine = LLMEngine(engine, threads=threads, max_batch=max_batch)
-    except (ArtifactError, ValueError) as err:
-        click.echo(f"error: {err}", err=True)
-        sys.exit(2)
     async_engine = AsyncEngine(llm_engine, max_waiting=max_waiting)
     name = model_name or Path(engine).resolve().name
     app = create_app(async_engine, name, shutdown_grace)
@@ -112,7 +106,7 @@ def bench(engine, prompt, long_prompt_tokens, chat, new_tokens, runs, batch_size
     from runner.bench import bench_engine, chat_prompts, generation_batch_sizes, report_lines
     from runner.profile import profile_decode
 
-    try:
+    with exit_on(ArtifactError, PromptError, ChatTemplateError, ValueError):
         llm_engine = LLMEngine(engine, threads=threads)
         prompts = chat_prompts(llm_engine.codec, long_prompt_tokens, prompt, chat)
         sizes = generation_batch_sizes(llm_engine)
@@ -125,17 +119,11 @@ def bench(engine, prompt, long_prompt_tokens, chat, new_tokens, runs, batch_size
                 raise ValueError(f"the {name} prompt ({len(ids)} tokens) + --new-tokens {new_tokens} exceed this engine's "
                                  f"max sequence length {llm_engine.max_seq_len} (see --long-prompt-tokens)")
         report = bench_engine(llm_engine, prompts, sizes, new_tokens, runs, threads or os.cpu_count())
-    except (ArtifactError, PromptError, ChatTemplateError, ValueError) as err:
-        click.echo(f"error: {err}", err=True)
-        sys.exit(2)
     click.echo("\n".join(report_lines(report)))
     measured = {"engine": str(engine), **report.to_dict()}
     if profile:
-        try:
+        with exit_on(ValueError):  # too few decode runs to profile
             step_profile = profile_decode(engine, prompts["short"], new_tokens, threads)
-        except ValueError as err:  # too few decode runs to profile
-            click.echo(f"error: {err}", err=True)
-            sys.exit(2)
         click.echo(f"\nper operator type, {step_profile.runs} batch-1 decode runs of the short prompt (profiler on: "
                    "times inflated per node, compare shares)")
         click.echo("\n".join(step_profile.lines()))
@@ -155,13 +143,10 @@ def evaluate(engine, text_file, window, stride, max_tokens, threads) -> None:
     """Perplexity of ENGINE on a text file (sliding window)."""
     from runner.evaluate import perplexity
 
-    try:
+    with exit_on(ArtifactError, ValueError, UnicodeDecodeError):
         llm_engine = LLMEngine(engine, threads=threads)
         ids = llm_engine.codec.encode(Path(text_file).read_text(encoding="utf-8"))[:max_tokens]
         result = perplexity(llm_engine, ids, window, stride)
-    except (ArtifactError, ValueError, UnicodeDecodeError) as err:
-        click.echo(f"error: {err}", err=True)
-        sys.exit(2)
     click.echo(
         f"perplexity {result.perplexity:.4f} over {result.tokens_scored} tokens (window {window}, stride {stride}, "
         f"mean NLL {result.mean_nll:.5f}, {result.seconds:.1f} s)"
