@@ -26,7 +26,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import click
@@ -54,22 +54,22 @@ def long_question() -> str:
     return "Summarise this text:\n" + " ".join(license_text().split()[:420])
 
 
-@dataclass(frozen=True)
+@dataclass
 class Turn:
-    """One setting's clients for one round: what they received before the deadline."""
+    """One setting's clients for one round: what they received before the deadline (the clients add to it)."""
 
     clients: int
     seconds: float
-    tokens: int  # content chunks streamed before the deadline (one per generated token)
-    ttft_s: list[float]  # of requests whose first token came before the deadline
-    itl_s: list[float]
+    tokens: int = 0  # content chunks streamed before the deadline (one per generated token)
+    ttft_s: list[float] = field(default_factory=list)  # of requests whose first token came before the deadline
+    itl_s: list[float] = field(default_factory=list)
 
     @property
     def tok_s(self) -> float:
         return self.tokens / self.seconds
 
 
-async def client(url: str, rng: random.Random, deadline: float, long_text: str, long_every: int, turn: dict) -> None:
+async def client(url: str, rng: random.Random, deadline: float, long_text: str, long_every: int, turn: Turn) -> None:
     async with httpx.AsyncClient(timeout=600) as http:
         index = 0
         while time.perf_counter() < deadline:
@@ -92,19 +92,19 @@ async def client(url: str, rng: random.Random, deadline: float, long_text: str, 
                         choices = json.loads(line[6:])["choices"]
                         if choices and choices[0]["delta"].get("content") is not None:
                             stamps.append(now)
-            turn["tokens"] += len(stamps)
+            turn.tokens += len(stamps)
             if stamps:
-                turn["ttft_s"].append(stamps[0] - start)
-                turn["itl_s"] += np.diff(stamps).tolist()
+                turn.ttft_s.append(stamps[0] - start)
+                turn.itl_s += np.diff(stamps).tolist()
 
 
 async def run_turn(url: str, clients: int, seconds: float, long_text: str, long_every: int, seed: int) -> Turn:
-    turn = {"tokens": 0, "ttft_s": [], "itl_s": []}
+    turn = Turn(clients, seconds)
     start = time.perf_counter()
     await asyncio.gather(*(
         client(url, random.Random(seed * 1000 + i), start + seconds, long_text, long_every, turn) for i in range(clients)
     ))
-    return Turn(clients, seconds, **turn)
+    return turn
 
 
 def start_server(engine: str, max_batch: int, threads: int) -> tuple[subprocess.Popen, str]:
