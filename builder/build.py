@@ -215,6 +215,10 @@ def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> B
         f"{options.quant} (group {quant.block_size}, LM head {'quantized' if options.quantize_lm_head else 'float'}, "
         f"{'int8' if quant.accuracy_level == 4 else 'fp32'} activations in the quantized matmuls), rest {options.dtype}"
     )
+    if quant is not None and quant.accuracy_level == 4 and options.speculative != "none":
+        log("warning: this target quantizes activations to int8, so speculation is exact only up to rounding: a verify "
+            "call's attention over several tokens rounds differently from a one-token decode step, int8 activations "
+            "grow that into whole logits, and greedy answers can part from the plain engine's (README: speculative decoding)")
     step(2, f"loading weights as {what}")
     quantization = options.quantization()
     if gptq:

@@ -172,6 +172,7 @@ class BenchReport:
     batches: list[BatchRate]  # the short prompt, every row decoding
     peak_rss_mb: float
     speculation: dict | None  # method, beams, tokens per verify step and time shares; None for a plain engine
+    lone_row_padded: bool  # batch 1 ran as two rows (Executor.pad_single_rows_if_they_round_differently)
 
     def mbu(self, steps_per_s: float) -> float:
         """Model bandwidth utilisation: weight bytes read per step x steps per second / measured bandwidth."""
@@ -204,7 +205,7 @@ def bench_engine(
     peak = peak_rss_mb()
     return BenchReport(
         f"{cpu_model()}, {os.cpu_count()} cores", threads, memory_bandwidth_gbs(threads), weight_bytes_per_step(engine),
-        timings, batches, peak, speculation,
+        timings, batches, peak, speculation, engine.executor.min_rows > 1,
     )
 
 
@@ -222,6 +223,8 @@ def report_lines(report: BenchReport) -> list[str]:
     for b in report.batches:
         lines.append(f"{b.batch:<8}{b.decode_tok_s:>14.1f}{b.decode_tok_s / b.batch:>10.1f}{b.steps_per_s:>10.1f}"
                      f"{report.mbu(b.steps_per_s):>7.0%}")
+    if report.lone_row_padded:
+        lines.append("(batch 1 ran as two rows: this machine's quantized matmuls round one row differently from several)")
     lines += ["", f"peak RSS {report.peak_rss_mb:.0f} MiB"]
     spec = report.speculation
     if spec is not None:

@@ -36,7 +36,7 @@ def generate(engine, prompt, max_tokens, temperature, top_k, top_p, seed, chat, 
     """Generate a completion of PROMPT with ENGINE, streamed to stdout."""
     with exit_on(ArtifactError, PromptError, ChatTemplateError, ValueError):
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        llm = LLM(engine, threads=threads)
+        llm = LLM(engine, threads=threads, max_batch=1)  # one request: no padding for batch invariance
         if chat:
             prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
         start = time.perf_counter()
@@ -55,6 +55,11 @@ def generate(engine, prompt, max_tokens, temperature, top_k, top_p, seed, chat, 
             f"finish: {request.finish_reason}]",
             err=True,
         )
+
+
+PADDED_ROWS_NOTE = ("note: a lone request runs as two rows: this engine's quantized matmuls round one row differently "
+                    "from several on this machine, and padding keeps greedy answers the same alone or batched "
+                    "(--max-batch 1 turns it off)")
 
 
 @main.command()
@@ -79,6 +84,8 @@ def serve(engine, host, port, max_batch, max_waiting, threads, model_name, shutd
     name = model_name or Path(engine).resolve().name
     app = create_app(async_engine, name, shutdown_grace)
     click.echo(f"serving {name!r} ({llm_engine.scheduler.max_rows} rows, max_seq_len {llm_engine.max_seq_len}) on http://{host}:{port}/v1", err=True)
+    if llm_engine.executor.min_rows > 1:
+        click.echo(PADDED_ROWS_NOTE, err=True)
     uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=shutdown_grace)
 
 
@@ -144,7 +151,7 @@ def evaluate(engine, text_file, window, stride, max_tokens, threads) -> None:
     from runner.evaluate import perplexity
 
     with exit_on(ArtifactError, ValueError, UnicodeDecodeError):
-        llm_engine = LLMEngine(engine, threads=threads)
+        llm_engine = LLMEngine(engine, threads=threads, max_batch=1)  # one sequence at a time
         ids = llm_engine.codec.encode(Path(text_file).read_text(encoding="utf-8"))[:max_tokens]
         result = perplexity(llm_engine, ids, window, stride)
     click.echo(

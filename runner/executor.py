@@ -26,6 +26,10 @@ class Executor:
         self.score_phase = manifest.phases.get("score")  # absent in engines built before `runner eval` existed
         self.speculation = manifest.speculation  # None, or how the engine drafts (see builder/build.py)
         self.max_rows = max(self.decode_phase.batch_sizes)
+        # the fewest rows a decode or verify call runs with: 2 where a one-row call rounds differently from a batched
+        # one (see `pad_single_rows_if_they_round_differently`)
+        self.min_rows = 1
+        self.probe_runs = 0  # step graph runs that probe made before any request's (a profile leaves them out)
         self.max_chunk = max(self.prefill_phase.steps)
         phases = [p for p in manifest.phases.values() if p.graph == self.decode_phase.graph]
         self.cache = KVCache(manifest.kv_cache, self.max_rows, manifest.max_seq_len, _headroom(phases))
@@ -88,7 +92,7 @@ class Executor:
     def decode(self, rows: list[int], token_ids: list[int], positions: list[int]) -> Scored:
         """One token for each of `rows` (token at `positions`, i.e. that many cached); returns logits
         [len(rows), vocab], argmax [len(rows)], hidden [len(rows), hidden]."""
-        batch = bucket_for(max(rows) + 1, self.decode_phase.batch_sizes)
+        batch = bucket_for(max(max(rows) + 1, self.min_rows), self.decode_phase.batch_sizes)
         input_ids, past_lens, query_lens = np.zeros((batch, 1), np.int64), np.zeros(batch, np.int64), np.zeros(batch, np.int64)
         input_ids[rows, 0] = token_ids
         past_lens[rows] = positions
@@ -115,7 +119,7 @@ class Executor:
 
     def _score_trees(self, rows: list[int], trees: list[tuple[list[int], np.ndarray]], starts: list[int],
                      last_only: bool) -> Scored:
-        batch = bucket_for(max(rows) + 1, self.verify_phase.batch_sizes)
+        batch = bucket_for(max(max(rows) + 1, self.min_rows), self.verify_phase.batch_sizes)
         steps = bucket_for(max(len(tokens) for tokens, _ in trees), self.verify_phase.steps)
         input_ids, positions = np.zeros((batch, steps), np.int64), np.zeros((batch, steps), np.int64)
         past_lens, query_lens = np.zeros(batch, np.int64), np.zeros(batch, np.int64)
@@ -131,6 +135,26 @@ class Executor:
         else:
             index = np.tile(np.arange(steps, dtype=np.int64), (batch, 1))
         return self._run(self.verify_phase, input_ids, positions, past_lens, query_lens, bias, index, 0)[_select(rows)]
+
+    def pad_single_rows_if_they_round_differently(self) -> None:
+        """Run one-row decode and verify calls padded to two rows if a lone row's logits are not, bit for bit, what
+        the same row gets in a batch, so that a request's greedy tokens do not depend on what else runs.
+
+        Not always so: onnxruntime's CPU MatMulNBits takes another kernel for one row than for several at some group
+        sizes and with fp32 compute (on a Zen 5: int8 groups of 128, int4 groups of 64 and more, every
+        `--no-int8-compute` engine), which rounds differently; with int8 activations such differences grow to whole
+        logits within a few layers. Probed with two tokens at position 0 of cache rows 0 and 1 (their pages are
+        given back after). Costs the padded row's compute at batch 1 (int8 groups of 128: ~7% of decode speed)."""
+        self.min_rows = 1
+        if self.max_rows < 2:
+            return
+        self.probe_runs += 2
+        alone = self.decode([0], [1], [0]).logits[0].copy()
+        batched = self.decode([0, 1], [1, 2], [0, 0]).logits[0]
+        self.cache.free_row(0)
+        self.cache.free_row(1)
+        if not np.array_equal(alone, batched):
+            self.min_rows = 2
 
     def commit(self, row: int, start: int, nodes: list[int]) -> None:
         """Keep the K/V of the accepted `nodes` of a verified tree (root first, then the accepted path)."""

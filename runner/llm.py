@@ -19,8 +19,10 @@ Message = dict[str, str]
 
 
 class LLM:
-    def __init__(self, engine_dir: str | Path, threads: int | None = None, verify_checksums: bool = True) -> None:
-        self.engine = LLMEngine(engine_dir, threads=threads, verify_checksums=verify_checksums)
+    def __init__(
+        self, engine_dir: str | Path, threads: int | None = None, verify_checksums: bool = True, max_batch: int | None = None
+    ) -> None:
+        self.engine = LLMEngine(engine_dir, threads=threads, verify_checksums=verify_checksums, max_batch=max_batch)
 
     @property
     def tokenizer(self):

@@ -62,6 +62,8 @@ class LLMEngine:
         if not 1 <= rows <= self.executor.max_rows:
             raise ValueError(f"max_batch must be in [1, {self.executor.max_rows}] for this engine (built with --max-batch)")
         self.scheduler = Scheduler(rows, self.executor.max_chunk)
+        if rows > 1:  # greedy tokens must not depend on the batch a request runs in
+            self.executor.pad_single_rows_if_they_round_differently()
         self.sampler = Sampler(backend, manifest.sampler, manifest.model.vocab_size, set(manifest.model.eos_token_ids))
         self.speculation = manifest.speculation  # None for a plain engine
         self.draft_model = None  # draft-model engines: the draft model, an engine of its own (runner/draft_model.py)

@@ -81,4 +81,4 @@ def profile_decode(engine_dir: str | Path, prompt_ids: list[int], new_tokens: in
         while not request.finished:
             engine.step()
         traces = engine.executor.backend.end_profiling()
-        return read_trace(traces["step"], prefill_runs + SKIPPED_DECODE_RUNS)
+        return read_trace(traces["step"], engine.executor.probe_runs + prefill_runs + SKIPPED_DECODE_RUNS)

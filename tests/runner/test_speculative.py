@@ -268,3 +268,12 @@ def _scored_logits(llm: LLM, token_ids: list[int]) -> np.ndarray:
     *_, last = executor.score_chunks(token_ids)
     executor.cache.release()
     return last.logits[-1]
+
+
+def test_speculating_on_int8_activations_warns_that_it_is_exact_only_up_to_rounding(checkpoint_factory, tmp_path):
+    from builder.build import BuildOptions, build_engine
+
+    lines: list[str] = []
+    build_engine(BuildOptions(str(checkpoint_factory("gqa")), tmp_path / "engine", max_seq_len=128, prefill_chunk=32, quant="int8",
+                              speculative="prompt-lookup"), log=lines.append)
+    assert any(line.startswith("warning: this target quantizes activations to int8") for line in lines)
