@@ -138,7 +138,7 @@ def worker_profile(kind: str, target: str, threads: int, new_tokens: int, prompt
 
     ids = json.loads(prompts_file.read_text())["short"]
     if kind == "ours":
-        return asdict(profile_decode(target, ids, new_tokens, threads))
+        return asdict(profile_decode(target, ids, new_tokens, threads, max_batch=1))  # as timed (contender_ours)
     return asdict(profile_ort_genai(target, ids, threads, new_tokens))
 
 

@@ -31,7 +31,7 @@ def contender_ours(engine: str, threads: int) -> tuple[Generate, dict]:
     from runner.llm_engine import LLMEngine
 
     start = time.perf_counter()
-    llm = LLMEngine(engine, threads=threads)
+    llm = LLMEngine(engine, threads=threads, max_batch=1)  # one stream, as `runner generate` runs it: no batch padding
     load_s = time.perf_counter() - start
 
     def generate(ids: list[int], count: int) -> tuple[float, float, list[int]]:

@@ -69,10 +69,13 @@ def read_trace(path: str | Path, skip_runs: int) -> RunProfile:
     return RunProfile(n, sum(r["dur"] for r in kept) / n / 1000, sum(total.values()) / n / 1000, ops)
 
 
-def profile_decode(engine_dir: str | Path, prompt_ids: list[int], new_tokens: int, threads: int | None) -> RunProfile:
-    """Profile the step graph over one batch-1 greedy generation, decode (or verify) runs only."""
+def profile_decode(
+    engine_dir: str | Path, prompt_ids: list[int], new_tokens: int, threads: int | None, max_batch: int | None = None
+) -> RunProfile:
+    """Profile the step graph over one batch-1 greedy generation, decode (or verify) runs only; `max_batch` as
+    LLMEngine takes it (1: a lone stream never padded for batch invariance)."""
     with tempfile.TemporaryDirectory() as scratch:
-        engine = LLMEngine(engine_dir, threads=threads, profile_prefix=str(Path(scratch) / "trace"))
+        engine = LLMEngine(engine_dir, threads=threads, max_batch=max_batch, profile_prefix=str(Path(scratch) / "trace"))
         request = engine.add_request(None, prompt_ids, greedy_fixed_length(new_tokens))
         prefill_runs = 0
         while not request.output_token_ids:
