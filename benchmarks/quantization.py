@@ -45,7 +45,7 @@ def perplexity_of(engine: str, threads: int) -> dict:
     from runner.evaluate import perplexity
     from runner.llm_engine import LLMEngine
 
-    llm = LLMEngine(engine, threads=threads)
+    llm = LLMEngine(engine, threads=threads, max_batch=1)  # scores one sequence
     result = perplexity(llm, llm.codec.encode(license_text()), window=512, stride=256)
     return {"perplexity": result.perplexity, "perplexity_tokens": result.tokens_scored}
 
