@@ -40,6 +40,6 @@ def test_bucket_plan():
     assert kv_ladder(64, 2048) == [64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048]
     phases = plan_phases(BuildShapes(max_seq_len=1000, max_batch=6, prefill_chunk=100))
     assert phases["decode"].batch_sizes == [1, 2, 4, 6]
-    assert phases["prefill"].steps == [16, 32, 48, 64, 80, 96, 100]
+    assert phases["prefill"].steps == [8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 100]
     assert phases["decode"].past_lengths[-1] == 1000
     assert phases["verify"].steps == [1, 2, 3, 4, 5, 6, 7, 8] and phases["verify"].logits == "all"
