@@ -48,6 +48,18 @@ def kv_ladder(start: int, stop: int, step: int = 256) -> list[int]:
     return values
 
 
+def exact_then_every(largest: int, exact_up_to: int, step: int) -> list[int]:
+    """Every value from 1 up to `exact_up_to`, then every `step`-th, and `largest` itself (a bucket ladder)."""
+    return sorted({*range(1, min(largest, exact_up_to) + 1), *range(exact_up_to + step, largest, step), largest})
+
+
+def batch_sizes(max_batch: int) -> list[int]:
+    """Row-count buckets for decode and verify calls: every count up to 16, then every 8. Rows a call covers but
+    does not compute are not free (the matmuls run over them): 5 rows padded to 8 took 10.1 ms per decode step
+    against 7.8 ms at 5 on the default model's int4 engine, 21.2 against 18.9 ms in fp32."""
+    return exact_then_every(max_batch, 16, 8)
+
+
 def prefill_steps(chunk: int, step: int = 8) -> list[int]:
     """Prompt-chunk buckets: every multiple of 8 up to the chunk. Prefill is compute-bound, so padding is paid in
     full: the default model's 37-token chat prompt took 24.9 ms padded to 40 against 28.9 ms padded to 48 (int4 RTN;
@@ -55,16 +67,16 @@ def prefill_steps(chunk: int, step: int = 8) -> list[int]:
     return list(range(step, chunk, step)) + [chunk] if chunk > step else [chunk]
 
 
-def verify_steps(max_nodes: int, exact_up_to: int = 16, step: int = 4) -> list[int]:
+def verify_steps(max_nodes: int) -> list[int]:
     """Token-tree buckets for verification: every node count up to 16, then every 4 nodes up to the largest tree.
     A verify call's cost grows with every node (default model, fp32, 2 threads, relative to a decode step: 1.10x at
     2 nodes, 1.22x at 4, 1.28x at 5, 1.46x at 8), so padding a 5-node tree to 8 would cost 14% more."""
-    return sorted({*range(1, min(max_nodes, exact_up_to) + 1), *range(exact_up_to + step, max_nodes, step), max_nodes})
+    return exact_then_every(max_nodes, 16, 4)
 
 
 def plan_phases(shapes: BuildShapes) -> dict[str, PhaseSpec]:
     past = kv_ladder(shapes.min_past_len, shapes.max_seq_len)
-    batches = doubling(1, shapes.max_batch)
+    batches = batch_sizes(shapes.max_batch)
     return {
         "prefill": PhaseSpec("prefill", STEP_GRAPH, [1], prefill_steps(shapes.prefill_chunk), past, "last"),
         "decode": PhaseSpec("decode", STEP_GRAPH, batches, [1], past, "all"),

@@ -158,8 +158,10 @@ def weight_bytes_per_step(engine: LLMEngine) -> int:
 
 
 def generation_batch_sizes(engine: LLMEngine) -> list[int]:
-    """The batch buckets the engine's decode phase was built for, up to the runner's row limit."""
-    return [b for b in engine.executor.decode_phase.batch_sizes if b <= engine.scheduler.max_rows]
+    """The batch sizes `runner bench` times by default: 1, 2, 4, ... and the runner's row limit (the engine has a
+    bucket for every size up to 16)."""
+    rows = engine.scheduler.max_rows
+    return sorted({*(2**i for i in range(rows.bit_length()) if 2**i <= rows), rows})
 
 
 @dataclass(frozen=True)

@@ -97,7 +97,7 @@ def serve(engine, host, port, max_batch, max_waiting, threads, model_name, shutd
 @click.option("--chat/--no-chat", default=True, show_default=True, help="Wrap the prompts in the chat template.")
 @click.option("--new-tokens", type=int, default=128, show_default=True, help="Tokens generated per run (EOS ignored).")
 @click.option("--runs", type=int, default=3, show_default=True, help="Timed runs after a warm-up (median).")
-@click.option("--batch-sizes", default=None, help="Comma-separated decode batch sizes (default: the engine's buckets).")
+@click.option("--batch-sizes", default=None, help="Comma-separated decode batch sizes (default: 1, 2, 4, ... and the row limit).")
 @click.option("--threads", type=int, default=None, help="CPU threads (default: onnxruntime's choice).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the report as JSON.")
 @click.option("--profile/--no-profile", default=False, show_default=True,

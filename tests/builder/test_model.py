@@ -3,7 +3,7 @@
 import torch
 
 from builder.model import rope_inv_freq, rotary_tables
-from builder.phases import BuildShapes, kv_ladder, plan_phases
+from builder.phases import BuildShapes, batch_sizes, kv_ladder, plan_phases, verify_steps
 from engines.model_config import ModelConfig, RopeScaling
 from plugins.attention import rotate
 
@@ -39,7 +39,8 @@ def test_llama3_rope_scaling_only_slows_low_frequencies():
 def test_bucket_plan():
     assert kv_ladder(64, 2048) == [64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048]
     phases = plan_phases(BuildShapes(max_seq_len=1000, max_batch=6, prefill_chunk=100))
-    assert phases["decode"].batch_sizes == [1, 2, 4, 6]
+    assert phases["decode"].batch_sizes == [1, 2, 3, 4, 5, 6]
+    assert batch_sizes(40) == [*range(1, 17), 24, 32, 40] and verify_steps(25) == [*range(1, 17), 20, 24, 25]
     assert phases["prefill"].steps == [8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 100]
     assert phases["decode"].past_lengths[-1] == 1000
     assert phases["verify"].steps == [1, 2, 3, 4, 5, 6, 7, 8] and phases["verify"].logits == "all"
