@@ -161,7 +161,7 @@ def generation_batch_sizes(engine: LLMEngine) -> list[int]:
     """The batch sizes `runner bench` times by default: 1, 2, 4, ... and the runner's row limit (the engine has a
     bucket for every size up to 16)."""
     rows = engine.scheduler.max_rows
-    return sorted({*(2**i for i in range(rows.bit_length()) if 2**i <= rows), rows})
+    return sorted({*(2**i for i in range(rows.bit_length())), rows})
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,10 @@ class Executor:
         }, outputs)
         return Scored(**outputs)
 
+    def _batch_bucket(self, rows: list[int], phase: PhaseSpec) -> int:
+        """The rows a call over `rows` (cache rows from 0) runs as: past the highest, and at least `min_rows`."""
+        return bucket_for(max(max(rows) + 1, self.min_rows), phase.batch_sizes)
+
     def prefill(self, row: int, token_ids: list[int], start: int) -> Scored:
         """Run one prompt chunk of one row whose first `start` tokens are cached; returns the last token's logits
         [vocab], their argmax [] and the final hidden state [hidden] (where a draft head starts from)."""
@@ -92,7 +96,7 @@ class Executor:
     def decode(self, rows: list[int], token_ids: list[int], positions: list[int]) -> Scored:
         """One token for each of `rows` (token at `positions`, i.e. that many cached); returns logits
         [len(rows), vocab], argmax [len(rows)], hidden [len(rows), hidden]."""
-        batch = bucket_for(max(max(rows) + 1, self.min_rows), self.decode_phase.batch_sizes)
+        batch = self._batch_bucket(rows, self.decode_phase)
         input_ids, past_lens, query_lens = np.zeros((batch, 1), np.int64), np.zeros(batch, np.int64), np.zeros(batch, np.int64)
         input_ids[rows, 0] = token_ids
         past_lens[rows] = positions
@@ -119,7 +123,7 @@ class Executor:
 
     def _score_trees(self, rows: list[int], trees: list[tuple[list[int], np.ndarray]], starts: list[int],
                      last_only: bool) -> Scored:
-        batch = bucket_for(max(max(rows) + 1, self.min_rows), self.verify_phase.batch_sizes)
+        batch = self._batch_bucket(rows, self.verify_phase)
         steps = bucket_for(max(len(tokens) for tokens, _ in trees), self.verify_phase.steps)
         input_ids, positions = np.zeros((batch, steps), np.int64), np.zeros((batch, steps), np.int64)
         past_lens, query_lens = np.zeros(batch, np.int64), np.zeros(batch, np.int64)
