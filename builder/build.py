@@ -17,6 +17,7 @@ from builder import __version__
 from builder.draft_head import BeamSearchDrafter, load_draft_head
 from builder.export import export_draft_graph, export_sampler_graph, export_step_graph
 from builder.gptq import GPTQOptions, calibration_tokens, gptq_model
+from builder.kv_quant import KVCalibration, calibrate_kv_scales, calibration_windows
 from builder.loaders import load_checkpoint
 from builder.sampler import TOP_LOGPROBS
 from builder.loaders.default import DEFAULT_MODEL_NAME
@@ -38,6 +39,7 @@ TOKENIZER_FILE = "tokenizer.json"
 DRAFT_GRAPH = "draft"
 SAMPLER_GRAPH = "sampler"
 SPECULATION_METHODS = ("none", "redrafter", "prompt-lookup", "draft-model")
+KV_CACHE_DTYPES = ("auto", "int8")
 DRAFT_ENGINE = "draft"  # a draft-model engine's draft model: a complete engine in this subdirectory
 PROMPT_LOOKUP_MAX_NGRAM = 3
 # The draft graph's linears: int8 groups of 128 with int8 compute (0.7 ms per 3x4 beam search for the default
@@ -80,6 +82,8 @@ class BuildOptions:
     draft_model: str | None = None  # draft-model: the checkpoint of a smaller model with the target's vocabulary
     verify_tokens: int | None = None  # the longest chunk a verify call scores (default: the speculative tree, else 8)
     prompt_lookup_len: int = 4  # redrafter: also draft this many tokens by prompt lookup, as one more beam
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES: "auto" = the model's dtype; "int8" (builder/kv_quant.py)
+    kv_calibration: KVCalibration = field(default_factory=KVCalibration)
 
     def __post_init__(self) -> None:
         if self.draft_len is None:
@@ -174,6 +178,8 @@ def _prepare_out(out: Path, overwrite: bool) -> None:
 def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> BuildReport:
     if options.dtype not in DTYPES:
         raise ValueError(f"unknown dtype {options.dtype!r}; choose one of {', '.join(DTYPES)}")
+    if options.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown KV cache dtype {options.kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
     out = Path(options.out)
     _prepare_out(out, options.overwrite)
     draft_head_path = options.draft_head_path()
@@ -225,7 +231,8 @@ def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> B
         # GPTQ needs each layer's float weights and inputs: the float model is held (not streamed) while it runs
         model = load_model(config, checkpoint.read_tensors(), DTYPES[options.dtype], max_positions=rotary_positions)
         tokenizer = Tokenizer.from_str(checkpoint.tokenizer.tokenizer_json)
-        tokens = calibration_tokens(lambda text: tokenizer.encode(text).ids, options.gptq)
+        tokens = calibration_tokens(lambda text: tokenizer.encode(text).ids, options.gptq.calibration, options.gptq.samples,
+                                    options.gptq.sample_len)
         log(f"      GPTQ calibration: {quantization['calibration']}")
         model = gptq_model(model, tokens, quant, options.quantize_lm_head, options.gptq, log)
     else:
@@ -245,6 +252,15 @@ def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> B
             f"      quantized linears: {len(kept)} keep their GGUF blocks {quantization['source_blocks_kept'] or ''}, "
             f"{total - len(kept)} quantized from float ({quantization['method']})"
         )
+
+    if options.kv_cache_dtype == "int8":
+        calibration = options.kv_calibration
+        tokenizer = Tokenizer.from_str(checkpoint.tokenizer.tokenizer_json)
+        windows = calibration_windows(lambda text: tokenizer.encode(text).ids, calibration, max_seq_len)
+        model.use_int8_kv_cache(calibrate_kv_scales(model, windows))
+        quantization["kv_cache"] = {"dtype": "int8", "scales": "static, per layer, kv head and channel",
+                                    "calibration": calibration.describe()}
+        log(f"      int8 KV cache, scales calibrated on {calibration.describe()}")
 
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
@@ -274,7 +290,8 @@ def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> B
             tokenizer=TokenizerInfo(TOKENIZER_FILE, spec.chat_template, spec.bos_token, spec.eos_token, spec.add_bos_token),
             graphs=graphs,
             phases=plan_phases(shapes),
-            kv_cache=KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, _numpy_dtype(options.dtype)),
+            kv_cache=KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim,
+                                 "int8" if options.kv_cache_dtype == "int8" else _numpy_dtype(options.dtype)),
             sampler=SamplerSpec(SAMPLER_GRAPH, options.tree_depth, TOP_LOGPROBS),
             quantization=quantization,
             speculation=speculation,

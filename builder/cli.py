@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from builder.build import DEFAULT_DRAFT_LEN, DTYPES, BuildOptions, build_engine
+from builder.build import DEFAULT_DRAFT_LEN, DTYPES, KV_CACHE_DTYPES, BuildOptions, build_engine
 from builder.gptq import GPTQOptions
 from builder.loaders import CheckpointError
 from runner.cli_errors import exit_on
@@ -61,11 +61,14 @@ def main() -> None:
 @click.option("--draft-quant", type=click.Choice(["int8", "int4", "none"]), default="int8", show_default=True,
               help="The draft's matmuls: int8 (fused, int8 compute; drafts only propose, so output is unchanged); "
                    "int4 for a draft model.")
+@click.option("--kv-cache-dtype", type=click.Choice(KV_CACHE_DTYPES), default="auto", show_default=True,
+              help="auto = the model's dtype (exact); int8 = a quarter of float32's bytes per cached position, with "
+                   "static per-channel scales calibrated on the builder's text (lossy: see README, int8 KV cache).")
 @click.option("--prompt-lookup-len", type=int, default=4, show_default=True,
               help="redrafter: also draft this many tokens by prompt lookup, as one more beam of the tree (0 = off).")
 def build(checkpoint, out, dtype, max_seq_len, max_batch, prefill_chunk, overwrite, quant, group_size, quant_lm_head,
           int8_compute, gptq_damping, gptq_act_order, gptq_samples, gptq_sample_len, calibration_text, keep_gguf_blocks,
-          speculative, draft_model, draft_head, beam_width, draft_len, draft_quant,
+          speculative, draft_model, draft_head, beam_width, draft_len, draft_quant, kv_cache_dtype,
           prompt_lookup_len) -> None:
     """Build an engine from CHECKPOINT: a Hugging Face directory, a .gguf file, or `default`."""
     with exit_on(ValueError):
@@ -77,6 +80,7 @@ def build(checkpoint, out, dtype, max_seq_len, max_batch, prefill_chunk, overwri
         quantize_lm_head=quant_lm_head, int8_compute=int8_compute, keep_source_blocks=keep_gguf_blocks, gptq=gptq,
         speculative=speculative, draft_head=draft_head, beam_width=beam_width, draft_len=draft_len,
         draft_quant=draft_quant, prompt_lookup_len=prompt_lookup_len, draft_model=draft_model,
+        kv_cache_dtype=kv_cache_dtype,
     )
     with exit_on(CheckpointError, FileExistsError, ValueError):
         report = build_engine(options, log=lambda line: click.echo(line, err=True))

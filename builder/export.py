@@ -54,7 +54,8 @@ def example_inputs(model: LlamaForCausalLM) -> tuple:
     """Inputs of a size that is 1 on no dynamic axis (export would specialise a size-1 axis to a constant)."""
     config = model.config
     batch, steps, past, outputs = 2, 3, 8, 2
-    cache = [torch.zeros(batch, config.num_kv_heads, past + steps, config.head_dim, dtype=model.dtype) for _ in range(config.num_layers)]
+    cache = [torch.zeros(batch, config.num_kv_heads, past + steps, config.head_dim, dtype=model.kv_cache_dtype)
+             for _ in range(config.num_layers)]
     return (
         torch.zeros(batch, steps, dtype=torch.long),
         torch.zeros(batch, steps, dtype=torch.long),

@@ -12,7 +12,7 @@ contiguous groups MatMulNBits needs (AutoGPTQ's `static_groups`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,15 +106,16 @@ class _StopForward(Exception):
     pass
 
 
-def calibration_tokens(encode: Callable[[str], list[int]], options: GPTQOptions) -> torch.Tensor:
-    """[samples, sample_len] token ids: consecutive windows spread evenly over the calibration text."""
-    ids = encode("\n\n".join(Path(path).read_text(encoding="utf-8") for path in options.calibration))
-    if len(ids) < options.sample_len:
-        raise ValueError(f"calibration text has {len(ids)} tokens, fewer than --gptq-sample-len {options.sample_len}")
-    windows = len(ids) - options.sample_len + 1
-    count = min(options.samples, windows)
+def calibration_tokens(encode: Callable[[str], list[int]], texts: Iterable[Path], samples: int, sample_len: int
+                       ) -> torch.Tensor:
+    """[samples, sample_len] token ids: consecutive windows spread evenly over the calibration texts."""
+    ids = encode("\n\n".join(Path(path).read_text(encoding="utf-8") for path in texts))
+    if len(ids) < sample_len:
+        raise ValueError(f"calibration text has {len(ids)} tokens, fewer than a sample's {sample_len}")
+    windows = len(ids) - sample_len + 1
+    count = min(samples, windows)
     starts = torch.linspace(0, windows - 1, count).round().long().tolist()
-    return torch.tensor([ids[s:s + options.sample_len] for s in starts])
+    return torch.tensor([ids[s:s + sample_len] for s in starts])
 
 
 def _quantized_copy(linear: nn.Module, spec: QuantSpec, hessian: torch.Tensor, options: GPTQOptions) -> QuantizedLinear:

@@ -92,13 +92,17 @@ class Attention(nn.Module):
         qkv_rows = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
         self.qkv_proj = make_linear(hidden, qkv_rows, bias, dtype, quant)
         self.o_proj = make_linear(config.num_heads * config.head_dim, hidden, bias, dtype, quant)
+        # an int8 cache's static per-channel scales [1, kv_heads, 1, head_dim] (builder/kv_quant.py); None: the
+        # cache holds the model's dtype
+        self.register_buffer("k_scale", None)
+        self.register_buffer("v_scale", None)
 
     def forward(
         self, x: torch.Tensor, step: StepAttention, past_key: torch.Tensor, past_value: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         out, present_key, present_value = group_query_attention(
             self.qkv_proj(x), past_key, past_value, step.seqlens_k, step.total_len, step.cos, step.sin, step.positions,
-            step.bias, step.query_lens, self.num_heads, self.num_kv_heads, self.scale,
+            step.bias, step.query_lens, self.num_heads, self.num_kv_heads, self.scale, self.k_scale, self.v_scale,
         )
         return self.o_proj(out), present_key, present_value
 
@@ -163,6 +167,15 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        return self.dtype if self.model.layers[0].self_attn.k_scale is None else torch.int8
+
+    def use_int8_kv_cache(self, scales: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """From now on the cache holds int8 with these (K, V) scales per layer, each [1, kv_heads, 1, head_dim]."""
+        for layer, (k_scale, v_scale) in zip(self.model.layers, scales, strict=True):
+            layer.self_attn.k_scale, layer.self_attn.v_scale = k_scale.float(), v_scale.float()
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [B, T] int64
@@ -171,7 +184,7 @@ class LlamaForCausalLM(nn.Module):
         query_lens: torch.Tensor,  # [B] int64: real new tokens per row (the rest is padding); 0: the row is idle
         attention_bias: torch.Tensor,  # [B, 1, T, max(past_lens) + T] float32: 0 = attend, float32 min = masked
         logits_index: torch.Tensor,  # [B, N] int64: which of the T new tokens get logits
-        past_keys: list[torch.Tensor],  # per layer [B, kv_heads, L, head_dim]
+        past_keys: list[torch.Tensor],  # per layer [B, kv_heads, L, head_dim], of kv_cache_dtype
         past_values: list[torch.Tensor],
     ) -> tuple[torch.Tensor, ...]:
         """-> logits [B, N, vocab], argmax [B, N] int64, hidden [B, N, hidden] (final-normed), present_key.i...,

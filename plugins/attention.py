@@ -17,6 +17,9 @@ The contract (that of the onnxruntime kernel with right-padded query chunks, so 
     attention_bias [B, 1, T, total_len]                       added to the scores (tree masks; 0 elsewhere)
     query_lens     [B] int32                                  Q_b: tokens 0..Q_b-1 of row b are real, the rest
                                                               padding; Q_b = 0: the row takes no part
+    k_scale/v_scale [1, kv_heads, 1, head_dim] or None        an int8 cache: static per-channel scales; a position
+                                                              holds round(x / scale) clamped to -128..127, read
+                                                              back as int8 * scale (new tokens included)
   -> out [B, T, heads * head_dim] (rows of padding tokens unspecified), present_key/value: the cache with real
      token t of row b written at P_b + t, nothing else changed.
 Real token t of row b attends to positions 0..P_b + t (causal over cache and new tokens) plus the bias. With past
@@ -48,11 +51,28 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
 
 
+INT8_CACHE_MAX = 127  # calibration maps the largest |x| seen to 127; the kernel saturates to int8's own range
+
+
+def to_cache(x: torch.Tensor, cache_dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
+    """New K or V [..., kv_heads, head_dim] as the cache stores them."""
+    if scale is None:
+        return x.to(cache_dtype)
+    per_channel = scale.reshape(scale.shape[1], scale.shape[3])  # [kv_heads, head_dim]
+    return torch.round(x.float() / per_channel).clamp(-128, 127).to(torch.int8)
+
+
+def from_cache(cache: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """A cache buffer [B, kv_heads, L, head_dim] as the values attention reads."""
+    return cache.float() if scale is None else cache.float() * scale
+
+
 @torch.library.custom_op("plugins::group_query_attention", mutates_args=())
 def group_query_attention(
     qkv: torch.Tensor, past_key: torch.Tensor, past_value: torch.Tensor, seqlens_k: torch.Tensor,
     total_len: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor, position_ids: torch.Tensor,
     attention_bias: torch.Tensor, query_lens: torch.Tensor, num_heads: int, kv_heads: int, scale: float,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Reference (eager runs and tests only; the engine runs onnxruntime's fused kernel)."""
     batch, steps, _ = qkv.shape
@@ -69,12 +89,12 @@ def group_query_attention(
     real = torch.arange(steps) < query_lens.long().unsqueeze(1)  # [B, T]: padding tokens stay out of the cache
     rows = torch.arange(batch).unsqueeze(1).expand(batch, steps)
     present_key, present_value = past_key.clone(), past_value.clone()
-    present_key.transpose(1, 2)[rows[real], slots[real]] = k[real].to(past_key.dtype)
-    present_value.transpose(1, 2)[rows[real], slots[real]] = v[real].to(past_value.dtype)
+    present_key.transpose(1, 2)[rows[real], slots[real]] = to_cache(k[real], past_key.dtype, k_scale)
+    present_value.transpose(1, 2)[rows[real], slots[real]] = to_cache(v[real], past_value.dtype, v_scale)
 
     group = num_heads // kv_heads
-    keys = present_key.float().repeat_interleave(group, dim=1)  # query head h reads kv head h // group
-    values = present_value.float().repeat_interleave(group, dim=1)
+    keys = from_cache(present_key, k_scale).repeat_interleave(group, dim=1)  # query head h reads kv head h // group
+    values = from_cache(present_value, v_scale).repeat_interleave(group, dim=1)
     scores = (q @ keys.transpose(-1, -2)) * scale  # [B, heads, T, L]
     bias = torch.zeros(batch, 1, steps, length)
     bias[..., :attention_bias.shape[-1]] = attention_bias.float()
@@ -86,21 +106,26 @@ def group_query_attention(
 
 @group_query_attention.register_fake
 def _(qkv, past_key, past_value, seqlens_k, total_len, cos_cache, sin_cache, position_ids, attention_bias, query_lens,
-      num_heads, kv_heads, scale):
+      num_heads, kv_heads, scale, k_scale=None, v_scale=None):
     head_dim = past_key.shape[-1]
     return qkv.new_empty(*qkv.shape[:2], num_heads * head_dim), torch.empty_like(past_key), torch.empty_like(past_value)
 
 
 def _register_schema() -> None:
-    optional = ["key?:T", "value?:T", "past_key?:T", "past_value?:T"]
-    rotary = ["cos_cache?:T", "sin_cache?:T", "position_ids?:tensor(int64)", "attention_bias?:T"]
-    unused = [f"{n}?:T" for n in ("head_sink", "k_scale", "v_scale", "q_norm_weight", "k_norm_weight")]
+    optional = ["key?:T", "value?:T", "past_key?:T_CACHE", "past_value?:T_CACHE"]
+    rotary = ["cos_cache?:T", "sin_cache?:T", "position_ids?:tensor(int64)", "attention_bias?:T", "head_sink?:T"]
+    scales = ["k_scale?:T_KV_SCALE", "v_scale?:T_KV_SCALE"]
+    unused = [f"{n}?:T" for n in ("q_norm_weight", "k_norm_weight")]
+    floats = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
     register_contrib_op(
         "GroupQueryAttention",
-        inputs=["query:T", *optional, "seqlens_k:M", "total_sequence_length:M", *rotary, *unused, "query_seqlens?:M"],
-        outputs=["output:T", "present_key:T", "present_value:T"],
-        types={"T": ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "M": ["tensor(int32)"]},
-        attributes={"num_heads": int, "kv_num_heads": int, "do_rotary": int, "rotary_interleaved": int, "scale": float},
+        inputs=["query:T", *optional, "seqlens_k:M", "total_sequence_length:M", *rotary, *scales, *unused,
+                "query_seqlens?:M"],
+        outputs=["output:T", "present_key:T_CACHE", "present_value:T_CACHE"],
+        types={"T": floats, "T_CACHE": [*floats, "tensor(int8)"], "T_KV_SCALE": ["tensor(float)"],
+               "M": ["tensor(int32)"]},
+        attributes={"num_heads": int, "kv_num_heads": int, "do_rotary": int, "rotary_interleaved": int, "scale": float,
+                    "k_quant_type": str, "v_quant_type": str, "kv_cache_bit_width": int},
     )
 
 
@@ -113,12 +138,15 @@ def onnx_translations() -> dict:
 
     def group_query_attention_to_onnx(qkv, past_key, past_value, seqlens_k, total_len, cos_cache, sin_cache,
                                       position_ids, attention_bias, query_lens, num_heads: int, kv_heads: int,
-                                      scale: float):
-        unused = (None,) * 5  # head_sink, k_scale, v_scale, q_norm_weight, k_norm_weight
+                                      scale: float, k_scale=None, v_scale=None):
+        # an int8 cache: onnxruntime's kernel quantizes new K/V with the static per-channel scales and reads the
+        # cache back through them (its kv_cache_bit_width / *_quant_type attributes)
+        int8_cache = {} if k_scale is None else dict(
+            k_quant_type="PER_CHANNEL", v_quant_type="PER_CHANNEL", kv_cache_bit_width=8)
         return microsoft.GroupQueryAttention(
             qkv, None, None, past_key, past_value, seqlens_k, total_len, cos_cache, sin_cache, position_ids,
-            attention_bias, *unused, query_lens,
-            num_heads=num_heads, kv_num_heads=kv_heads, scale=scale, do_rotary=1, rotary_interleaved=0,
+            attention_bias, None, k_scale, v_scale, None, None, query_lens,  # no head_sink, q/k norms
+            num_heads=num_heads, kv_num_heads=kv_heads, scale=scale, do_rotary=1, rotary_interleaved=0, **int8_cache,
         )
 
     return {torch.ops.plugins.group_query_attention.default: group_query_attention_to_onnx}

@@ -9,7 +9,7 @@ from __future__ import annotations
 def register_contrib_op(name: str, inputs: list[str], outputs: list[str], types: dict[str, list[str]],
                         attributes: dict[str, type]) -> None:
     """Register com.microsoft::`name` version 1 unless known. Parameters are "name:type", "name?:type" when
-    optional; attributes map a name to int or float."""
+    optional; attributes map a name to int, float or str."""
     from onnx import defs
 
     try:
@@ -24,7 +24,7 @@ def register_contrib_op(name: str, inputs: list[str], outputs: list[str], types:
         option = schema.FormalParameterOption.Optional if label.endswith("?") else schema.FormalParameterOption.Single
         return schema.FormalParameter(label.rstrip("?"), kind, param_option=option)
 
-    kinds = {int: schema.AttrType.INT, float: schema.AttrType.FLOAT}
+    kinds = {int: schema.AttrType.INT, float: schema.AttrType.FLOAT, str: schema.AttrType.STRING}
     defs.register_schema(schema(
         name, "com.microsoft", 1, inputs=[parameter(p) for p in inputs], outputs=[parameter(p) for p in outputs],
         type_constraints=[(type_name, allowed, "") for type_name, allowed in types.items()],

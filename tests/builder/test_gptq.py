@@ -48,10 +48,10 @@ def test_gptq_with_nothing_to_correct_is_round_to_nearest():
 def test_calibration_windows_and_options(tmp_path):
     text = tmp_path / "text.txt"
     text.write_text("x" * 100)
-    tokens = calibration_tokens(lambda s: list(range(len(s))), GPTQOptions(samples=4, sample_len=10, calibration=(text,)))
+    tokens = calibration_tokens(lambda s: list(range(len(s))), (text,), samples=4, sample_len=10)
     assert tokens.shape == (4, 10) and tokens[0, 0] == 0 and tokens[-1, -1] == 99  # spread over the whole text
     with pytest.raises(ValueError, match="fewer than"):
-        calibration_tokens(lambda s: [1, 2], GPTQOptions(sample_len=10, calibration=(text,)))
+        calibration_tokens(lambda s: [1, 2], (text,), samples=4, sample_len=10)
     with pytest.raises(ValueError, match="damping"):
         GPTQOptions(damping=0.0)
 

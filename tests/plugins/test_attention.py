@@ -14,17 +14,24 @@ MASKED = float(np.finfo(np.float32).min)
 
 
 class OneAttention(torch.nn.Module):
-    def forward(self, qkv, past_key, past_value, seqlens_k, total_len, cos, sin, position_ids, bias, query_lens):
+    def forward(self, qkv, past_key, past_value, seqlens_k, total_len, cos, sin, position_ids, bias, query_lens,
+                k_scale=None, v_scale=None):
         return group_query_attention(qkv, past_key, past_value, seqlens_k, total_len, cos, sin, position_ids, bias,
-                                     query_lens, HEADS, KV_HEADS, HEAD_DIM ** -0.5)
+                                     query_lens, HEADS, KV_HEADS, HEAD_DIM ** -0.5, k_scale, v_scale)
 
 
-def case(past: list[int], query: list[int], steps: int, length: int = 48, trees: dict | None = None, seed: int = 0):
+def case(past: list[int], query: list[int], steps: int, length: int = 48, trees: dict | None = None, seed: int = 0,
+         int8_cache: bool = False):
     """Inputs of one call: rows holding `past` positions adding `query` real tokens each (padded to `steps`)."""
     rng = np.random.default_rng(seed)
     batch = len(past)
     qkv = rng.standard_normal((batch, steps, (HEADS + 2 * KV_HEADS) * HEAD_DIM), dtype=np.float32)
     cache = rng.standard_normal((2, batch, KV_HEADS, length, HEAD_DIM), dtype=np.float32)
+    scales = {}
+    if int8_cache:  # per-channel scales that clip some new values (|x| > 127 * scale), which unseen inputs may
+        scales = {name: rng.uniform(0.01, 0.03, (1, KV_HEADS, 1, HEAD_DIM)).astype(np.float32)
+                  for name in ("k_scale", "v_scale")}
+        cache = rng.integers(-127, 128, cache.shape).astype(np.int8)
     total = max(past) + steps
     bias = np.zeros((batch, 1, steps, total), np.float32)
     positions = np.zeros((batch, steps), np.int64)
@@ -38,7 +45,7 @@ def case(past: list[int], query: list[int], steps: int, length: int = 48, trees:
         "qkv": qkv, "past_key": cache[0], "past_value": cache[1], "seqlens_k": seqlens,
         "total_len": np.array(total, np.int32), "cos": np.cos(angles).astype(np.float32),
         "sin": np.sin(angles).astype(np.float32), "position_ids": positions, "bias": bias,
-        "query_lens": np.array(query, np.int32),
+        "query_lens": np.array(query, np.int32), **scales,
     }
 
 
@@ -59,8 +66,8 @@ def run_onnxruntime(tmp_path, inputs: dict) -> tuple[np.ndarray, np.ndarray, np.
         if name not in ("past_key", "past_value"):
             binding.bind_cpu_input(name, value)
     for past, present, buffer in (("past_key", "present_key", keys), ("past_value", "present_value", values)):
-        binding.bind_input(past, "cpu", 0, np.float32, list(buffer.shape), buffer.ctypes.data)
-        binding.bind_output(present, "cpu", 0, np.float32, list(buffer.shape), buffer.ctypes.data)
+        binding.bind_input(past, "cpu", 0, buffer.dtype, list(buffer.shape), buffer.ctypes.data)
+        binding.bind_output(present, "cpu", 0, buffer.dtype, list(buffer.shape), buffer.ctypes.data)
     binding.bind_output("out", "cpu")
     session.run_with_iobinding(binding)
     return binding.get_outputs()[-1].numpy(), keys, values, ops
@@ -77,17 +84,24 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("int8_cache", [False, True], ids=["float cache", "int8 cache"])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_onnx_lowering_is_one_fused_node_matching_the_reference_in_place(tmp_path, name):
-    inputs = case(**CASES[name])
+def test_onnx_lowering_is_one_fused_node_matching_the_reference_in_place(tmp_path, name, int8_cache):
+    inputs = case(**CASES[name], int8_cache=int8_cache)
     out, keys, values, ops = run_onnxruntime(tmp_path, inputs)
     assert ops == ["GroupQueryAttention"]
     ref_out, ref_keys, ref_values = (t.numpy() for t in OneAttention()(*(torch.from_numpy(v) for v in inputs.values())))
+    # the cache: real tokens written at past + t, padding and idle rows leave it as it was; an int8 cache may
+    # round a value sitting on a rounding boundary the other way (x / scale against x * (1 / scale))
+    assert keys.dtype == values.dtype == inputs["past_key"].dtype
+    np.testing.assert_allclose(keys.astype(np.float32), ref_keys.astype(np.float32), rtol=0, atol=1 if int8_cache else 1e-6)
+    np.testing.assert_allclose(values.astype(np.float32), ref_values.astype(np.float32), rtol=0, atol=1 if int8_cache else 1e-6)
+    if int8_cache:
+        assert (keys != inputs["past_key"]).any() and (keys != ref_keys).mean() < 0.01
+        # attention read what the kernel wrote: the reference over the kernel's own cache
+        ref_out = OneAttention()(*(torch.from_numpy(v) for v in dict(inputs, past_key=keys, past_value=values).values()))[0].numpy()
     for row, q in enumerate(CASES[name]["query"]):  # outputs of padding tokens and idle rows are unspecified
         np.testing.assert_allclose(out[row, :q], ref_out[row, :q], rtol=0, atol=2e-5)
-    # the cache: real tokens written at past + t, padding and idle rows leave it as it was
-    np.testing.assert_allclose(keys, ref_keys, rtol=0, atol=1e-6)
-    np.testing.assert_allclose(values, ref_values, rtol=0, atol=1e-6)
 
 
 def test_reference_writes_only_real_tokens_and_attends_causally():
