@@ -22,12 +22,10 @@ from pathlib import Path
 
 import torch
 
-from builder.gptq import calibration_tokens
+from builder.gptq import DEFAULT_CALIBRATION, calibration_tokens
 from builder.model import LlamaForCausalLM
 from plugins.attention import INT8_CACHE_MAX
 
-_CALIBRATION_DIR = Path(__file__).parent / "calibration"
-DEFAULT_KV_CALIBRATION = (_CALIBRATION_DIR / "smollm2_answers.txt", _CALIBRATION_DIR / "python_stdlib_docstrings.txt")
 SMALLEST_SCALE = 1e-8  # a channel that is always 0 still gets a finite scale
 
 
@@ -35,7 +33,7 @@ SMALLEST_SCALE = 1e-8  # a channel that is always 0 still gets a finite scale
 class KVCalibration:
     samples: int = 16  # windows of the calibration text, each run from position 0
     sample_len: int = 256
-    texts: tuple[Path, ...] = DEFAULT_KV_CALIBRATION
+    texts: tuple[Path, ...] = DEFAULT_CALIBRATION  # GPTQ's: builder/calibration/README.md
 
     def describe(self) -> str:
         return f"{' + '.join(p.name for p in self.texts)}: {self.samples} x {self.sample_len} tokens"
@@ -68,7 +66,9 @@ def calibrate_kv_scales(model: LlamaForCausalLM, tokens: torch.Tensor) -> list[t
 
 
 def _scale(channel_max: torch.Tensor) -> torch.Tensor:
-    return (channel_max.clamp(min=SMALLEST_SCALE * INT8_CACHE_MAX) / INT8_CACHE_MAX).view(1, *channel_max.shape[:1], 1, -1)
+    """[kv_heads, head_dim] largest magnitudes -> the kernel's [1, kv_heads, 1, head_dim] scales."""
+    scale = channel_max.clamp(min=SMALLEST_SCALE * INT8_CACHE_MAX) / INT8_CACHE_MAX
+    return scale.view(1, scale.shape[0], 1, scale.shape[1])
 
 
 def _float_cache_of(model: LlamaForCausalLM, window: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
