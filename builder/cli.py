@@ -99,6 +99,8 @@ def build(checkpoint, out, dtype, max_seq_len, max_batch, prefill_chunk, overwri
 @click.option("--blocks", type=int, default=2, show_default=True, help="Residual blocks in the head.")
 @click.option("--epochs", type=int, default=6, show_default=True, help="The best epoch on validation is kept.")
 @click.option("--dropout", type=float, default=0.1, show_default=True, help="On the head's input while training.")
+@click.option("--distill", type=float, default=1.0, show_default=True,
+              help="Weight of the soft loss against the target's next-token distributions (0: its greedy tokens only).")
 @click.option("--traces", type=click.Path(path_type=Path), default=None,
               help="Cache of the target's answers and hidden states: read if it exists, else written.")
 @click.option("--threads", type=int, default=None, help="CPU threads for the target engine.")
@@ -107,14 +109,14 @@ def build(checkpoint, out, dtype, max_seq_len, max_batch, prefill_chunk, overwri
               help="Train in bfloat16 autocast or float32 (default: bfloat16 where the CPU has native bf16 matmuls).")
 @click.option("--seed", type=int, default=0, show_default=True)
 def train_drafter_command(engine, out, prompts, validation, max_new_tokens, draft_vocab, horizon, blocks, epochs, dropout,
-                          traces, threads, checkpoint, bf16, seed) -> None:
+                          distill, traces, threads, checkpoint, bf16, seed) -> None:
     """Distil a ReDrafter draft head for the target ENGINE from its own answers to the shipped prompts."""
     from builder.train_drafter import DrafterTrainingOptions, train_drafter
     from engines.format import ArtifactError
 
     options = DrafterTrainingOptions(
         engine, out, prompts=prompts, validation=validation, max_new_tokens=max_new_tokens, draft_vocab=draft_vocab,
-        horizon=horizon, num_blocks=blocks, epochs=epochs, dropout=dropout, traces=traces, threads=threads,
+        horizon=horizon, num_blocks=blocks, epochs=epochs, dropout=dropout, distill=distill, traces=traces, threads=threads,
         checkpoint=checkpoint, bf16=bf16, seed=seed,
     )
     with exit_on(ArtifactError, CheckpointError, ValueError):

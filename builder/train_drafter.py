@@ -3,8 +3,10 @@
 1. The target engine answers the shipped chat prompts (builder/drafter_prompts.py) greedily, batched.
 2. The engine's `score` phase gives the target's final hidden state at every position of prompt + answer.
 3. At every answer position t, the head sees (h_t, the target's next token x_{t+1}) and learns to predict
-   x_{t+2} .. x_{t+1+horizon} (teacher forcing, cross-entropy, dropout on its input), over a draft vocabulary of
-   the target's most frequent output tokens, starting from the target's own embeddings.
+   x_{t+2} .. x_{t+1+horizon} (teacher forcing, dropout on its input), over a draft vocabulary of the target's most
+   frequent output tokens, starting from the target's own embeddings. The loss mixes cross-entropy on the target's
+   greedy tokens with distillation: cross-entropy against the target's whole next-token distribution at each of
+   those positions, which its stored hidden states give for the price of one matmul with its LM head.
 4. On the answers to validation prompts (templates and topics training never saw) it measures after every epoch
    the greedy acceptance the engine would see: beam search from (h_t, x_{t+1}), the longest beam prefix equal to
    the target's continuation, plus the target's own token; the best epoch's head is kept.
@@ -50,6 +52,10 @@ class DrafterTrainingOptions:
     batch_size: int = 256
     learning_rate: float = 2e-3
     dropout: float = 0.1
+    # weight of the soft loss: cross-entropy against the target's own next-token distribution at each drafted
+    # position (its final hidden state through its LM head, over the draft vocabulary), the rest on the
+    # target's greedy token; 0 trains on the greedy tokens alone (0.5 and 1.0 both beat 0 on held-out prompts)
+    distill: float = 1.0
     beam_width: int = 3  # for the validation acceptance that picks the best epoch
     seed: int = 0
     threads: int | None = None
@@ -118,18 +124,40 @@ def draft_vocabulary(traces: list[Trace], size: int, target_vocab: int) -> torch
     return torch.tensor(ranked, dtype=torch.long)
 
 
-def training_examples(traces: list[Trace], horizon: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """hidden [N, C], input tokens [N, horizon] (x_{t+1} ..), labels [N, horizon] (x_{t+2} .., IGNORE past the end)."""
-    hidden, inputs, labels = [], [], []
+@dataclass(frozen=True)
+class Examples:
+    """Teacher-forced positions: rows index `hidden` (every trace's states, concatenated)."""
+
+    hidden: torch.Tensor  # [states, C]
+    rows: torch.Tensor  # [N] the state h_t each example drafts from
+    inputs: torch.Tensor  # [N, horizon] x_{t+1} .. (0 past the end)
+    labels: torch.Tensor  # [N, horizon] x_{t+2} .. (IGNORE past the end)
+    future: torch.Tensor  # [N, horizon] the state that predicts each label (h_{t+1} ..; 0 past the end)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def take(self, pick: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.hidden[self.rows[pick]], self.inputs[pick], self.labels[pick]
+
+
+def training_examples(traces: list[Trace], horizon: int) -> Examples:
+    rows, inputs, labels, future = [], [], [], []
+    offset = 0
     for trace in traces:
         n = len(trace.tokens)
         padded = np.concatenate((trace.tokens, np.full(horizon + 1, IGNORE, np.int64)))
+        state = np.arange(offset, offset + n + horizon)
         for t in range(n - 1):
-            hidden.append(trace.hidden[t])
+            rows.append(offset + t)
             inputs.append(padded[t + 1:t + 1 + horizon])
             labels.append(padded[t + 2:t + 2 + horizon])
+            future.append(np.where(labels[-1] == IGNORE, 0, state[t + 1:t + 1 + horizon]))
+        offset += n
     inputs = np.stack(inputs)
-    return torch.from_numpy(np.stack(hidden)), torch.from_numpy(np.where(inputs == IGNORE, 0, inputs)), torch.from_numpy(np.stack(labels))
+    return Examples(torch.from_numpy(np.concatenate([t.hidden for t in traces])), torch.tensor(rows),
+                    torch.from_numpy(np.where(inputs == IGNORE, 0, inputs)), torch.from_numpy(np.stack(labels)),
+                    torch.from_numpy(np.stack(future)))
 
 
 def greedy_acceptance(head: DraftHead, hidden: torch.Tensor, inputs: torch.Tensor, labels: torch.Tensor,
@@ -150,19 +178,28 @@ def first_draft_accuracy(head: DraftHead, hidden: torch.Tensor, inputs: torch.Te
     return (head.draft_to_target[best] == labels[:, 0])[valid].float().mean().item()
 
 
+def _soft_cross_entropy(logprobs: torch.Tensor, target_logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Mean over valid drafted positions of -sum_v p_target(v) log p_draft(v), both over the draft vocabulary."""
+    per_position = -(torch.softmax(target_logits.float(), dim=-1) * logprobs).sum(-1)
+    return per_position[valid].mean()
+
+
 def native_bf16() -> bool:
     """bfloat16 matmuls are ~2.7x faster than float32 for the head on a CPU with AVX-512 BF16, slower without it."""
     probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
     return bool(probe and probe())
 
 
-def target_embedding(source: str) -> torch.Tensor:
+def target_tables(source: str, tied: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's input embedding and its LM head's weight (the same table when tied), float32."""
     from builder.loaders import load_checkpoint
 
-    for name, tensor in load_checkpoint(source).read_tensors():
-        if name == "model.embed_tokens.weight":
-            return tensor.float()
-    raise ValueError(f"{source} has no model.embed_tokens.weight")
+    wanted = {"model.embed_tokens.weight"} | (set() if tied else {"lm_head.weight"})
+    tables = {name: tensor.float() for name, tensor in load_checkpoint(source).read_tensors() if name in wanted}
+    if wanted - tables.keys():
+        raise ValueError(f"{source} has no {', '.join(sorted(wanted - tables.keys()))}")
+    embedding = tables["model.embed_tokens.weight"]
+    return embedding, tables.get("lm_head.weight", embedding)
 
 
 def train_drafter(options: DrafterTrainingOptions, log: Callable[[str], None] = print) -> dict:
@@ -192,19 +229,23 @@ def train_drafter(options: DrafterTrainingOptions, log: Callable[[str], None] = 
     vocab_size = min(options.draft_vocab, config.vocab_size)
     head = DraftHead(DraftHeadConfig(config.hidden_size, config.vocab_size, vocab_size, options.num_blocks))
     head.set_vocabulary(draft_vocabulary(train_traces, vocab_size, config.vocab_size))
-    head.init_from_target(target_embedding(options.checkpoint or manifest.source))
+    embedding, lm_head = target_tables(options.checkpoint or manifest.source, config.tie_word_embeddings)
+    head.init_from_target(embedding)
+    draft_table = lm_head[head.draft_to_target]  # the target's LM head rows of the draft vocabulary (soft targets)
+    del embedding, lm_head
     covered = head.target_to_draft < vocab_size
     answer_tokens = torch.from_numpy(np.concatenate([t.tokens[1:] for t in held_traces]))
     log(f"      draft vocabulary {vocab_size} tokens covers {covered[answer_tokens].float().mean().item():.1%} of validation answer tokens")
 
-    hidden, inputs, labels = training_examples(train_traces, options.horizon)
-    draft_labels = torch.where(labels == IGNORE, IGNORE, head.target_to_draft[labels.clamp(min=0)])
+    train = training_examples(train_traces, options.horizon)
+    draft_labels = torch.where(train.labels == IGNORE, IGNORE, head.target_to_draft[train.labels.clamp(min=0)])
     draft_labels = torch.where(draft_labels == vocab_size, IGNORE, draft_labels)
-    held_hidden, held_inputs, held_labels = training_examples(held_traces, options.horizon)
-    log(f"[2/3] training on {len(hidden)} positions ({len(held_hidden)} for validation), {sum(p.numel() for p in head.parameters()) / 1e6:.2f} M parameters")
+    held = training_examples(held_traces, options.horizon)
+    held_split = held.take(torch.arange(len(held)))
+    log(f"[2/3] training on {len(train)} positions ({len(held)} for validation), {sum(p.numel() for p in head.parameters()) / 1e6:.2f} M parameters")
 
-    probe = torch.randperm(len(hidden))[:4096]  # training positions the fit is measured on
-    splits = {"train": (hidden[probe], inputs[probe], labels[probe]), "validation": (held_hidden, held_inputs, held_labels)}
+    probe = torch.randperm(len(train))[:4096]  # training positions the fit is measured on
+    splits = {"train": train.take(probe), "validation": held_split}
     accuracy = {f"{name}_before": first_draft_accuracy(head, *split) for name, split in splits.items()}
     head.dropout.p = options.dropout
     bf16 = native_bf16() if options.bf16 is None else options.bf16
@@ -212,17 +253,21 @@ def train_drafter(options: DrafterTrainingOptions, log: Callable[[str], None] = 
     optimizer = torch.optim.AdamW(head.parameters(), lr=options.learning_rate, weight_decay=0.0)
     best = (0.0, None, 0)  # validation tokens per step, weights, epoch
     epoch_losses = []
-    batches = math.ceil(len(hidden) / options.batch_size)
+    batches = math.ceil(len(train) / options.batch_size)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, options.learning_rate, total_steps=options.epochs * batches)
     for epoch in range(options.epochs):
         head.train()
-        order = torch.randperm(len(hidden))
+        order = torch.randperm(len(train))
         total = 0.0
         for index in range(batches):
             pick = order[index * options.batch_size:(index + 1) * options.batch_size]
+            hidden, inputs, labels = train.take(pick)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                logprobs = head.teacher_forced(hidden[pick], inputs[pick])
+                logprobs = head.teacher_forced(hidden, inputs)
             loss = torch.nn.functional.nll_loss(logprobs.flatten(0, 1), draft_labels[pick].flatten(), ignore_index=IGNORE)
+            if options.distill > 0:
+                soft = _soft_cross_entropy(logprobs, train.hidden[train.future[pick]] @ draft_table.t(), labels != IGNORE)
+                loss = (1 - options.distill) * loss + options.distill * soft
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
@@ -230,7 +275,7 @@ def train_drafter(options: DrafterTrainingOptions, log: Callable[[str], None] = 
             total += loss.item()
         epoch_losses.append(round(total / batches, 4))
         head.eval()
-        accepted = greedy_acceptance(head, held_hidden, held_inputs, held_labels, options.beam_width, options.horizon)
+        accepted = greedy_acceptance(head, *held_split, options.beam_width, options.horizon)
         log(f"      epoch {epoch + 1}/{options.epochs}: loss {total / batches:.3f}, validation tokens per step "
             f"{accepted:.2f} (beams {options.beam_width} x {options.horizon})")
         if accepted > best[0]:
@@ -239,14 +284,14 @@ def train_drafter(options: DrafterTrainingOptions, log: Callable[[str], None] = 
     log(f"      kept epoch {best[2]}")
 
     acceptance = {
-        f"beams{w}_len{k}": round(greedy_acceptance(head, held_hidden, held_inputs, held_labels, w, k), 3)
+        f"beams{w}_len{k}": round(greedy_acceptance(head, *held_split, w, k), 3)
         for w in (1, 2, 3, 4) for k in range(1, options.horizon + 1)
     }
     facts = {
         "target": manifest.source, "prompts": options.prompts, "validation_prompts": options.validation,
         "answer_tokens": int(sum(len(t.tokens) - 1 for t in train_traces)), "epochs": options.epochs,
         "kept_epoch": best[2], "epoch_losses": epoch_losses, "horizon": options.horizon, "dropout": options.dropout,
-        "draft_vocab": vocab_size, "bf16": bf16,
+        "draft_vocab": vocab_size, "bf16": bf16, "distill": options.distill,
         "validation_tokens_per_step": acceptance,
         "first_draft_accuracy": {
             **{k: round(v, 4) for k, v in accuracy.items()},

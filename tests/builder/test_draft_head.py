@@ -3,12 +3,14 @@ the vocabulary maps, and the head file format."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
 
 from builder.draft_head import BeamSearchDrafter, DraftHead, DraftHeadConfig, load_draft_head, save_draft_head
-from builder.train_drafter import draft_vocabulary, Trace
+from builder.train_drafter import IGNORE, draft_vocabulary, Trace, training_examples
 
 
 def make_head(seed: int = 0, draft_vocab: int = 16, target_vocab: int = 40) -> DraftHead:
@@ -96,6 +98,37 @@ def test_draft_vocabulary_ranks_answer_tokens_by_frequency():
     assert draft_vocabulary(traces, 5, 10).tolist() == [3, 5, 7, 0, 1]  # topped up with the lowest unused ids
 
 
+def test_training_examples_pair_each_label_with_the_state_that_predicts_it():
+    # hidden[i] holds the token it predicts (tokens[i + 1]), -1 after the last token
+    def trace(tokens):
+        predicted = np.append(np.asarray(tokens[1:], np.float32), -1.0)
+        return Trace(np.asarray(tokens), predicted[:, None])
+
+    examples = training_examples([trace([7, 1, 2, 3, 4]), trace([8, 5, 6])], horizon=3)
+    assert len(examples) == 4 + 2
+    predicts = examples.hidden[:, 0]
+    assert torch.equal(predicts[examples.rows], examples.inputs[:, 0].float())  # h_t predicts x_{t+1}
+    valid = examples.labels != IGNORE
+    assert torch.equal(predicts[examples.future][valid], examples.labels[valid].float())  # and h_{t+j} x_{t+j+1}
+    assert examples.labels[0].tolist() == [2, 3, 4] and examples.labels[3].tolist() == [IGNORE] * 3
+    assert examples.labels[4].tolist() == [6, IGNORE, IGNORE]
+
+
+def test_soft_targets_come_from_the_lm_head_and_the_embedding_where_untied(checkpoint_factory):
+    from builder.train_drafter import target_tables
+    from safetensors.torch import load_file
+
+    weights = {}
+    for path in checkpoint_factory("mqa").glob("*.safetensors"):
+        weights.update(load_file(str(path)))
+    embedding, lm_head = target_tables(str(checkpoint_factory("mqa")), tied=False)
+    torch.testing.assert_close(embedding, weights["model.embed_tokens.weight"].float())
+    torch.testing.assert_close(lm_head, weights["lm_head.weight"].float())
+    assert not torch.equal(embedding, lm_head)
+    embedding, lm_head = target_tables(str(checkpoint_factory("gqa")), tied=True)
+    assert lm_head is embedding
+
+
 def test_head_file_round_trip_and_errors(tmp_path):
     head = make_head()
     path = tmp_path / "head.safetensors"
@@ -119,17 +152,18 @@ def test_head_file_round_trip_and_errors(tmp_path):
 def test_traces_cache_is_reused_for_the_same_prompts_and_refused_for_others(engine_factory, tmp_path):
     from builder.train_drafter import DrafterTrainingOptions, train_drafter
 
-    def train(prompts: int, bf16: bool) -> list[str]:
+    def train(prompts: int, bf16: bool, distill: float = 0.0) -> list[str]:
         lines = []
         options = DrafterTrainingOptions(
             engine_factory("gqa"), tmp_path / "head.safetensors", prompts=prompts, validation=2, max_new_tokens=6,
-            draft_vocab=32, epochs=1, batch_size=16, traces=tmp_path / "traces.npz", bf16=bf16,
+            draft_vocab=32, epochs=1, batch_size=16, traces=tmp_path / "traces.npz", bf16=bf16, distill=distill,
         )
         facts = train_drafter(options, log=lines.append)
-        assert facts["bf16"] is bf16 and facts["draft_vocab"] == 32
+        assert facts["bf16"] is bf16 and facts["draft_vocab"] == 32 and facts["distill"] == distill
+        assert all(math.isfinite(loss) for loss in facts["epoch_losses"])
         return lines
 
     assert "answers 6 + 2 validation prompts" in train(6, bf16=False)[0]
-    assert "reading the target's answers" in train(6, bf16=True)[0]
+    assert "reading the target's answers" in train(6, bf16=True, distill=0.5)[0]
     with pytest.raises(ValueError, match="another engine or prompt set"):
         train(7, bf16=False)
