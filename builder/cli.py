@@ -114,12 +114,12 @@ def train_drafter_command(engine, out, prompts, validation, max_new_tokens, draf
     from builder.train_drafter import DrafterTrainingOptions, train_drafter
     from engines.format import ArtifactError
 
-    options = DrafterTrainingOptions(
-        engine, out, prompts=prompts, validation=validation, max_new_tokens=max_new_tokens, draft_vocab=draft_vocab,
-        horizon=horizon, num_blocks=blocks, epochs=epochs, dropout=dropout, distill=distill, traces=traces, threads=threads,
-        checkpoint=checkpoint, bf16=bf16, seed=seed,
-    )
     with exit_on(ArtifactError, CheckpointError, ValueError):
+        options = DrafterTrainingOptions(
+            engine, out, prompts=prompts, validation=validation, max_new_tokens=max_new_tokens,
+            draft_vocab=draft_vocab, horizon=horizon, num_blocks=blocks, epochs=epochs, dropout=dropout,
+            distill=distill, traces=traces, threads=threads, checkpoint=checkpoint, bf16=bf16, seed=seed,
+        )
         facts = train_drafter(options, log=lambda line: click.echo(line, err=True))
     click.echo(f"draft head: {out} ({out.stat().st_size / 2**20:.1f} MiB), kept epoch {facts['kept_epoch']}, "
                f"validation tokens per step: {facts['validation_tokens_per_step']}")

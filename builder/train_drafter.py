@@ -63,6 +63,10 @@ class DrafterTrainingOptions:
     traces: Path | None = None  # answers + hidden states: read if the file exists, else written there
     bf16: bool | None = None  # train the head's matmuls in bfloat16 autocast (None: where the CPU has native bf16)
 
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.distill <= 1.0:
+            raise ValueError(f"distill is the soft loss's weight, between 0 and 1; got {self.distill}")
+
 
 @dataclass(frozen=True)
 class Trace:

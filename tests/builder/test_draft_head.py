@@ -167,3 +167,5 @@ def test_traces_cache_is_reused_for_the_same_prompts_and_refused_for_others(engi
     assert "reading the target's answers" in train(6, bf16=True, distill=0.5)[0]
     with pytest.raises(ValueError, match="another engine or prompt set"):
         train(7, bf16=False)
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        train(6, bf16=False, distill=1.5)

@@ -39,6 +39,8 @@ def test_clear_one_line_errors(tmp_path, engine_factory):
     assert bad_param.returncode == 2 and "top_p" in bad_param.stderr
     too_long = run(RUNNER + ["generate", str(engine_factory("gqa")), "hello " * 400])
     assert too_long.returncode == 2 and "max sequence length" in too_long.stderr
+    bad_distill = run(BUILDER + ["train-drafter", str(engine_factory("gqa")), "--out", str(tmp_path / "h"), "--distill", "2"])
+    assert bad_distill.returncode == 2 and bad_distill.stderr.strip().splitlines()[-1].endswith("between 0 and 1; got 2.0")
 
 
 def test_the_runner_needs_no_torch(engine_factory, tiny_draft_head):
