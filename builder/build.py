@@ -19,6 +19,7 @@ from builder.export import export_draft_graph, export_sampler_graph, export_step
 from builder.gptq import GPTQOptions, calibration_tokens, gptq_model
 from builder.kv_quant import KVCalibration, calibrate_kv_scales, calibration_windows
 from builder.loaders import load_checkpoint
+from builder.loaders.checkpoint import TokenizerSpec
 from builder.sampler import TOP_LOGPROBS
 from builder.loaders.default import DEFAULT_MODEL_NAME
 from builder.phases import STEP_GRAPH, BuildShapes, plan_phases
@@ -175,6 +176,12 @@ def _prepare_out(out: Path, overwrite: bool) -> None:
             raise FileExistsError(f"refusing to overwrite {out}: it is not an engine artifact")
 
 
+def _encoder(tokenizer: TokenizerSpec) -> Callable[[str], list[int]]:
+    """Text -> token ids with the checkpoint's tokenizer (for calibration text)."""
+    parsed = Tokenizer.from_str(tokenizer.tokenizer_json)
+    return lambda text: parsed.encode(text).ids
+
+
 def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> BuildReport:
     if options.dtype not in DTYPES:
         raise ValueError(f"unknown dtype {options.dtype!r}; choose one of {', '.join(DTYPES)}")
@@ -230,8 +237,7 @@ def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> B
     if gptq:
         # GPTQ needs each layer's float weights and inputs: the float model is held (not streamed) while it runs
         model = load_model(config, checkpoint.read_tensors(), DTYPES[options.dtype], max_positions=rotary_positions)
-        tokenizer = Tokenizer.from_str(checkpoint.tokenizer.tokenizer_json)
-        tokens = calibration_tokens(lambda text: tokenizer.encode(text).ids, options.gptq.calibration, options.gptq.samples,
+        tokens = calibration_tokens(_encoder(checkpoint.tokenizer), options.gptq.calibration, options.gptq.samples,
                                     options.gptq.sample_len)
         log(f"      GPTQ calibration: {quantization['calibration']}")
         model = gptq_model(model, tokens, quant, options.quantize_lm_head, options.gptq, log)
@@ -255,8 +261,7 @@ def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> B
 
     if options.kv_cache_dtype == "int8":
         calibration = options.kv_calibration
-        tokenizer = Tokenizer.from_str(checkpoint.tokenizer.tokenizer_json)
-        windows = calibration_windows(lambda text: tokenizer.encode(text).ids, calibration, max_seq_len)
+        windows = calibration_windows(_encoder(checkpoint.tokenizer), calibration, max_seq_len)
         model.use_int8_kv_cache(calibrate_kv_scales(model, windows))
         quantization["kv_cache"] = {"dtype": "int8", "scales": "static, per layer, kv head and channel",
                                     "calibration": calibration.describe()}

@@ -268,10 +268,13 @@ def train_drafter(options: DrafterTrainingOptions, log: Callable[[str], None] = 
             hidden, inputs, labels = train.take(pick)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 logprobs = head.teacher_forced(hidden, inputs)
-            loss = torch.nn.functional.nll_loss(logprobs.flatten(0, 1), draft_labels[pick].flatten(), ignore_index=IGNORE)
+            loss = torch.zeros(())
+            if options.distill < 1:
+                hard = torch.nn.functional.nll_loss(logprobs.flatten(0, 1), draft_labels[pick].flatten(), ignore_index=IGNORE)
+                loss = loss + (1 - options.distill) * hard
             if options.distill > 0:
                 soft = _soft_cross_entropy(logprobs, train.hidden[train.future[pick]] @ draft_table.t(), labels != IGNORE)
-                loss = (1 - options.distill) * loss + options.distill * soft
+                loss = loss + options.distill * soft
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
