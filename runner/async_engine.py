@@ -147,6 +147,8 @@ class AsyncEngine:
         stream = self._streams.get(event.request.request_id)
         if stream is None:  # its caller is gone; the abort command is on its way
             return
+        if len(event.request.output_token_ids) == 1:  # the request's first token: its prompt is in the cache now
+            self.metrics.prefix_cache_hits.inc(event.request.num_cached_tokens)
         if stream.last_token is None:
             self.metrics.ttft.observe(now - stream.submitted)
         else:

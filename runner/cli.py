@@ -71,7 +71,9 @@ PADDED_ROWS_NOTE = ("note: a lone request runs as two rows: this engine's quanti
 @click.option("--threads", type=int, default=None, help="CPU threads (default: onnxruntime's choice).")
 @click.option("--model-name", default=None, help="Name clients use in `model` (default: the engine directory's name).")
 @click.option("--shutdown-grace", type=float, default=10.0, show_default=True, help="Seconds running requests get to finish on shutdown.")
-def serve(engine, host, port, max_batch, max_waiting, threads, model_name, shutdown_grace) -> None:
+@click.option("--enable-prefix-caching", is_flag=True, help="Start a prompt after the longest prefix a cache row holds "
+              "from an earlier or running request (a chat's earlier turns); greedy tokens may then differ at near-ties.")
+def serve(engine, host, port, max_batch, max_waiting, threads, model_name, shutdown_grace, enable_prefix_caching) -> None:
     """Serve ENGINE with an OpenAI-compatible HTTP API."""
     import uvicorn
 
@@ -79,7 +81,7 @@ def serve(engine, host, port, max_batch, max_waiting, threads, model_name, shutd
     from runner.server import create_app
 
     with exit_on(ArtifactError, ValueError):
-        llm_engine = LLMEngine(engine, threads=threads, max_batch=max_batch)
+        llm_engine = LLMEngine(engine, threads=threads, max_batch=max_batch, enable_prefix_caching=enable_prefix_caching)
     async_engine = AsyncEngine(llm_engine, max_waiting=max_waiting)
     name = model_name or Path(engine).resolve().name
     app = create_app(async_engine, name, shutdown_grace)

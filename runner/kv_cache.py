@@ -57,6 +57,11 @@ class KVCache:
         for buffer in (self.keys[:, row], self.values[:, row]):  # [layers, kv_heads, positions, head_dim]
             buffer[:, :, start:start + len(nodes)] = buffer[:, :, source]
 
+    def copy_prefix(self, source_row: int, target_row: int, length: int) -> None:
+        """Copy the K/V of positions [0, length) of one row into another (prefix caching)."""
+        for buffer in (self.keys, self.values):
+            buffer[:, target_row, :, :length] = buffer[:, source_row, :, :length]
+
     def free_row(self, row: int) -> None:
         """Hand the row's pages back (its request is gone; the next one writes before it reads)."""
         for layer in range(self.spec.num_layers):

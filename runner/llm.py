@@ -20,9 +20,13 @@ Message = dict[str, str]
 
 class LLM:
     def __init__(
-        self, engine_dir: str | Path, threads: int | None = None, verify_checksums: bool = True, max_batch: int | None = None
+        self, engine_dir: str | Path, threads: int | None = None, verify_checksums: bool = True, max_batch: int | None = None,
+        enable_prefix_caching: bool = False,
     ) -> None:
-        self.engine = LLMEngine(engine_dir, threads=threads, verify_checksums=verify_checksums, max_batch=max_batch)
+        """`enable_prefix_caching`: a prompt starts after the longest prefix whose K/V a cache row holds from an earlier
+        or running request (runner/prefix_cache.py)."""
+        self.engine = LLMEngine(engine_dir, threads=threads, verify_checksums=verify_checksums, max_batch=max_batch,
+                                enable_prefix_caching=enable_prefix_caching)
 
     @property
     def tokenizer(self):

@@ -50,7 +50,7 @@ class TokenEvent:
 class LLMEngine:
     def __init__(
         self, engine_dir: str | Path, threads: int | None = None, verify_checksums: bool = True, max_batch: int | None = None,
-        profile_prefix: str | None = None,
+        profile_prefix: str | None = None, enable_prefix_caching: bool = False,
     ) -> None:
         self.artifact = open_artifact(engine_dir, verify_checksums=verify_checksums)
         manifest = self.artifact.manifest
@@ -61,7 +61,7 @@ class LLMEngine:
         rows = self.executor.max_rows if max_batch is None else max_batch
         if not 1 <= rows <= self.executor.max_rows:
             raise ValueError(f"max_batch must be in [1, {self.executor.max_rows}] for this engine (built with --max-batch)")
-        self.scheduler = Scheduler(rows, self.executor.max_chunk)
+        self.scheduler = Scheduler(rows, self.executor.max_chunk, prefix_caching=enable_prefix_caching)
         if rows > 1:  # greedy tokens must not depend on the batch a request runs in
             self.executor.pad_single_rows_if_they_round_differently()
         self.sampler = Sampler(backend, manifest.sampler, manifest.model.vocab_size, set(manifest.model.eos_token_ids))
@@ -120,13 +120,16 @@ class LLMEngine:
 
     def _finish(self, request: Request, reason: str) -> None:
         row = self.scheduler.finish(request, reason)
-        if row is not None:  # its cache pages go back to the system now, not when the engine is idle
-            self.executor.cache.free_row(row)
-            if self.draft_model is not None:
+        if row is not None:
+            if self.scheduler.prefix_index is None:  # its cache pages go back to the system now, not when idle
+                self.executor.cache.free_row(row)
+            if self.draft_model is not None:  # the draft model computes a new request's prompt itself
                 self.draft_model.free_row(row)
 
     def step(self) -> list[TokenEvent]:
         step = self.scheduler.schedule()
+        for copy in step.prefix_copies:
+            self.executor.cache.copy_prefix(copy.source_row, copy.target_row, copy.length)
         if step.empty:
             return []
         pending: list[_Pending] = []  # rows whose next tokens the sampler graph chooses this step

@@ -23,6 +23,7 @@ class EngineMetrics:
         self.ttft = Histogram("engine_time_to_first_token_seconds", "Submission to first token", buckets=_LATENCY_BUCKETS, registry=r)
         self.inter_token = Histogram("engine_inter_token_latency_seconds", "Between two tokens of a request", buckets=_LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("engine_prompt_tokens", "Prompt tokens admitted", registry=r)
+        self.prefix_cache_hits = Counter("engine_prefix_cache_hit_tokens", "Prompt tokens whose K/V came from the prefix cache", registry=r)
         self.generation_tokens = Counter("engine_generation_tokens", "Tokens generated", registry=r)
         self.rejected = Counter("engine_requests_rejected", "Requests refused because the queue was full", registry=r)
         self.tokens_per_second = Gauge("engine_generation_tokens_per_second", f"Generated tokens/s over the last {_THROUGHPUT_WINDOW_S:.0f} s", registry=r)

@@ -26,6 +26,7 @@ class RequestOutput:
     token_ids: list[int]
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     logprobs: list[TokenLogprob] | None = None  # one per generated token when asked for
+    num_cached_tokens: int = 0  # prompt tokens not computed again: their K/V came from the prefix cache
 
 
 @dataclass
@@ -38,6 +39,7 @@ class Request:
     rng: np.random.Generator
     output_token_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (runner/prefix_cache.py)
     row: int | None = None  # KV cache row while running
     text: str = ""  # visible text: stop strings cut off, possible stop prefixes held back while running
     finish_reason: str | None = None
@@ -60,5 +62,5 @@ class Request:
     def output(self) -> RequestOutput:
         return RequestOutput(
             self.request_id, self.prompt, self.prompt_token_ids, self.text, list(self.output_token_ids),
-            self.finish_reason, list(self.logprobs) if self.params.logprobs is not None else None,
+            self.finish_reason, list(self.logprobs) if self.params.logprobs is not None else None, self.num_cached_tokens,
         )

@@ -1,13 +1,15 @@
 """Which requests run this step: one prompt chunk for the oldest request still prefilling, one token for every
 request that is generating (vLLM v1's idea: a request is only "how many of its tokens are computed").
 
-A long prompt is cut into chunks so running requests keep generating between its chunks."""
+A long prompt is cut into chunks so running requests keep generating between its chunks. With prefix caching a
+request admitted to a row starts after the longest prefix of its prompt some row holds (runner/prefix_cache.py)."""
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
 
+from runner.prefix_cache import PrefixCopy, PrefixIndex
 from runner.request import Request
 
 
@@ -15,6 +17,7 @@ from runner.request import Request
 class ScheduledStep:
     prefill: tuple[Request, int] | None = None  # request, number of prompt tokens to compute this step
     decode: list[Request] = field(default_factory=list)
+    prefix_copies: list[PrefixCopy] = field(default_factory=list)  # to make, in order, before the step's graph calls
 
     @property
     def empty(self) -> bool:
@@ -22,12 +25,13 @@ class ScheduledStep:
 
 
 class Scheduler:
-    def __init__(self, max_rows: int, prefill_chunk: int) -> None:
+    def __init__(self, max_rows: int, prefill_chunk: int, prefix_caching: bool = False) -> None:
         self.max_rows = max_rows
         self.prefill_chunk = prefill_chunk
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._free_rows = list(range(max_rows))
+        self.prefix_index = PrefixIndex() if prefix_caching else None
 
     @property
     def has_work(self) -> bool:
@@ -37,12 +41,16 @@ class Scheduler:
         self.waiting.append(request)
 
     def schedule(self) -> ScheduledStep:
+        step = ScheduledStep()
         while self.waiting and self._free_rows:
             request = self.waiting.popleft()
             self._free_rows.sort()
             request.row = self._free_rows.pop(0)  # lowest rows first keeps the decode batch bucket small
+            if self.prefix_index is not None:
+                copy = self.prefix_index.admit(request, self.running)
+                if copy is not None:
+                    step.prefix_copies.append(copy)
             self.running.append(request)
-        step = ScheduledStep()
         for request in self.running:
             if request.prefilling and step.prefill is None:
                 remaining = len(request.prompt_token_ids) - request.num_computed
@@ -53,10 +61,12 @@ class Scheduler:
 
     def finish(self, request: Request, reason: str) -> int | None:
         """End a request (done, aborted, disconnected) and free its cache row at once; returns that row (None if
-        the request never had one)."""
+        the request never had one). With prefix caching the row keeps what it computed until it is given away."""
         request.finish_reason = reason
         if request in self.running:
             self.running.remove(request)
+            if self.prefix_index is not None:
+                self.prefix_index.hold(request)
             self._free_rows.append(request.row)
             return request.row
         if request in self.waiting:

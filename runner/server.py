@@ -236,7 +236,9 @@ def _chat_chunk(codec, index: int, event: TokenEvent, first: bool, logprob_from:
 def _usage(groups: list[list[EngineRequest]]) -> dict:
     prompt = sum(len(g[0].prompt_token_ids) for g in groups)
     completion = sum(len(r.output_token_ids) for g in groups for r in g)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = sum(g[0].num_cached_tokens for g in groups)  # prompt tokens the prefix cache held (0 without it)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 async def _events(engine: AsyncEngine, groups: list[list[EngineRequest]]) -> AsyncIterator[TokenEvent]:

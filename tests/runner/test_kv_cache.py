@@ -58,3 +58,11 @@ def test_keep_moves_the_accepted_nodes_down_in_path_order():
     np.testing.assert_array_equal(cache.keys[:, 1, :, 1:4], contents[:, 1, :, [1, 3, 4]].transpose(1, 2, 0, 3))
     np.testing.assert_array_equal(cache.values[:, 1, :, 0], contents[:, 1, :, 0] + 1)  # before the tree: untouched
     np.testing.assert_array_equal(cache.keys[:, 0, :, :5], contents[:, 0])  # other rows untouched
+
+
+def test_copy_prefix_copies_the_first_positions_of_one_row_into_another():
+    cache, contents = filled_cache()
+    cache.copy_prefix(source_row=1, target_row=3, length=4)
+    np.testing.assert_array_equal(cache.keys[:, 3, :, :4], contents[:, 1, :, :4])
+    np.testing.assert_array_equal(cache.values[:, 3, :, :4], contents[:, 1, :, :4] + 1)
+    assert not cache.keys[:, 3, :, 4:].any()  # nothing past the prefix

@@ -24,12 +24,13 @@ def free_port() -> int:
 
 
 class LiveServer:
-    def __init__(self, engine_dir, max_batch=None, max_waiting=64) -> None:
+    def __init__(self, engine_dir, max_batch=None, max_waiting=64, enable_prefix_caching=False) -> None:
         import uvicorn
 
         from runner.server import create_app
 
-        self.engine = AsyncEngine(LLMEngine(engine_dir, max_batch=max_batch), max_waiting=max_waiting)
+        engine = LLMEngine(engine_dir, max_batch=max_batch, enable_prefix_caching=enable_prefix_caching)
+        self.engine = AsyncEngine(engine, max_waiting=max_waiting)
         self.port = free_port()
         config = uvicorn.Config(create_app(self.engine, MODEL, shutdown_grace=2.0), host="127.0.0.1", port=self.port, log_level="error")
         self.server = uvicorn.Server(config)
@@ -167,6 +168,21 @@ def test_a_disconnected_stream_frees_its_row(engine_factory):
         assert freed()
         assert live.engine.engine.executor.cache.resident_bytes() == 0  # its pages are handed back
         assert chat(live, max_tokens=3).choices[0].finish_reason in ("length", "stop")
+    finally:
+        live.stop()
+
+
+def test_prefix_caching_reports_cached_prompt_tokens_in_usage_and_metrics(engine_factory):
+    live = LiveServer(engine_factory("gqa"), enable_prefix_caching=True)
+    try:
+        messages = [{"role": "user", "content": "hello there, how are you today?"}]
+        first = live.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0.0)
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        messages += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "more"}]
+        second = live.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0.0)
+        cached = second.usage.prompt_tokens_details.cached_tokens
+        assert first.usage.prompt_tokens < cached < second.usage.prompt_tokens  # the first turn, not the new message
+        assert f"engine_prefix_cache_hit_tokens_total {float(cached)}" in httpx.get(f"{live.url}/metrics").text
     finally:
         live.stop()
 
