@@ -1,7 +1,8 @@
-"""`runner generate | serve | bench | eval ENGINE ...`"""
+"""`runner generate | chat | serve | bench | eval ENGINE ...`"""
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from engines.format import ArtifactError
 from runner.cli_errors import exit_on
 from runner.llm import LLM
 from runner.llm_engine import LLMEngine, PromptError
+from runner.request import Request
 from runner.sampling import SamplingParams
 from runner.tokenizer import ChatTemplateError
 
@@ -21,40 +23,98 @@ def main() -> None:
     """Run engines built by `builder build`."""
 
 
+def sampling_options(command):
+    """The options `generate` and `chat` share: sampling, threads, stats."""
+    options = [
+        click.option("--max-tokens", type=int, default=128, show_default=True),
+        click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy."),
+        click.option("--top-k", type=int, default=-1, show_default=True),
+        click.option("--top-p", type=float, default=1.0, show_default=True),
+        click.option("--seed", type=int, default=None),
+        click.option("--threads", type=int, default=None, help="CPU threads (default: onnxruntime's choice)."),
+        click.option("--stats/--no-stats", default=True, help="Print token counts and speed to stderr."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
 @main.command()
 @click.argument("engine", type=click.Path())
 @click.argument("prompt")
-@click.option("--max-tokens", type=int, default=128, show_default=True)
-@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
-@click.option("--top-k", type=int, default=-1, show_default=True)
-@click.option("--top-p", type=float, default=1.0, show_default=True)
-@click.option("--seed", type=int, default=None)
 @click.option("--chat/--no-chat", default=False, help="Wrap the prompt as a user message in the chat template.")
-@click.option("--threads", type=int, default=None, help="CPU threads (default: onnxruntime's choice).")
-@click.option("--stats/--no-stats", default=True, help="Print token counts and speed to stderr.")
-def generate(engine, prompt, max_tokens, temperature, top_k, top_p, seed, chat, threads, stats) -> None:
+@sampling_options
+def generate(engine, prompt, chat, max_tokens, temperature, top_k, top_p, seed, threads, stats) -> None:
     """Generate a completion of PROMPT with ENGINE, streamed to stdout."""
     with exit_on(ArtifactError, PromptError, ChatTemplateError, ValueError):
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         llm = LLM(engine, threads=threads, max_batch=1)  # one request: no padding for batch invariance
         if chat:
             prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-        start = time.perf_counter()
-        request = llm.engine.add_request(prompt, None, params)
-        first = None
-        for event in llm.engine.run([request]):
-            first = first or time.perf_counter()
-            click.echo(event.delta, nl=False)
-        click.echo()
+        stream_reply(llm, llm.tokenizer.encode(prompt), params, stats)
+
+
+@main.command()
+@click.argument("engine", type=click.Path())
+@click.option("--system", default=None, help="A system message that opens the conversation.")
+@sampling_options
+def chat(engine, system, max_tokens, temperature, top_k, top_p, seed, threads, stats) -> None:
+    """Chat with ENGINE: one user message per line on stdin, each reply streamed to stdout.
+
+    The conversation is kept, and its earlier turns are not computed again (prefix caching): a turn costs its new
+    message, not the whole history. When the history outgrows the engine's sequence length, the oldest turns are
+    dropped (the system message stays). `/reset` starts a new conversation; an empty line or end of input ends."""
+    with exit_on(ArtifactError, ChatTemplateError, ValueError):
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        llm = LLM(engine, threads=threads, max_batch=1, enable_prefix_caching=True)
+        opening = [{"role": "system", "content": system}] if system else []
+        llm.tokenizer.apply_chat_template(opening)  # an engine without a chat template fails here, not mid-conversation
+    room = min(max_tokens, llm.engine.max_seq_len // 4)  # an over-long history leaves at least this much to answer in
+    messages = list(opening)
+    while True:
+        if sys.stdin.isatty():
+            click.echo("> ", nl=False, err=True)
+        line = sys.stdin.readline().strip()
+        if not line:
+            return
+        if line == "/reset":
+            messages = list(opening)
+            continue
+        messages.append({"role": "user", "content": line})
+        ids = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(messages))
+        while len(ids) > llm.engine.max_seq_len - room and len(messages) > len(opening) + 1:
+            del messages[len(opening):len(opening) + 2]  # the oldest user message and its reply
+            ids = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(messages))
+            click.echo("[the conversation outgrew the engine's sequence length: its oldest turn was dropped]", err=True)
+        try:
+            request = stream_reply(llm, ids, params, stats)
+        except PromptError as err:  # the message alone is too long: say so, and the conversation goes on without it
+            click.echo(f"error: {err}", err=True)
+            messages.pop()
+            continue
+        messages.append({"role": "assistant", "content": request.text})
+
+
+def stream_reply(llm: LLM, prompt_ids: list[int], params: SamplingParams, stats: bool) -> Request:
+    """Generate from `prompt_ids` with the text streamed to stdout, then (`stats`) a line of counts and speed."""
+    start = time.perf_counter()
+    request = llm.engine.add_request(None, prompt_ids, params)
+    first = None
+    for event in llm.engine.run([request]):
+        first = first or time.perf_counter()
+        click.echo(event.delta, nl=False)
+    click.echo()
     if stats:
         decode_s = time.perf_counter() - first
         generated = len(request.output_token_ids)
+        cached = f" ({request.num_cached_tokens} cached)" if request.num_cached_tokens else ""
         click.echo(
-            f"[{len(request.prompt_token_ids)} prompt tokens, first token after {(first - start) * 1000:.0f} ms, "
+            f"[{len(request.prompt_token_ids)} prompt tokens{cached}, first token after {(first - start) * 1000:.0f} ms, "
             f"{generated} tokens, {(generated - 1) / decode_s if generated > 1 else 0:.1f} tok/s decode, "
             f"finish: {request.finish_reason}]",
             err=True,
         )
+    return request
 
 
 PADDED_ROWS_NOTE = ("note: a lone request runs as two rows: this engine's quantized matmuls round one row differently "

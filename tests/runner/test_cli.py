@@ -1,4 +1,4 @@
-"""The command lines, run as a user would: `builder build | train-drafter` and `runner generate | bench | serve`."""
+"""The command lines, run as a user would: `builder build | train-drafter` and `runner generate | chat | bench | serve`."""
 
 from __future__ import annotations
 
@@ -161,3 +161,21 @@ def test_build_gptq_from_the_command_line(checkpoint_factory, tmp_path):
     refused = run(BUILDER + ["build", str(checkpoint_factory("gqa")), "--out", str(tmp_path / "x"), "--quant", "gptq",
                              "--gptq-damping", "0"])
     assert refused.returncode == 2 and "damping" in refused.stderr
+
+
+def test_chat_keeps_the_conversation_reuses_its_prefix_and_drops_the_oldest_turns_when_full(engine_factory):
+    engine = str(engine_factory("gqa"))  # max_seq_len 256
+    turns = "hello\nhow are you\n/reset\nhello\n"
+    chat = run(RUNNER + ["chat", engine, "--max-tokens", "6", "--system", "be brief"], input=turns)
+    assert chat.returncode == 0, chat.stderr
+    stats = [line for line in chat.stderr.splitlines() if line.startswith("[")]
+    assert len(stats) == 3
+    assert "cached" not in stats[0] and "cached" in stats[1] and "cached" in stats[2]  # a new conversation, a known prefix
+
+    long_message = " ".join(f"word{i}" for i in range(8))  # ~60 tokens of the tiny tokenizer
+    too_long = " ".join(f"word{i}" for i in range(50))
+    full = run(RUNNER + ["chat", engine, "--max-tokens", "4"], input=f"{long_message}\n" * 6 + f"{too_long}\nhello\n")
+    assert full.returncode == 0, full.stderr
+    assert "its oldest turn was dropped" in full.stderr
+    assert "error: the prompt has" in full.stderr  # the over-long message is refused, the conversation goes on
+    assert full.stderr.strip().splitlines()[-1].startswith("[")  # "hello" was answered after it
