@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+_ROOT_ALONE = np.ones((1, 1), bool)
+_ROOT_ALONE.flags.writeable = False  # shared by every tree of the root alone
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,8 @@ class TokenTree:
 def pack_tree(root_token: int, beams, max_depth: int) -> TokenTree:
     """Merge draft beams (sequences of token ids, best first; any lengths) under `root_token` into a trie of at
     most `max_depth` draft levels."""
+    if max_depth == 0 or len(beams) == 0:  # a plain decode step's tree: made every step, so made cheaply
+        return TokenTree([int(root_token)], [-1], _ROOT_ALONE)
     tokens, parents = [int(root_token)], [-1]
     node_of: dict[tuple[int, ...], int] = {(): 0}
     for beam in beams:
