@@ -49,8 +49,7 @@ class LLM:
         requests = []
         try:
             for (text, ids), p in zip(items, params):
-                for index in range(p.n):
-                    requests.append(self.engine.new_request(text, ids, p, index))
+                requests += self.engine.new_requests(text, ids, p)
             for request in requests:
                 self.engine.add(request)
             for _ in self.engine.run(requests):

@@ -85,11 +85,14 @@ class LLMEngine:
     def add(self, request: Request) -> None:
         self.scheduler.add(request)
 
-    def new_request(
-        self, prompt: str | None, prompt_token_ids: list[int] | None, params: SamplingParams, index: int = 0
-    ) -> Request:
-        """Validate and tokenize a prompt into a Request, without touching the scheduler (safe from any thread).
-        `index` numbers the completions of one prompt (n > 1): completion i samples with seed + i."""
+    def new_request(self, prompt: str | None, prompt_token_ids: list[int] | None, params: SamplingParams) -> Request:
+        """Validate and tokenize a prompt into a Request, without touching the scheduler (safe from any thread)."""
+        return self.new_requests(prompt, prompt_token_ids, params)[0]
+
+    def new_requests(self, prompt: str | None, prompt_token_ids: list[int] | None, params: SamplingParams) -> list[Request]:
+        """The `params.n` completions of one prompt, as Requests (safe from any thread). Completion i samples with
+        seed + i; completions after the first are forks of it: they wait for its prompt's K/V and first logits
+        instead of computing the same prompt again (vLLM's parallel sampling; see `_fork`)."""
         if prompt_token_ids is None:
             if not isinstance(prompt, str):
                 raise PromptError(f"a prompt must be a string, got {type(prompt).__name__}")
@@ -105,20 +108,26 @@ class LLMEngine:
                 f"the prompt has {len(prompt_token_ids)} tokens; this engine's max sequence length is "
                 f"{self.max_seq_len} (prompt + generated tokens), so at most {self.max_seq_len - 1} prompt tokens"
             )
-        return Request(
-            request_id=str(next(self._ids)),
-            prompt=prompt,
-            prompt_token_ids=prompt_token_ids,
-            params=params,
-            detokenizer=IncrementalDetokenizer(self.codec),
-            rng=np.random.default_rng(None if params.seed is None else params.seed + index),
-        )
+        requests = []
+        for index in range(params.n):
+            requests.append(Request(
+                request_id=str(next(self._ids)),
+                prompt=prompt,
+                prompt_token_ids=prompt_token_ids,
+                params=params,
+                detokenizer=IncrementalDetokenizer(self.codec),
+                rng=np.random.default_rng(None if params.seed is None else params.seed + index),
+                fork_of=requests[0] if requests else None,
+            ))
+        return requests
 
     def abort(self, request: Request) -> None:
         if not request.finished:
             self._finish(request, "abort")
 
     def _finish(self, request: Request, reason: str) -> None:
+        for fork in self.scheduler.forks_of(request):  # gone before its prompt was computed: they compute it themselves
+            fork.fork_of = None
         row = self.scheduler.finish(request, reason)
         if row is not None:
             if self.scheduler.prefix_index is None:  # its cache pages go back to the system now, not when idle
@@ -150,7 +159,8 @@ class LLMEngine:
             request.num_computed += count
             if not request.prefilling:
                 root = pack_tree(request.prompt_token_ids[-1], [], 0)
-                pending.append(_Pending(request, root, scored.logits[None], scored.hidden[None], argmax=int(scored.argmax)))
+                pending += [_Pending(r, root, scored.logits[None], scored.hidden[None], argmax=int(scored.argmax))
+                            for r in [request] + self._fork(request)]
         if not pending:
             return []
         started = time.perf_counter()
@@ -177,6 +187,20 @@ class LLMEngine:
         if to_draft:
             self._draft(to_draft)
         return events
+
+    def _fork(self, request: Request) -> list[Request]:
+        """`request` has just computed its prompt: the other completions of it that hold a cache row get a copy of
+        its prompt's K/V and start from the same logits, which the sampler graph samples with their own seeds; so
+        each completes exactly as it would have alone, and the prompt was computed once. Forks still waiting for a
+        row compute the prompt themselves when they get one."""
+        forked = []
+        for fork in self.scheduler.forks_of(request):
+            fork.fork_of = None
+            if fork.row is not None:
+                self.executor.cache.copy_prefix(request.row, fork.row, request.num_computed)
+                fork.num_computed = request.num_computed
+                forked.append(fork)
+        return forked
 
     def _sample(self, pending: list[_Pending]) -> list[SampledRow]:
         """The sampler graph's choice for every pending row, in one call; a root alone whose argmax is already the

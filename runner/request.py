@@ -46,6 +46,7 @@ class Request:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     drafts: list | np.ndarray | None = None  # speculative engines: draft beams (token id sequences) for the next step
     draft_computed: int = 0  # draft-model engines: context tokens in the draft model's cache
+    fork_of: Request | None = None  # n > 1: the first completion, whose prompt K/V and first logits this one waits for
 
     @property
     def prefilling(self) -> bool:

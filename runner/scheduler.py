@@ -52,12 +52,18 @@ class Scheduler:
                     step.prefix_copies.append(copy)
             self.running.append(request)
         for request in self.running:
+            if request.fork_of is not None:  # its prompt is computed by the request it forks (LLMEngine._fork)
+                continue
             if request.prefilling and step.prefill is None:
                 remaining = len(request.prompt_token_ids) - request.num_computed
                 step.prefill = (request, min(remaining, self.prefill_chunk))
             elif not request.prefilling:
                 step.decode.append(request)
         return step
+
+    def forks_of(self, request: Request) -> list[Request]:
+        """The completions waiting for `request`'s prompt (running or still queued)."""
+        return [r for r in [*self.running, *self.waiting] if r.fork_of is request]
 
     def finish(self, request: Request, reason: str) -> int | None:
         """End a request (done, aborted, disconnected) and free its cache row at once; returns that row (None if

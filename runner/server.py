@@ -146,7 +146,7 @@ def create_app(engine: AsyncEngine, model_name: str, shutdown_grace: float = 10.
 
     def make_requests(prompt: str | None, ids: list[int] | None, params: SamplingParams) -> list[EngineRequest]:
         try:
-            return [llm.new_request(prompt, ids, params, index) for index in range(params.n)]
+            return llm.new_requests(prompt, ids, params)
         except PromptError as err:
             raise APIError(400, str(err), param="prompt") from None
 

@@ -138,3 +138,20 @@ def test_half_precision_engine_is_refused_on_cpu_with_a_reason(checkpoint_factor
     build_engine(BuildOptions(str(checkpoint_factory("gqa")), out, "fp16", 128, 2, 16), log=lambda line: None)
     with pytest.raises(ArtifactError, match="fp16.*CUDA"):
         LLM(out)
+
+
+def test_n_completions_compute_the_prompt_once_and_each_equals_its_seed_alone(engine_factory):
+    llm = LLM(engine_factory("gqa", max_batch=2))  # 3 completions, 2 rows: the third waits and computes its own prompt
+    prompt = "hello world, the quick brown fox jumps over the lazy dog " * 2  # prompt chunks of 32: several
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=5, n=3, ignore_eos=True)
+    executor = llm.engine.executor
+    chunks = []
+    prefill = executor.prefill
+    executor.prefill = lambda row, token_ids, start: (chunks.append(start), prefill(row, token_ids, start))[1]
+    outputs = llm.generate(prompt, params)
+    prompt_chunks = -(-len(outputs[0].prompt_token_ids) // executor.max_chunk)
+    assert len(chunks) == 2 * prompt_chunks  # the first two completions' prompt once, the third's when it got a row
+    for index, output in enumerate(outputs):
+        alone = SamplingParams(max_tokens=10, temperature=1.0, seed=5 + index, ignore_eos=True)
+        assert output.token_ids == llm.generate(prompt, alone)[0].token_ids
+    assert len({tuple(o.token_ids) for o in outputs}) == 3
