@@ -66,10 +66,12 @@ def main() -> None:
                    "static per-channel scales calibrated on the builder's text (lossy: see README, int8 KV cache).")
 @click.option("--prompt-lookup-len", type=int, default=4, show_default=True,
               help="redrafter: also draft this many tokens by prompt lookup, as one more beam of the tree (0 = off).")
+@click.option("--min-draft-prob", type=float, default=0.1, show_default=True,
+              help="redrafter: verify only draft tokens whose beam prefix the head gives at least this probability (0 = all).")
 def build(checkpoint, out, dtype, max_seq_len, max_batch, prefill_chunk, overwrite, quant, group_size, quant_lm_head,
           int8_compute, gptq_damping, gptq_act_order, gptq_samples, gptq_sample_len, calibration_text, keep_gguf_blocks,
           speculative, draft_model, draft_head, beam_width, draft_len, draft_quant, kv_cache_dtype,
-          prompt_lookup_len) -> None:
+          prompt_lookup_len, min_draft_prob) -> None:
     """Build an engine from CHECKPOINT: a Hugging Face directory, a .gguf file, or `default`."""
     with exit_on(ValueError):
         gptq = GPTQOptions(gptq_damping, gptq_act_order, gptq_samples, gptq_sample_len,
@@ -79,7 +81,7 @@ def build(checkpoint, out, dtype, max_seq_len, max_batch, prefill_chunk, overwri
         prefill_chunk=prefill_chunk, overwrite=overwrite, quant=quant, group_size=int(group_size) if group_size else None,
         quantize_lm_head=quant_lm_head, int8_compute=int8_compute, keep_source_blocks=keep_gguf_blocks, gptq=gptq,
         speculative=speculative, draft_head=draft_head, beam_width=beam_width, draft_len=draft_len,
-        draft_quant=draft_quant, prompt_lookup_len=prompt_lookup_len, draft_model=draft_model,
+        draft_quant=draft_quant, prompt_lookup_len=prompt_lookup_len, min_draft_prob=min_draft_prob, draft_model=draft_model,
         kv_cache_dtype=kv_cache_dtype,
     )
     with exit_on(CheckpointError, FileExistsError, ValueError):

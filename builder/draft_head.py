@@ -111,7 +111,8 @@ def _quantized(weight: torch.Tensor, bias: torch.Tensor | None, spec: QuantSpec)
 
 
 class BeamSearchDrafter(nn.Module):
-    """The draft graph: hidden [B, C] + last token [B] -> beams [B, W, K] (target ids) and their scores [B, W]."""
+    """The draft graph: hidden [B, C] + last token [B] -> beams [B, W, K] (target ids) and the log-probability the
+    head gives each beam's first k tokens, k = 1..K [B, W, K] (the runner leaves unlikely nodes out of the tree)."""
 
     def __init__(self, head: DraftHead, beam_width: int, draft_len: int) -> None:
         super().__init__()
@@ -128,6 +129,7 @@ class BeamSearchDrafter(nn.Module):
         state, logprobs = head.step(hidden, torch.zeros_like(hidden), head.target_to_draft[last_token])
         scores, tokens = torch.topk(logprobs, width, dim=-1)  # the first step grows beam 0 only
         beams = tokens.unsqueeze(-1)  # [B, W, 1] draft indices
+        prefix_scores = scores.unsqueeze(-1)  # [B, W, 1] log-probability of each beam's first k tokens
         state = state.unsqueeze(1).expand(batch, width, channels)
         beam_hidden = hidden.unsqueeze(1).expand(batch, width, channels)
         for _ in range(self.draft_len - 1):
@@ -135,10 +137,11 @@ class BeamSearchDrafter(nn.Module):
             candidates = (scores.unsqueeze(-1) + logprobs).reshape(batch, width * vocab)
             scores, flat = torch.topk(candidates, width, dim=-1)
             parent = torch.div(flat, vocab, rounding_mode="floor")
-            beams = torch.cat((torch.gather(beams, 1, parent.unsqueeze(-1).expand(-1, -1, beams.shape[-1])),
-                               (flat - parent * vocab).unsqueeze(-1)), dim=-1)
+            history = parent.unsqueeze(-1).expand(-1, -1, beams.shape[-1])
+            beams = torch.cat((torch.gather(beams, 1, history), (flat - parent * vocab).unsqueeze(-1)), dim=-1)
+            prefix_scores = torch.cat((torch.gather(prefix_scores, 1, history), scores.unsqueeze(-1)), dim=-1)
             state = torch.gather(state, 1, parent.unsqueeze(-1).expand(-1, -1, channels))
-        return head.draft_to_target[beams], scores
+        return head.draft_to_target[beams], prefix_scores
 
 
 def save_draft_head(head: DraftHead, path: Path, metadata: dict | None = None) -> None:

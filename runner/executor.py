@@ -164,8 +164,10 @@ class Executor:
         """Keep the K/V of the accepted `nodes` of a verified tree (root first, then the accepted path)."""
         self.cache.keep(row, start, nodes)
 
-    def draft(self, hidden: np.ndarray, last_tokens: list[int]) -> np.ndarray:
-        """Draft beams [n, beams, draft_len] (target token ids) from hidden states [n, hidden] and last tokens."""
+    def draft(self, hidden: np.ndarray, last_tokens: list[int]) -> tuple[np.ndarray, np.ndarray | None]:
+        """Draft beams [n, beams, draft_len] (target token ids) from hidden states [n, hidden] and last tokens, and the
+        log-probability the head gives each beam's first k tokens [n, beams, draft_len] (None from engines built
+        before the draft graph gave it)."""
         count = len(last_tokens)
         batch = bucket_for(count, self.verify_phase.batch_sizes)
         padded_hidden = np.zeros((batch, hidden.shape[-1]), np.float32)
@@ -173,7 +175,8 @@ class Executor:
         tokens = np.zeros(batch, np.int64)
         tokens[:count] = last_tokens
         out = self.backend.run(self.speculation["graph"], {"hidden": padded_hidden, "last_token": tokens})
-        return out["draft_tokens"][:count]
+        scores = out["draft_scores"]
+        return out["draft_tokens"][:count], scores[:count] if scores.ndim == 3 else None
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from runner.executor import Executor
 from runner.request import Request, TokenLogprob
 from runner.sampler import SampledRow, Sampler
 from runner.sampling import SamplingParams
-from runner.speculative import SpeculationStats, TokenTree, pack_tree, prompt_lookup_draft
+from runner.speculative import SpeculationStats, TokenTree, likely_prefixes, pack_tree, prompt_lookup_draft
 from runner.scheduler import Scheduler
 from runner.tokenizer import IncrementalDetokenizer, TextCodec
 
@@ -238,12 +238,15 @@ class LLMEngine:
         elif spec["method"] == "draft-model":
             beams = [[draft] for draft in self.draft_model.draft([request for request, _ in requests])]
         else:
-            beams = self.executor.draft(np.stack([hidden for _, hidden in requests]), [r.output_token_ids[-1] for r, _ in requests])
+            beams, scores = self.executor.draft(np.stack([hidden for _, hidden in requests]), [r.output_token_ids[-1] for r, _ in requests])
+            min_prob = spec.get("min_draft_prob", 0.0)  # engines built before it verify every draft
+            if scores is not None and min_prob > 0:
+                beams = [likely_prefixes(b, s, min_prob) for b, s in zip(beams, scores)]
         for (request, _), request_beams in zip(requests, beams):
             request.drafts = list(request_beams)
             if lookup_len:  # one more beam; the tree merges what it shares with the others
                 context = request.prompt_token_ids + request.output_token_ids
-                request.drafts.append(prompt_lookup_draft(context, lookup_len, spec["max_ngram"]))
+                request.drafts.append(prompt_lookup_draft(context, lookup_len, spec["max_ngram"], spec.get("min_ngram", 1)))
         self.speculation_stats.draft_seconds += time.perf_counter() - started
 
     def _emit(self, request: Request, token: int, logprob: TokenLogprob | None) -> TokenEvent:

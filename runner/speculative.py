@@ -54,11 +54,19 @@ def pack_tree(root_token: int, beams, max_depth: int) -> TokenTree:
     return TokenTree(tokens, parents, mask)
 
 
-def prompt_lookup_draft(tokens: list[int], draft_len: int, max_ngram: int = 3) -> list[int]:
+def likely_prefixes(beams: np.ndarray, prefix_logprobs: np.ndarray, min_prob: float) -> list[np.ndarray]:
+    """Each beam cut to the prefix the draft head gives at least `min_prob` (beams [W, K], the log-probability of
+    each beam's first k tokens [W, K]). A verify call costs more with every node (fp32, 2 cores: ~0.1 of a decode
+    step per node), so a node the target will likely reject costs more than it is worth."""
+    keep = (prefix_logprobs >= np.log(min_prob)).sum(axis=-1)  # prefix log-probabilities only fall along a beam
+    return [beam[:length] for beam, length in zip(beams, keep)]
+
+
+def prompt_lookup_draft(tokens: list[int], draft_len: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
     """Prompt lookup: the tokens that followed the latest earlier occurrence of the context's last n tokens (the
-    longest n up to `max_ngram` that occurs), at most `draft_len` of them; [] when nothing matches."""
+    longest n from `max_ngram` down to `min_ngram` that occurs), at most `draft_len` of them; [] when nothing matches."""
     context = np.asarray(tokens)
-    for n in range(min(max_ngram, len(tokens) - 1), 0, -1):
+    for n in range(min(max_ngram, len(tokens) - 1), min_ngram - 1, -1):
         suffix = context[-n:]
         windows = np.lib.stride_tricks.sliding_window_view(context[:-1], n)  # every n-gram that has a successor
         starts = np.flatnonzero((windows == suffix).all(axis=1))

@@ -28,15 +28,15 @@ def reference_beam_search(head: DraftHead, hidden: torch.Tensor, last_token: int
     draft_row = int(head.target_to_draft[last_token])
     with torch.no_grad():
         state, logprobs = head.step(hidden[None], torch.zeros(1, hidden.shape[0]), torch.tensor([draft_row]))
-    beams = [([], state, 0.0)]
+    beams = [([], state, [0.0])]  # (draft tokens, state, log-probability of each prefix)
     step_logprobs = [logprobs[0]]
     for step in range(length):
         candidates = []
-        for (tokens, state, score), logprobs in zip(beams, step_logprobs):
+        for (tokens, state, scores), logprobs in zip(beams, step_logprobs):
             for token in range(logprobs.shape[0]):
-                candidates.append((score + float(logprobs[token]), tokens + [token], state))
-        candidates.sort(key=lambda c: -c[0])
-        beams = [(tokens, state, score) for score, tokens, state in candidates[:width]]
+                candidates.append((scores + [scores[-1] + float(logprobs[token])], tokens + [token], state))
+        candidates.sort(key=lambda c: -c[0][-1])
+        beams = [(tokens, state, scores) for scores, tokens, state in candidates[:width]]
         if step + 1 < length:
             step_logprobs = []
             new_beams = []
@@ -46,7 +46,7 @@ def reference_beam_search(head: DraftHead, hidden: torch.Tensor, last_token: int
                 new_beams.append((tokens, new_state, score))
                 step_logprobs.append(logprobs[0])
             beams = new_beams
-    return [[int(head.draft_to_target[t]) for t in tokens] for tokens, _, _ in beams], [score for _, _, score in beams]
+    return [[int(head.draft_to_target[t]) for t in tokens] for tokens, _, _ in beams], [scores[1:] for _, _, scores in beams]
 
 
 @pytest.mark.parametrize("width,length", [(1, 4), (3, 3), (4, 2)])

@@ -98,6 +98,9 @@ def test_speculative_build_errors(checkpoint_factory, tiny_draft_head, tmp_path)
     no_model = run(BUILDER + ["build", str(checkpoint_factory("gqa")), "--out", str(tmp_path / "d"), "--speculative",
                               "draft-model"])
     assert no_model.returncode == 2 and "needs --draft-model" in no_model.stderr
+    certain = run(BUILDER + ["build", str(checkpoint_factory("gqa")), "--out", str(tmp_path / "e"), "--speculative",
+                             "redrafter", "--draft-head", str(tiny_draft_head[0]), "--min-draft-prob", "1"])
+    assert certain.returncode == 2 and "--min-draft-prob must be in [0, 1)" in certain.stderr
 
 
 def test_serve_answers_and_stops_cleanly_on_sigint(engine_factory):

@@ -9,7 +9,7 @@ import pytest
 from scipy import stats
 
 from runner import LLM, SamplingParams
-from runner.speculative import pack_tree, prompt_lookup_draft
+from runner.speculative import likely_prefixes, pack_tree, prompt_lookup_draft
 from tests.reference_sampling import processed_probs
 
 PROMPTS = ["hello world", "The quick brown fox", "Engines compile graphs", "0123456789 hello", "runners batch"]
@@ -35,6 +35,16 @@ def test_prompt_lookup_continues_the_latest_longest_match():
     assert prompt_lookup_draft([7, 8, 9], 3) == [] and prompt_lookup_draft([1], 3) == []
     assert pack_tree(3, [[4, 5, 1]], max_depth=2).tokens == [3, 4, 5]
     assert pack_tree(3, [[]], max_depth=4).tokens == [3]
+    # from two tokens of context on: "2" alone has occurred before, "9 2" has not
+    assert prompt_lookup_draft([1, 2, 9, 7, 2, 8, 9, 2], 2, min_ngram=2) == []
+    assert prompt_lookup_draft([1, 2, 3, 4, 5, 1, 2, 3], 3, min_ngram=2) == [4, 5, 1]
+
+
+def test_likely_prefixes_cut_each_beam_where_the_head_stops_believing_it():
+    beams = np.array([[5, 6, 7], [8, 9, 4], [1, 2, 3]])
+    prefix_logprobs = np.log([[0.9, 0.5, 0.05], [0.3, 0.08, 0.01], [0.02, 0.01, 0.001]])
+    assert [b.tolist() for b in likely_prefixes(beams, prefix_logprobs, 0.1)] == [[5, 6], [8], []]
+    assert [b.tolist() for b in likely_prefixes(beams, prefix_logprobs, 0.001)] == [[5, 6, 7], [8, 9, 4], [1, 2, 3]]
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +116,9 @@ def test_distillation_fits_the_targets_answers(tiny_draft_head):
 def test_greedy_speculative_output_equals_plain_greedy(plain, spec_engine_dir, oracle):
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     expected = [o.token_ids for o in plain.generate(PROMPTS, params)]
-    assert LLM(spec_engine_dir).engine.speculation["prompt_lookup_len"] == 4  # beams + a prompt-lookup beam
+    speculation = LLM(spec_engine_dir).engine.speculation
+    assert speculation["prompt_lookup_len"] == 4 and speculation["min_ngram"] == 2  # beams + a prompt-lookup beam
+    assert speculation["min_draft_prob"] == 0.1  # the head's unlikely drafts are left out of the tree
     for spec in (LLM(spec_engine_dir), oracle):  # the distilled head's draft graph + lookup, then oracle drafts
         spec.engine.speculation_stats.__init__()
         assert [spec.generate(p, params)[0].token_ids for p in PROMPTS] == expected
