@@ -7,7 +7,12 @@ N clients) runs for the whole benchmark, and the settings take turns: in each of
 turn gets its N clients for --duration seconds. Each client sends chat requests back to back (mixed: by default
 every 4th is the ~650-token prompt, the others short chat turns; output lengths 32..128, EOS ignored, seeded; the
 same mix for every client count) until the round's deadline, when it disconnects (the server cancels what it was
-generating).
+generating). With --turns T each request continues a conversation of up to T requests, sending all of it again,
+as chat clients do; a setting written `8c` is a server with --enable-prefix-caching, so
+
+    python benchmarks/load_server.py --engine engines-out/default --batches 8,8c --turns 4
+
+measures what prefix caching does for 8 clients in multi-turn chats.
 
 Throughput is steady state: output tokens streamed while all N clients were sending, per second. A run of a fixed
 number of requests instead ends in a drain where fewer and fewer clients are left, which says more about how the
@@ -48,6 +53,19 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+FOLLOW_UPS = ["Tell me more.", "Can you make it shorter?", "Give me an example.", "Why is that?"]
+
+
+@dataclass(frozen=True)
+class Load:
+    """What every client sends: conversations of `turns` requests (each sending the conversation so far), every
+    `long_every`-th of them opening with the long prompt."""
+
+    long_text: str
+    long_every: int
+    turns: int = 1
+
+
 def long_question() -> str:
     from runner.bench import license_text
 
@@ -69,19 +87,24 @@ class Turn:
         return self.tokens / self.seconds
 
 
-async def client(url: str, rng: random.Random, deadline: float, long_text: str, long_every: int, turn: Turn) -> None:
+async def client(url: str, rng: random.Random, deadline: float, load: Load, turn: Turn) -> None:
     async with httpx.AsyncClient(timeout=600) as http:
-        index = 0
+        conversations = 0
+        history: list[dict] = []  # the conversation so far: with --turns > 1 every request sends it again
         while time.perf_counter() < deadline:
-            # every client sends the same mix, whatever the number of clients: each `long_every`-th is long
-            long = long_every > 0 and index % long_every == long_every - 1
-            index += 1
+            if not history or len(history) >= 2 * load.turns:
+                # every client starts the same mix, whatever the number of clients: each `long_every`-th is long
+                long = load.long_every > 0 and conversations % load.long_every == load.long_every - 1
+                conversations += 1
+                history = [{"role": "user", "content": load.long_text if long else rng.choice(QUESTIONS)}]
+            else:
+                history.append({"role": "user", "content": rng.choice(FOLLOW_UPS)})
             body = {
-                "model": "bench", "messages": [{"role": "user", "content": long_text if long else rng.choice(QUESTIONS)}],
+                "model": "bench", "messages": history,
                 "stream": True, "max_tokens": rng.randint(32, 128), "temperature": 0.0, "ignore_eos": True,
             }
             start = time.perf_counter()
-            stamps = []
+            stamps, reply = [], []
             async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
                 response.raise_for_status()
                 async for line in response.aiter_lines():
@@ -92,26 +115,29 @@ async def client(url: str, rng: random.Random, deadline: float, long_text: str, 
                         choices = json.loads(line[6:])["choices"]
                         if choices and choices[0]["delta"].get("content") is not None:
                             stamps.append(now)
+                            reply.append(choices[0]["delta"]["content"])
+            history.append({"role": "assistant", "content": "".join(reply)})
             turn.tokens += len(stamps)
             if stamps:
                 turn.ttft_s.append(stamps[0] - start)
                 turn.itl_s += np.diff(stamps).tolist()
 
 
-async def run_turn(url: str, clients: int, seconds: float, long_text: str, long_every: int, seed: int) -> Turn:
+async def run_turn(url: str, clients: int, seconds: float, load: Load, seed: int) -> Turn:
     turn = Turn(clients, seconds)
     start = time.perf_counter()
     await asyncio.gather(*(
-        client(url, random.Random(seed * 1000 + i), start + seconds, long_text, long_every, turn) for i in range(clients)
+        client(url, random.Random(seed * 1000 + i), start + seconds, load, turn) for i in range(clients)
     ))
     return turn
 
 
-def start_server(engine: str, max_batch: int, threads: int) -> tuple[subprocess.Popen, str]:
+def start_server(engine: str, max_batch: int, threads: int, prefix_caching: bool) -> tuple[subprocess.Popen, str]:
     port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "runner.cli", "serve", engine, "--port", str(port), "--max-batch", str(max_batch),
-         "--threads", str(threads), "--model-name", "bench", "--max-waiting", "256"],
+         "--threads", str(threads), "--model-name", "bench", "--max-waiting", "256"]
+        + (["--enable-prefix-caching"] if prefix_caching else []),
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
     url = f"http://127.0.0.1:{port}"
@@ -127,11 +153,12 @@ def start_server(engine: str, max_batch: int, threads: int) -> tuple[subprocess.
             time.sleep(0.3)
 
 
-def summarise(turns: list[Turn], base_turns: list[Turn]) -> dict:
+def summarise(setting: str, turns: list[Turn], base_turns: list[Turn]) -> dict:
     ttft = np.array([x for t in turns for x in t.ttft_s]) * 1000
     itl = np.array([x for t in turns for x in t.itl_s]) * 1000
     return {
-        "max_batch": turns[0].clients, "clients": turns[0].clients,
+        "setting": setting, "max_batch": turns[0].clients, "clients": turns[0].clients,
+        "prefix_caching": setting.endswith("c"),
         "output_tok_s": float(np.median([t.tok_s for t in turns])),
         "output_tok_s_rounds": [round(t.tok_s, 1) for t in turns],
         "vs_base": float(np.median([t.tok_s / b.tok_s for t, b in zip(turns, base_turns)])),
@@ -144,52 +171,58 @@ def summarise(turns: list[Turn], base_turns: list[Turn]) -> dict:
 
 @click.command()
 @click.option("--engine", required=True, type=click.Path(exists=True))
-@click.option("--batches", default="1,8,16", show_default=True, help="--max-batch settings (clients = max-batch); the first is the base of the ratios.")
+@click.option("--batches", default="1,8,16", show_default=True,
+              help="--max-batch settings (clients = max-batch), a `c` after one for a server with --enable-prefix-caching "
+                   "(e.g. 8,8c); the first is the base of the ratios.")
 @click.option("--threads", type=int, default=2, show_default=True)
 @click.option("--duration", type=float, default=20.0, show_default=True, help="Seconds of load per setting and round.")
 @click.option("--rounds", type=int, default=3, show_default=True)
-@click.option("--long-every", type=int, default=4, show_default=True, help="Each client's every N-th request is the ~650-token prompt (0: none).")
+@click.option("--long-every", type=int, default=4, show_default=True, help="Each client's every N-th conversation opens with the ~650-token prompt (0: none).")
+@click.option("--turns", type=int, default=1, show_default=True, help="Requests per conversation: each sends the conversation so far.")
 @click.option("--out", type=click.Path(path_type=Path), default=ROOT / "benchmarks" / "results" / "load.json")
-def main(engine, batches, threads, duration, rounds, long_every, out) -> None:
+def main(engine, batches, threads, duration, rounds, long_every, turns, out) -> None:
     from runner.machine import cpu_model, memory_bandwidth_gbs
 
-    settings = [int(b) for b in batches.split(",")]
-    long_text = long_question()
+    settings = batches.split(",")
+    clients = {setting: int(setting.rstrip("c")) for setting in settings}
+    load = Load(long_question(), long_every, turns)
     servers = {}
     try:
-        for batch in settings:
-            servers[batch] = start_server(engine, batch, threads)
-            asyncio.run(run_turn(servers[batch][1], 1, 3.0, long_text, 0, seed=999))  # warm-up: first runs of each shape
-        turns: dict[int, list[Turn]] = {batch: [] for batch in settings}
+        for setting in settings:
+            servers[setting] = start_server(engine, clients[setting], threads, prefix_caching=setting.endswith("c"))
+            # warm-up: first runs of each shape
+            asyncio.run(run_turn(servers[setting][1], 1, 3.0, Load(load.long_text, 0), seed=999))
+        runs: dict[str, list[Turn]] = {setting: [] for setting in settings}
         bandwidths = []  # one decoding row is bound by memory bandwidth, a full batch far less: it sets the ratios
         for round_index in range(rounds):
             bandwidths.append(memory_bandwidth_gbs(threads))
             print(f"round {round_index + 1}: memory bandwidth {bandwidths[-1]:.1f} GB/s", flush=True)
-            for batch in settings:
-                turn = asyncio.run(run_turn(servers[batch][1], batch, duration, long_text, long_every, seed=round_index))
-                turns[batch].append(turn)
-                print(f"round {round_index + 1}: {batch} clients {turn.tok_s:.1f} tok/s", flush=True)
+            for setting in settings:
+                turn = asyncio.run(run_turn(servers[setting][1], clients[setting], duration, load, seed=round_index))
+                runs[setting].append(turn)
+                print(f"round {round_index + 1}: {setting} clients {turn.tok_s:.1f} tok/s", flush=True)
                 time.sleep(0.5)  # the server just left notices the disconnects and goes idle
     finally:
         for server, _ in servers.values():
             server.terminate()
             server.wait(timeout=60)
-    results = [summarise(turns[batch], turns[settings[0]]) for batch in settings]
-    mix = f"every {long_every}th request a ~650-token prompt, the others short chat turns" if long_every else "all short chat turns"
+    results = [summarise(setting, runs[setting], runs[settings[0]]) for setting in settings]
+    mix = (f"every {long_every}th conversation opens with a ~650-token prompt, the others with a short chat turn"
+           if long_every else "all short chat turns") + (f"; conversations of {turns} requests" if turns > 1 else "")
     print(f"machine: {cpu_model()}, {threads} threads, memory bandwidth (triad) "
           f"{'/'.join(f'{b:.1f}' for b in bandwidths)} GB/s in the rounds; {rounds} rounds of {duration:.0f} s per setting; {mix}")
-    print(f"{'clients':>7} | {'out tok/s':>9} {'vs ' + str(settings[0]):>6} {'(rounds)':<20} | "
+    print(f"{'clients':>7} | {'out tok/s':>9} {'vs ' + settings[0]:>6} {'(rounds)':<20} | "
           f"{'TTFT p50':>9} {'p99':>8} | {'ITL p50':>8} {'p99':>8}")
     for r in results:
         per_round = "/".join(f"{x:.2f}" for x in r["vs_base_rounds"])
-        print(f"{r['clients']:>7} | {r['output_tok_s']:>9.1f} {r['vs_base']:>5.2f}x {per_round:<20} | "
+        print(f"{r['setting']:>7} | {r['output_tok_s']:>9.1f} {r['vs_base']:>5.2f}x {per_round:<20} | "
               f"{r['ttft_ms_p50']:>7.0f}ms {r['ttft_ms_p99']:>6.0f}ms | {r['itl_ms_p50']:>6.1f}ms {r['itl_ms_p99']:>6.0f}ms")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "machine": f"{cpu_model()}, {threads} threads", "commit": commit, "duration_s": duration, "rounds": rounds,
         "bandwidth_gbs_rounds": [round(b, 1) for b in bandwidths],
-        "long_every": long_every, "results": results,
+        "long_every": long_every, "turns": turns, "results": results,
     }, indent=2))
 
 
