@@ -35,7 +35,7 @@ class _Pending:
     logits: np.ndarray  # the target's logits at the tree's nodes [>= nodes, vocab]
     hidden: np.ndarray | None = None  # hidden states at the nodes (where a draft head starts from)
     verified: bool = False  # its nodes' K/V wait in the cache for the accepted path to be kept
-    argmax: int | None = None  # the step graph's argmax at the root, for a tree of the root alone
+    argmax: np.ndarray | None = None  # the step graph's argmax at the tree's nodes
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,7 @@ class LLMEngine:
             for index, request in enumerate(step.decode):
                 request.num_computed += 1
                 root = pack_tree(request.output_token_ids[-1], [], 0)
-                pending.append(_Pending(request, root, decoded.logits[index, None], argmax=int(decoded.argmax[index])))
+                pending.append(_Pending(request, root, decoded.logits[index, None], argmax=decoded.argmax[index, None]))
         if step.prefill is not None:
             request, count = step.prefill
             start = request.num_computed
@@ -159,7 +159,7 @@ class LLMEngine:
             request.num_computed += count
             if not request.prefilling:
                 root = pack_tree(request.prompt_token_ids[-1], [], 0)
-                pending += [_Pending(r, root, scored.logits[None], scored.hidden[None], argmax=int(scored.argmax))
+                pending += [_Pending(r, root, scored.logits[None], scored.hidden[None], argmax=scored.argmax[None])
                             for r in [request] + self._fork(request)]
         if not pending:
             return []
@@ -203,12 +203,12 @@ class LLMEngine:
         return forked
 
     def _sample(self, pending: list[_Pending]) -> list[SampledRow]:
-        """The sampler graph's choice for every pending row, in one call; a root alone whose argmax is already the
-        sampler's choice (Sampler.takes_argmax) takes it without one."""
-        by_argmax = [p.argmax is not None and self.sampler.takes_argmax(p.request, p.argmax) for p in pending]
-        to_sample = [(p.request, p.tree, p.logits) for p, taken in zip(pending, by_argmax) if not taken]
+        """The sampler graph's choice for every pending row, in one call; greedy rows whose choice the step graph's
+        argmax already gives (Sampler.greedy_walk) take it without one."""
+        walked = [None if p.argmax is None else self.sampler.greedy_walk(p.request, p.tree, p.argmax) for p in pending]
+        to_sample = [(p.request, p.tree, p.logits) for p, row in zip(pending, walked) if row is None]
         sampled = iter(self.sampler.sample(to_sample) if to_sample else [])
-        return [SampledRow([p.argmax], [0], None) if taken else next(sampled) for p, taken in zip(pending, by_argmax)]
+        return [next(sampled) if row is None else row for row in walked]
 
     def _verify(self, requests: list[Request]) -> list[_Pending]:
         """Score each generating request's draft tree (one verify call for all); the sampler graph then accepts."""
@@ -222,7 +222,7 @@ class LLMEngine:
         )
         self.speculation_stats.verify_seconds += time.perf_counter() - started
         return [
-            _Pending(request, tree, verified.logits[index], verified.hidden[index], True)
+            _Pending(request, tree, verified.logits[index], verified.hidden[index], True, verified.argmax[index])
             for index, (request, tree) in enumerate(zip(requests, trees))
         ]
 

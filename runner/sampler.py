@@ -1,6 +1,7 @@
 """The host side of the engine's sampler graph (builder/sampler.py): its inputs from the requests being sampled, and
-its outputs as tokens. Every token the runner emits comes out of that graph; here only the request's state is
-turned into arrays (parameters, what the output holds so far, uniforms from the request's own seeded generator)
+its outputs as tokens. Every token the runner emits comes out of that graph, or, for greedy rows it would walk by
+the argmax alone, from the step graph's argmax output (`greedy_walk`); here only the request's state is turned into
+arrays (parameters, what the output holds so far, uniforms from the request's own seeded generator)
 and the results read back."""
 
 from __future__ import annotations
@@ -32,15 +33,30 @@ class Sampler:
         params = request.params
         return set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
 
-    def takes_argmax(self, request: Request, token: int) -> bool:
-        """Whether `token`, the step graph's argmax of the request's next-token logits, is exactly what the sampler
-        graph would choose: the request is greedy, wants no logprobs and has no penalties, and the token is not
-        banned (masking banned tokens leaves a first maximum that is not banned where it is). A plain greedy step
-        then skips the sampler call."""
+    def greedy_walk(self, request: Request, tree: TokenTree, argmax: np.ndarray) -> SampledRow | None:
+        """The sampler graph's choice for a greedy request, from the step graph's argmax at every node of its tree
+        (`argmax` [>= nodes]): from the root, take the child whose token is the target's argmax while there is one,
+        then the argmax itself. Exactly the graph's walk (its greedy choice is the first maximum, as ArgMax's) as
+        long as no token on the way is banned; None where the graph must choose: the request wants logprobs or
+        penalties, or a stop token comes before min_tokens (the graph then takes the best allowed one). Saves a
+        greedy step the sampler call (~0.7 ms for a 5-node tree over a 49k vocabulary)."""
         params = request.params
         if not params.greedy or params.logprobs is not None or params.penalised:
-            return False
-        return len(request.output_token_ids) >= params.min_tokens or token not in self.stop_ids(request)
+            return None
+        banned_until = params.min_tokens - len(request.output_token_ids)  # tokens emitted before stops are allowed
+        stop_ids = self.stop_ids(request) if banned_until > 0 else set()
+        node, tokens, path = 0, [], [0]
+        while True:
+            token = int(argmax[node])
+            if len(tokens) < banned_until and token in stop_ids:
+                return None
+            tokens.append(token)
+            child = next((c for c in range(node + 1, len(tree.tokens))
+                          if tree.parents[c] == node and tree.tokens[c] == token), None)
+            if child is None:
+                return SampledRow(tokens, path, None)
+            path.append(child)
+            node = child
 
     def sample(self, rows: list[tuple[Request, TokenTree, np.ndarray]]) -> list[SampledRow]:
         """rows: (request, its token tree, the target's logits at the tree's nodes [>= nodes, vocab]). One graph call."""

@@ -172,24 +172,29 @@ def test_min_tokens_bans_stop_tokens_by_depth(sampler):
     assert banned[EOS] == 0.0
 
 
-def test_the_argmax_shortcut_is_taken_only_where_it_is_the_graphs_choice(sampler):
-    """Sampler.takes_argmax lets a plain greedy step skip the graph: where it says yes, the graph picks the argmax
-    (ties included: the first maximum); it says no for every parameter set that can change the choice."""
+def test_the_greedy_walk_is_taken_only_where_it_is_the_graphs_choice(sampler):
+    """Sampler.greedy_walk lets a greedy step skip the graph: where it gives an answer, the graph gives the same
+    tokens and path (ties included: the first maximum), for trees of the root alone and of several beams; it gives
+    none for every parameter set that can change the choice."""
     rng = np.random.default_rng(3)
-    taken = 0
-    for index in range(200):
+    taken = accepted = 0
+    for index in range(300):
         params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, min_tokens=3),
                   SamplingParams(temperature=0.0, stop_token_ids=[5], min_tokens=2)][index % 3]
-        logits = rng.integers(-3, 3, (1, VOCAB)).astype(np.float32)  # many ties
-        logits[0, [EOS, 5]] += rng.integers(0, 3)  # stop tokens often the maximum
-        row = request(params, 0, [1], rng.integers(0, VOCAB, rng.integers(0, 4)).tolist())
-        argmax = int(np.argmax(logits[0]))
-        (result,) = sampler.sample([(row, pack_tree(row.output_token_ids[-1] if row.output_token_ids else 7, [], 0), logits)])
-        if sampler.takes_argmax(row, argmax):
+        output = rng.integers(0, VOCAB, rng.integers(1, 4)).tolist()
+        beams = [rng.integers(0, 6, rng.integers(1, DEPTH + 1)).tolist() for _ in range(index % 4)]  # small ids: often accepted
+        tree = pack_tree(output[-1], beams, DEPTH)
+        logits = rng.integers(-3, 3, (len(tree.tokens), VOCAB)).astype(np.float32)  # many ties
+        logits[:, :6] += rng.integers(0, 3, (len(tree.tokens), 6))  # drafts and stop tokens often the maximum
+        row = request(params, 0, [1], output)
+        (expected,) = sampler.sample([(row, tree, logits)])
+        walked = sampler.greedy_walk(row, tree, logits.argmax(axis=-1))
+        if walked is not None:
             taken += 1
-            assert result.tokens == [argmax]
+            accepted += len(walked.path) > 1
+            assert (walked.tokens, walked.path) == (expected.tokens, expected.path)
         else:
-            assert argmax in sampler.stop_ids(row) and len(row.output_token_ids) < params.min_tokens
-    assert 50 < taken < 200  # both answers occur
+            assert len(row.output_token_ids) < params.min_tokens  # a stop token on the walk was still banned
+    assert 100 < taken < 300 and accepted > 30  # every answer occurs
     for params in PARAMS[1:8]:  # sampling, penalties, logprobs: never
-        assert not sampler.takes_argmax(request(params, 0, [1], [9]), 3)
+        assert sampler.greedy_walk(request(params, 0, [1], [9]), pack_tree(9, [], 0), np.array([3])) is None
