@@ -37,10 +37,27 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# OpenAI fields this server does not implement, each with the test of a value that asks for nothing (clients send
+# some of them by default): any other value gets a 400 naming the field rather than an answer that silently ignores
+# it. Fields unknown to OpenAI too are ignored, as vLLM does.
+UNSUPPORTED_FIELDS = {
+    "logit_bias": lambda value: not value,
+    "suffix": lambda value: not value,
+    "response_format": lambda value: value is None or (isinstance(value, dict) and value.get("type") == "text"),
+    "tools": lambda value: not value,
+    "functions": lambda value: not value,
+    "tool_choice": lambda value: value in (None, "none", "auto"),  # without tools, "auto" chooses none
+    "function_call": lambda value: value in (None, "none", "auto"),
+    "prediction": lambda value: value is None,
+    "audio": lambda value: value is None,
+    "modalities": lambda value: value in (None, ["text"]),
+}
+
+
 class SamplingFields(BaseModel):
     """The sampling fields both endpoints share (OpenAI's names, plus vLLM's extras)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
     model: str
     max_tokens: int | None = None
     temperature: float = 1.0
@@ -80,7 +97,18 @@ class ChatBody(SamplingFields):
     top_logprobs: int | None = None
 
 
+def _refuse_unsupported(body: SamplingFields) -> None:
+    extra = body.model_extra or {}
+    for name, asks_nothing in UNSUPPORTED_FIELDS.items():
+        if name in extra and not asks_nothing(extra[name]):
+            raise APIError(400, f"{name} is not supported by this server", param=name)
+    best_of = extra.get("best_of")
+    if best_of is not None and best_of not in (1, body.n):  # best_of = n returns all it generates: plain n
+        raise APIError(400, "best_of other than n is not supported by this server", param="best_of")
+
+
 def _sampling(body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    _refuse_unsupported(body)
     try:
         return SamplingParams(
             max_tokens=max_tokens if max_tokens is not None else 16,

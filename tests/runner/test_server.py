@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import socket
 import threading
 import time
@@ -145,6 +146,16 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
     assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
     response = post('{"model": "tiny", "prompt": [[]]}', "/v1/completions")
     assert response.status_code == 400 and "empty" in response.json()["error"]["message"]
+    # OpenAI fields the server does not implement are refused, not silently ignored; their neutral values pass
+    for field, value in (("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
+                         ("logit_bias", {"5": 100}), ("tool_choice", "required")):
+        with pytest.raises(openai.BadRequestError, match=f"{field} is not supported") as refused:
+            chat(server, extra_body={field: value})
+        assert refused.value.body["param"] == field
+    for field, value in (("suffix", "end"), ("best_of", 3)):
+        response = post(json.dumps({"model": "tiny", "prompt": "hi", field: value}), "/v1/completions")
+        assert response.status_code == 400 and response.json()["error"]["param"] == field
+    assert chat(server, extra_body={"response_format": {"type": "text"}, "tools": [], "user": "u", "store": False})
     assert chat(server).choices[0].message.content is not None
 
 
