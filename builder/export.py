@@ -121,11 +121,12 @@ def _sampler_graph(vocab_size: int, max_depth: int, candidates: int) -> tuple[by
         torch.zeros(2, dtype=torch.long), torch.ones(2), torch.zeros(2), torch.ones(2), torch.zeros(2), torch.zeros(2),
         torch.zeros(2, vocab_size), torch.zeros(2, vocab_size, dtype=torch.bool),
         torch.zeros(2, vocab_size, dtype=torch.bool), torch.zeros(2, dtype=torch.long), torch.tensor(False),
+        torch.zeros(2, vocab_size),
     )
     per_row = {0: batch}
     per_node = {0: batch, 1: nodes}
     shapes = dict(zip(SAMPLER_INPUT_NAMES, [
-        per_node, per_node, per_node, {0: batch, 1: nodes, 2: nodes}, per_node, *[per_row] * 11, {},
+        per_node, per_node, per_node, {0: batch, 1: nodes, 2: nodes}, per_node, *[per_row] * 11, {}, per_row,
     ]))
     with tempfile.TemporaryDirectory() as scratch:
         path = Path(scratch) / SAMPLER_GRAPH_FILE

@@ -22,7 +22,8 @@ Inputs ([B] rows, [N] nodes, [V] vocabulary):
   bool (a node's ancestors and itself); uniforms [B, N, 2] (u_test, u_draw per node); temperature, top_p, min_p,
   repetition_penalty, presence_penalty, frequency_penalty [B] float32; top_k [B] int64 (<= 0: off);
   output_counts [B, V] float32 (occurrences in the output so far); prompt_tokens [B, V] bool; banned [B, V] bool
-  and ban_depth [B] int64 (banned tokens are excluded at nodes shallower than ban_depth); want_logprobs [] bool.
+  and ban_depth [B] int64 (banned tokens are excluded at nodes shallower than ban_depth); want_logprobs [] bool;
+  logit_bias [B, V] float32 (OpenAI's logit_bias, added to the logits before everything else, as vLLM does).
 Outputs ([D] = the deepest tree the engine verifies):
   tokens_out [B, D + 1] (the emitted tokens, count of them valid), count [B] int64, path [B, D + 1] int64 (the nodes
   whose K/V the cache keeps: path[0] = the root ... path[count - 1]), and when want_logprobs, for each emitted
@@ -49,7 +50,7 @@ CANDIDATES = 256
 INPUT_NAMES = [
     "logits", "tokens", "parents", "ancestors", "uniforms", "temperature", "top_k", "top_p", "min_p",
     "repetition_penalty", "presence_penalty", "frequency_penalty", "output_counts", "prompt_tokens", "banned",
-    "ban_depth", "want_logprobs",
+    "ban_depth", "want_logprobs", "logit_bias",
 ]
 OUTPUT_NAMES = ["tokens_out", "count", "path", "logprobs", "top_ids", "top_logprobs"]
 
@@ -217,8 +218,9 @@ class Sampler(nn.Module):
 
     def forward(self, logits, tokens, parents, ancestors, uniforms, temperature, top_k, top_p, min_p,
                 repetition_penalty, presence_penalty, frequency_penalty, output_counts, prompt_tokens, banned,
-                ban_depth, want_logprobs):
+                ban_depth, want_logprobs, logit_bias):
         batch, nodes, _ = logits.shape
+        raw_logits, logits = logits, logits + logit_bias.unsqueeze(1)  # logprobs stay the model's own
         children = parents.unsqueeze(1) == torch.arange(nodes)[None, :, None]  # [B, n, c]: c is a child of n
         penalised = ((repetition_penalty != 1.0) | (presence_penalty != 0.0) | (frequency_penalty != 0.0)).any()
         fast, general = (functools.partial(f, candidates=self.candidates) for f in (greedy_unpenalised_choice, general_choice))
@@ -244,5 +246,5 @@ class Sampler(nn.Module):
         path = torch.stack(path, dim=1)  # [B, D + 1]
         emitted = torch.cat((tokens.gather(1, path[:, 1:]), torch.zeros(batch, 1, dtype=torch.long)), dim=1)
         emitted = emitted.scatter(1, (count - 1).unsqueeze(1), drawn.gather(1, node.unsqueeze(1)))
-        logprobs, top_ids, top_logprobs = torch.cond(want_logprobs, model_logprobs, no_logprobs, (logits, path, emitted))
+        logprobs, top_ids, top_logprobs = torch.cond(want_logprobs, model_logprobs, no_logprobs, (raw_logits, path, emitted))
         return emitted, count, path, logprobs, top_ids, top_logprobs

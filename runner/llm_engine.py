@@ -64,7 +64,9 @@ class LLMEngine:
         self.scheduler = Scheduler(rows, self.executor.max_chunk, prefix_caching=enable_prefix_caching)
         if rows > 1:  # greedy tokens must not depend on the batch a request runs in
             self.executor.pad_single_rows_if_they_round_differently()
-        self.sampler = Sampler(backend, manifest.sampler, manifest.model.vocab_size, set(manifest.model.eos_token_ids))
+        sampler_inputs = {t.name for t in manifest.graphs[manifest.sampler.graph].inputs}
+        self.sampler = Sampler(backend, manifest.sampler, manifest.model.vocab_size, set(manifest.model.eos_token_ids),
+                               takes_logit_bias="logit_bias" in sampler_inputs)
         self.speculation = manifest.speculation  # None for a plain engine
         self.draft_model = None  # draft-model engines: the draft model, an engine of its own (runner/draft_model.py)
         if self.speculation is not None and self.speculation["method"] == "draft-model":
@@ -103,6 +105,10 @@ class LLMEngine:
         vocab = self.manifest.model.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise PromptError(f"prompt token ids must be in [0, {vocab})")
+        if any(t >= vocab for t in params.logit_bias):
+            raise PromptError(f"logit_bias token ids must be in [0, {vocab})")
+        if params.logit_bias and not self.sampler.takes_logit_bias:
+            raise PromptError("this engine was built before logit_bias existed: rebuild it to use logit_bias")
         if len(prompt_token_ids) >= self.max_seq_len:
             raise PromptError(
                 f"the prompt has {len(prompt_token_ids)} tokens; this engine's max sequence length is "

@@ -23,11 +23,13 @@ class SampledRow:
 
 
 class Sampler:
-    def __init__(self, backend, spec: SamplerSpec, vocab_size: int, eos_token_ids: set[int]) -> None:
+    def __init__(self, backend, spec: SamplerSpec, vocab_size: int, eos_token_ids: set[int],
+                 takes_logit_bias: bool = True) -> None:
         self.backend = backend
         self.spec = spec
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
+        self.takes_logit_bias = takes_logit_bias  # False for graphs built before logit_bias was an input
 
     def stop_ids(self, request: Request) -> set[int]:
         params = request.params
@@ -37,11 +39,11 @@ class Sampler:
         """The sampler graph's choice for a greedy request, from the step graph's argmax at every node of its tree
         (`argmax` [>= nodes]): from the root, take the child whose token is the target's argmax while there is one,
         then the argmax itself. Exactly the graph's walk (its greedy choice is the first maximum, as ArgMax's) as
-        long as no token on the way is banned; None where the graph must choose: the request wants logprobs or
-        penalties, or a stop token comes before min_tokens (the graph then takes the best allowed one). Saves a
+        long as no token on the way is banned; None where the graph must choose: the request wants logprobs,
+        penalties or a logit bias, or a stop token comes before min_tokens (the graph then takes the best allowed one). Saves a
         greedy step the sampler call (~0.7 ms for a 5-node tree over a 49k vocabulary)."""
         params = request.params
-        if not params.greedy or params.logprobs is not None or params.penalised:
+        if not params.greedy or params.logprobs is not None or params.penalised or params.logit_bias:
             return None
         banned_until = params.min_tokens - len(request.output_token_ids)  # tokens emitted before stops are allowed
         stop_ids = self.stop_ids(request) if banned_until > 0 else set()
@@ -110,4 +112,9 @@ class Sampler:
                 feeds["banned"][index, [t for t in stop_ids if t < vocab]] = True
                 feeds["ban_depth"][index] = params.min_tokens - len(request.output_token_ids)
         feeds["want_logprobs"] = np.array(any(request.params.logprobs is not None for request, _, _ in rows))
+        if self.takes_logit_bias:
+            feeds["logit_bias"] = np.zeros((batch, vocab), np.float32)
+            for index, (request, _, _) in enumerate(rows):
+                for token, bias in request.params.logit_bias.items():
+                    feeds["logit_bias"][index, token] = bias
         return feeds

@@ -27,6 +27,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted per occurrence in the output
     logprobs: int | None = None  # return the sampled token's logprob and this many top alternatives
     n: int = 1  # completions per prompt (the server's `n`)
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit before anything else
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -62,6 +63,11 @@ class SamplingParams:
             problems.append(f"n must be an integer in [1, 16], got {self.n!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             problems.append("stop_token_ids must be non-negative integers")
+        self.logit_bias = dict(self.logit_bias or {})
+        if any(not isinstance(t, int) or t < 0 for t in self.logit_bias):
+            problems.append("logit_bias keys must be non-negative token ids")
+        if any(not isinstance(v, (int, float)) or not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
+            problems.append("logit_bias values must be in [-100, 100]")
         if problems:
             raise ValueError("; ".join(problems))
 

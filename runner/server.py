@@ -41,7 +41,6 @@ class StreamOptions(BaseModel):
 # some of them by default): any other value gets a 400 naming the field rather than an answer that silently ignores
 # it. Fields unknown to OpenAI too are ignored, as vLLM does.
 UNSUPPORTED_FIELDS = {
-    "logit_bias": lambda value: not value,
     "suffix": lambda value: not value,
     "response_format": lambda value: value is None or (isinstance(value, dict) and value.get("type") == "text"),
     "tools": lambda value: not value,
@@ -75,6 +74,7 @@ class SamplingFields(BaseModel):
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
     min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
     user: str | None = None
 
 
@@ -116,7 +116,7 @@ def _sampling(body: SamplingFields, max_tokens: int | None, logprobs: int | None
             seed=body.seed, stop=body.stop or [], stop_token_ids=body.stop_token_ids or [],
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
             repetition_penalty=body.repetition_penalty, ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
-            logprobs=logprobs,
+            logprobs=logprobs, logit_bias=body.logit_bias or {},
         )
     except ValueError as err:
         raise APIError(400, str(err)) from None

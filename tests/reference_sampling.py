@@ -60,7 +60,10 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 
 def node_distribution(logits, params: SamplingParams, prompt_ids, output_ids, stop_ids) -> np.ndarray:
-    adjusted = apply_penalties(logits, params, prompt_ids, output_ids)
+    biased = logits.astype(np.float32, copy=True)  # logit_bias first, in the logits' own float32, as vLLM does
+    for token, bias in params.logit_bias.items():
+        biased[token] += np.float32(bias)
+    adjusted = apply_penalties(biased, params, prompt_ids, output_ids)
     if len(output_ids) < params.min_tokens and stop_ids:
         adjusted[list(stop_ids)] = -np.inf
     return processed_probs(adjusted, params)

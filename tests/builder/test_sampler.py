@@ -63,6 +63,8 @@ PARAMS = [
     SamplingParams(temperature=0.8, min_tokens=6, stop_token_ids=[5], logprobs=3),
     SamplingParams(temperature=0.5, top_k=3),  # alone in a call: top-k from the candidates (a partial sort)
     SamplingParams(temperature=0.5, top_p=0.5),
+    SamplingParams(temperature=0.0, logit_bias={3: 5.0, 7: -100.0}),
+    SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.3, logit_bias={1: 3.0, 2: -2.5, 5: 9.0}, logprobs=2),
 ]
 
 
@@ -118,7 +120,7 @@ def test_tokens_and_paths_match_the_reference_walk(sampler, mixed):
             for token, node, logprob in zip(tokens, path + [path[-1]], result.logprobs):
                 expected = log_softmax(logits[node])
                 assert logprob.token_id == token and logprob.logprob == pytest.approx(expected[token], abs=1e-5)
-                assert [t for t, _ in logprob.top] == np.argsort(-expected, kind="stable")[:3].tolist()
+                assert [t for t, _ in logprob.top] == np.argsort(-expected, kind="stable")[:params.logprobs].tolist()
     assert accepted > 10  # acceptance paths were walked, not only roots
 
 
@@ -196,5 +198,5 @@ def test_the_greedy_walk_is_taken_only_where_it_is_the_graphs_choice(sampler):
         else:
             assert len(row.output_token_ids) < params.min_tokens  # a stop token on the walk was still banned
     assert 100 < taken < 300 and accepted > 30  # every answer occurs
-    for params in PARAMS[1:8]:  # sampling, penalties, logprobs: never
+    for params in PARAMS[1:]:  # sampling, penalties, logprobs, logit bias: never
         assert sampler.greedy_walk(request(params, 0, [1], [9]), pack_tree(9, [], 0), np.array([3])) is None

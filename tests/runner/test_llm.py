@@ -55,6 +55,22 @@ def test_stop_token_ids_and_min_tokens(llm):
     assert stop_id not in held.token_ids and len(held.token_ids) == 16
 
 
+def test_logit_bias_moves_greedy_choices_and_is_checked(llm):
+    full = llm.generate("hello", GREEDY)[0].token_ids
+    banned = llm.generate("hello", SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
+                                                  logit_bias={full[0]: -100.0}))[0].token_ids
+    assert banned[0] != full[0] and full[0] not in banned
+    forced = llm.generate("hello", SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logit_bias={7: 100.0}))[0]
+    assert forced.token_ids == [7] * 5
+    batch = llm.generate(["hello", "hello"], [GREEDY, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
+                                                                     logit_bias={full[0]: -100.0})])
+    assert [o.token_ids for o in batch] == [full, banned]  # a bias is its own request's only
+    with pytest.raises(PromptError, match="logit_bias token ids"):
+        llm.generate("hi", SamplingParams(logit_bias={10**6: 1.0}))
+    with pytest.raises(ValueError, match=r"logit_bias values must be in \[-100, 100\]"):
+        SamplingParams(logit_bias={1: 101.0})
+
+
 def test_seeded_sampling_reproduces_alone_and_in_a_batch(llm):
     params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=42, ignore_eos=True)
     alone = llm.generate("hello", params)[0].token_ids

@@ -115,6 +115,15 @@ def test_n_seeds_and_logprobs(server):
     assert all(c.logprob == pytest.approx(c.top_logprobs[0].logprob) for c in content)  # greedy takes the top
 
 
+def test_logit_bias(server):
+    forced = chat(server, max_tokens=3, logit_bias={"7": 100}, extra_body={"ignore_eos": True}, logprobs=True)
+    assert [c.token for c in forced.choices[0].logprobs.content] == [server.engine.engine.codec.decode([7])] * 3
+    # the model's own log-probability, not the biased one (which would be ~0)
+    assert all(c.logprob < -1e-3 for c in forced.choices[0].logprobs.content)
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        chat(server, logit_bias={"7": 200})
+
+
 def test_16_concurrent_streams_equal_the_same_requests_run_one_at_a_time(server):
     prompts = [f"request {i}: " + "hello world " * (i % 5) for i in range(16)]
 
@@ -148,7 +157,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
     assert response.status_code == 400 and "empty" in response.json()["error"]["message"]
     # OpenAI fields the server does not implement are refused, not silently ignored; their neutral values pass
     for field, value in (("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
-                         ("logit_bias", {"5": 100}), ("tool_choice", "required")):
+                         ("tool_choice", "required")):
         with pytest.raises(openai.BadRequestError, match=f"{field} is not supported") as refused:
             chat(server, extra_body={field: value})
         assert refused.value.body["param"] == field

@@ -135,6 +135,7 @@ def test_limits_stops_and_logprobs_match_plain_decoding(plain, oracle):
         SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True, logprobs=2),
         SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=["o"]),
         SamplingParams(max_tokens=30, temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.5, min_tokens=10),
+        SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logit_bias={5: 4.0, 9: 2.0, 11: -3.0}),
     ):
         for prompt in PROMPTS[:3]:
             a, b = plain.generate(prompt, params)[0], spec.generate(prompt, params)[0]
