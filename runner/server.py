@@ -90,6 +90,20 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
 
+class TokenizeBody(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages to which the chat template is applied first."""
+
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+
+
+class DetokenizeBody(BaseModel):
+    model: str
+    tokens: list[int]
+
+
 class ChatBody(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
@@ -168,7 +182,7 @@ def create_app(engine: AsyncEngine, model_name: str, shutdown_grace: float = 10.
     async def models() -> dict:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "local", "max_model_len": llm.max_seq_len}]}
 
-    def check_model(body: SamplingFields) -> None:
+    def check_model(body: BaseModel) -> None:
         if body.model != model_name:
             raise APIError(404, f"the model {body.model!r} does not exist; this server serves {model_name!r}", "not_found_error", "model")
 
@@ -177,6 +191,31 @@ def create_app(engine: AsyncEngine, model_name: str, shutdown_grace: float = 10.
             return llm.new_requests(prompt, ids, params)
         except PromptError as err:
             raise APIError(400, str(err), param="prompt") from None
+
+    def chat_prompt(messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
+        turns = [{"role": m.role, "content": _message_text(m.content)} for m in messages]
+        try:
+            return llm.codec.apply_chat_template(turns, add_generation_prompt=add_generation_prompt)
+        except Exception as err:  # ChatTemplateError, or anything else a jinja template raises
+            raise APIError(400, f"cannot apply the chat template: {err}", param="messages") from None
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeBody) -> dict:
+        """The token ids a prompt (or a chat) becomes, so a client can count them before sending (vLLM's endpoint)."""
+        check_model(body)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give either prompt or messages", param="prompt")
+        text = body.prompt if body.messages is None else chat_prompt(body.messages, body.add_generation_prompt)
+        tokens = llm.codec.encode(text)
+        return {"count": len(tokens), "max_model_len": llm.max_seq_len, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeBody) -> dict:
+        check_model(body)
+        vocab = llm.manifest.model.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
+        return {"prompt": llm.codec.decode(body.tokens)}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, http: Request):
@@ -193,12 +232,7 @@ def create_app(engine: AsyncEngine, model_name: str, shutdown_grace: float = 10.
         # without a limit a chat answer may use the rest of the context (OpenAI's and vLLM's chat default), not 16
         limit = next((v for v in (body.max_completion_tokens, body.max_tokens) if v is not None), llm.max_seq_len)
         params = _sampling(body, limit, logprobs)
-        messages = [{"role": m.role, "content": _message_text(m.content)} for m in body.messages]
-        try:
-            prompt = llm.codec.apply_chat_template(messages)
-        except Exception as err:  # ChatTemplateError, or anything else a jinja template raises
-            raise APIError(400, f"cannot apply the chat template: {err}", param="messages") from None
-        groups = [make_requests(prompt, None, params)]
+        groups = [make_requests(chat_prompt(body.messages), None, params)]
         return await _respond(engine, http, body, groups, "chat.completion", _chat_choice, _chat_chunk)
 
     return app

@@ -115,6 +115,22 @@ def test_n_seeds_and_logprobs(server):
     assert all(c.logprob == pytest.approx(c.top_logprobs[0].logprob) for c in content)  # greedy takes the top
 
 
+def test_tokenize_and_detokenize_count_what_the_endpoints_send(server):
+    def post(path, body):
+        return httpx.post(f"{server.url}{path}", json={"model": MODEL, **body})
+
+    messages = [{"role": "user", "content": "hello there"}]
+    chat_usage = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1).usage
+    counted = post("/tokenize", {"messages": messages}).json()
+    assert counted["count"] == chat_usage.prompt_tokens and counted["max_model_len"] == server.engine.engine.max_seq_len
+    plain = post("/tokenize", {"prompt": "hello there"}).json()
+    assert plain["count"] == server.client.completions.create(model=MODEL, prompt="hello there", max_tokens=1).usage.prompt_tokens
+    assert post("/detokenize", {"tokens": plain["tokens"]}).json() == {"prompt": "hello there"}
+    assert post("/tokenize", {}).status_code == 400
+    assert post("/detokenize", {"tokens": [10**7]}).json()["error"]["param"] == "tokens"
+    assert httpx.post(f"{server.url}/tokenize", json={"model": "gpt-9", "prompt": "x"}).status_code == 404
+
+
 def test_logit_bias(server):
     forced = chat(server, max_tokens=3, logit_bias={"7": 100}, extra_body={"ignore_eos": True}, logprobs=True)
     assert [c.token for c in forced.choices[0].logprobs.content] == [server.engine.engine.codec.decode([7])] * 3
