@@ -133,7 +133,10 @@ PADDED_ROWS_NOTE = ("note: a lone request runs as two rows: this engine's quanti
 @click.option("--shutdown-grace", type=float, default=10.0, show_default=True, help="Seconds running requests get to finish on shutdown.")
 @click.option("--enable-prefix-caching", is_flag=True, help="Start a prompt after the longest prefix a cache row holds "
               "from an earlier or running request (a chat's earlier turns); greedy tokens may then differ at near-ties.")
-def serve(engine, host, port, max_batch, max_waiting, threads, model_name, shutdown_grace, enable_prefix_caching) -> None:
+@click.option("--api-key", envvar="RUNNER_API_KEY", default=None,
+              help="Require `Authorization: Bearer KEY` on every route but /health and /metrics (or set RUNNER_API_KEY).")
+def serve(engine, host, port, max_batch, max_waiting, threads, model_name, shutdown_grace, enable_prefix_caching,
+          api_key) -> None:
     """Serve ENGINE with an OpenAI-compatible HTTP API."""
     import uvicorn
 
@@ -144,7 +147,7 @@ def serve(engine, host, port, max_batch, max_waiting, threads, model_name, shutd
         llm_engine = LLMEngine(engine, threads=threads, max_batch=max_batch, enable_prefix_caching=enable_prefix_caching)
     async_engine = AsyncEngine(llm_engine, max_waiting=max_waiting)
     name = model_name or Path(engine).resolve().name
-    app = create_app(async_engine, name, shutdown_grace)
+    app = create_app(async_engine, name, shutdown_grace, api_key)
     click.echo(f"serving {name!r} ({llm_engine.scheduler.max_rows} rows, max_seq_len {llm_engine.max_seq_len}) on http://{host}:{port}/v1", err=True)
     if llm_engine.executor.min_rows > 1:
         click.echo(PADDED_ROWS_NOTE, err=True)

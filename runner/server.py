@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import time
 import uuid
@@ -147,7 +148,11 @@ def _message_text(content: str | list[dict[str, Any]] | None) -> str:
     return "".join(parts)
 
 
-def create_app(engine: AsyncEngine, model_name: str, shutdown_grace: float = 10.0) -> FastAPI:
+OPEN_PATHS = ("/health", "/metrics")  # probes and scrapers need no API key
+
+
+def create_app(engine: AsyncEngine, model_name: str, shutdown_grace: float = 10.0, api_key: str | None = None) -> FastAPI:
+    """`api_key`: when set, every route but OPEN_PATHS wants `Authorization: Bearer <api_key>` (401 otherwise)."""
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         yield
@@ -157,6 +162,16 @@ def create_app(engine: AsyncEngine, model_name: str, shutdown_grace: float = 10.
     app = FastAPI(title="llm-engine-builder runner", version="0.1.0", lifespan=lifespan)
     llm = engine.engine
     created = int(time.time())
+
+    if api_key is not None:
+        expected = f"Bearer {api_key}".encode()
+
+        @app.middleware("http")
+        async def check_api_key(http: Request, call_next):
+            given = http.headers.get("authorization", "").encode()
+            if http.url.path not in OPEN_PATHS and not hmac.compare_digest(given, expected):
+                return error_response(401, "invalid or missing API key (Authorization: Bearer ...)", "invalid_request_error")
+            return await call_next(http)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, err: APIError) -> JSONResponse:

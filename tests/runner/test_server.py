@@ -25,7 +25,7 @@ def free_port() -> int:
 
 
 class LiveServer:
-    def __init__(self, engine_dir, max_batch=None, max_waiting=64, enable_prefix_caching=False) -> None:
+    def __init__(self, engine_dir, max_batch=None, max_waiting=64, enable_prefix_caching=False, api_key=None) -> None:
         import uvicorn
 
         from runner.server import create_app
@@ -33,7 +33,8 @@ class LiveServer:
         engine = LLMEngine(engine_dir, max_batch=max_batch, enable_prefix_caching=enable_prefix_caching)
         self.engine = AsyncEngine(engine, max_waiting=max_waiting)
         self.port = free_port()
-        config = uvicorn.Config(create_app(self.engine, MODEL, shutdown_grace=2.0), host="127.0.0.1", port=self.port, log_level="error")
+        app = create_app(self.engine, MODEL, shutdown_grace=2.0, api_key=api_key)
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -42,7 +43,7 @@ class LiveServer:
             assert time.monotonic() < deadline, "server did not start"
             time.sleep(0.05)
         self.url = f"http://127.0.0.1:{self.port}"
-        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=60)
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key or "none", max_retries=0, timeout=60)
 
     def stop(self) -> None:
         self.server.should_exit = True
@@ -219,6 +220,20 @@ def test_prefix_caching_reports_cached_prompt_tokens_in_usage_and_metrics(engine
         cached = second.usage.prompt_tokens_details.cached_tokens
         assert first.usage.prompt_tokens < cached < second.usage.prompt_tokens  # the first turn, not the new message
         assert f"engine_prefix_cache_hit_tokens_total {float(cached)}" in httpx.get(f"{live.url}/metrics").text
+    finally:
+        live.stop()
+
+
+def test_an_api_key_guards_every_route_but_health_and_metrics(engine_factory):
+    live = LiveServer(engine_factory("gqa"), api_key="s3cret")
+    try:
+        assert chat(live).choices[0].message.content is not None  # the client sends it
+        wrong = openai.OpenAI(base_url=f"{live.url}/v1", api_key="guess", max_retries=0)
+        with pytest.raises(openai.AuthenticationError, match="API key"):
+            wrong.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+        assert httpx.get(f"{live.url}/v1/models").status_code == 401
+        assert httpx.post(f"{live.url}/tokenize", json={"model": MODEL, "prompt": "x"}).status_code == 401
+        assert httpx.get(f"{live.url}/health").status_code == 200 and httpx.get(f"{live.url}/metrics").status_code == 200
     finally:
         live.stop()
 
