@@ -1,4 +1,4 @@
-"""`runner generate | chat | serve | bench | eval ENGINE ...`"""
+"""`runner generate | chat | serve | bench | eval | info ENGINE ...`"""
 
 from __future__ import annotations
 
@@ -152,6 +152,22 @@ def serve(engine, host, port, max_batch, max_waiting, threads, model_name, shutd
     if llm_engine.executor.min_rows > 1:
         click.echo(PADDED_ROWS_NOTE, err=True)
     uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=shutdown_grace)
+
+
+@main.command()
+@click.argument("engine", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="Print the whole manifest as JSON instead.")
+@click.option("--verify/--no-verify", default=True, show_default=True, help="Check every file's size and SHA-256.")
+def info(engine, as_json, verify) -> None:
+    """What ENGINE holds: model, dtype, quantization, speculation, phase buckets, KV cache, files."""
+    from engines.format import open_artifact
+    from runner.info import describe
+
+    with exit_on(ArtifactError):
+        artifact = open_artifact(engine, verify_checksums=verify)
+    click.echo(artifact.manifest.to_json() if as_json else "\n".join(describe(artifact)))
+    if verify and not as_json:
+        click.echo("checksums: every file verified")
 
 
 @main.command()

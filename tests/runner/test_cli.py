@@ -1,4 +1,4 @@
-"""The command lines, run as a user would: `builder build | train-drafter` and `runner generate | chat | bench | serve`."""
+"""The command lines, run as a user would: `builder build | train-drafter` and `runner generate | chat | bench | serve | info`."""
 
 from __future__ import annotations
 
@@ -41,6 +41,27 @@ def test_clear_one_line_errors(tmp_path, engine_factory):
     assert too_long.returncode == 2 and "max sequence length" in too_long.stderr
     bad_distill = run(BUILDER + ["train-drafter", str(engine_factory("gqa")), "--out", str(tmp_path / "h"), "--distill", "2"])
     assert bad_distill.returncode == 2 and bad_distill.stderr.strip().splitlines()[-1].endswith("between 0 and 1; got 2.0")
+
+
+def test_info_describes_an_engine_and_refuses_a_damaged_one(engine_factory, tmp_path):
+    import shutil
+
+    engine = engine_factory("gqa")
+    described = run(RUNNER + ["info", str(engine)])
+    assert described.returncode == 0, described.stderr
+    manifest = json.loads((engine / "manifest.json").read_text())
+    text = described.stdout
+    assert f"{manifest['model']['num_layers']} layers" in text and f"max_seq_len: {manifest['max_seq_len']}" in text
+    assert "decode: graph step" in text and "model.onnx.data" in text and "checksums: every file verified" in text
+    assert json.loads(run(RUNNER + ["info", str(engine), "--json"]).stdout) == manifest
+    damaged = tmp_path / "damaged"
+    shutil.copytree(engine, damaged)
+    altered = bytearray((damaged / "tokenizer.json").read_bytes())
+    altered[len(altered) // 2] ^= 1  # same size: only the checksum sees it
+    (damaged / "tokenizer.json").write_bytes(bytes(altered))
+    refused = run(RUNNER + ["info", str(damaged)])
+    assert refused.returncode == 2 and "tokenizer.json" in refused.stderr and "Traceback" not in refused.stderr
+    assert run(RUNNER + ["info", str(damaged), "--no-verify"]).returncode == 0
 
 
 def test_the_runner_needs_no_torch(engine_factory, tiny_draft_head):

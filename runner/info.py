@@ -1,0 +1,51 @@
+"""What an engine artifact holds, from its manifest: the model, how it was built (dtype, quantization,
+speculation), its phase buckets, KV cache and files. `runner info ENGINE` prints it (`--json`: the manifest)."""
+
+from __future__ import annotations
+
+from engines.format import Artifact, PhaseSpec
+
+
+def describe(artifact: Artifact) -> list[str]:
+    manifest = artifact.manifest
+    model, cache = manifest.model, manifest.kv_cache
+    lines = [
+        f"engine: {artifact.directory} (schema {manifest.schema_version}, builder {manifest.builder_version}, "
+        f"backend {manifest.backend})",
+        f"source: {manifest.source}",
+        f"model: {model.num_layers} layers, hidden {model.hidden_size}, MLP {model.intermediate_size}, "
+        f"{model.num_heads} heads / {model.num_kv_heads} KV heads x {model.head_dim}, vocabulary {model.vocab_size}, "
+        f"rope theta {model.rope_theta:g}{', tied embeddings' if model.tie_word_embeddings else ''}",
+        f"dtype: {manifest.dtype}; quantization: {_settings(manifest.quantization)}",
+        f"max_seq_len: {manifest.max_seq_len}; KV cache: {cache.dtype}, updated {cache.update.replace('_', ' ')}; "
+        f"tensor parallel ranks: {manifest.tensor_parallel}",
+        f"speculation: {_settings(manifest.speculation) if manifest.speculation else 'none'}",
+        f"sampler: trees up to {manifest.sampler.max_depth} accepted drafts, top {manifest.sampler.top_logprobs} "
+        f"logprobs{'' if 'logit_bias' in {t.name for t in manifest.graphs[manifest.sampler.graph].inputs} else ', no logit_bias (built before it)'}",
+        "phases:",
+        *(f"  {_phase(phase)}" for phase in manifest.phases.values()),
+        f"files: {len(manifest.files)}, {sum(f.size for f in manifest.files.values()) / 2**20:.1f} MiB",
+        *(f"  {name}: {entry.size / 2**20:.1f} MiB" for name, entry in sorted(manifest.files.items(), key=lambda f: -f[1].size)),
+    ]
+    return lines
+
+
+def _settings(settings: dict) -> str:
+    """`method`, then the other settings as key=value; long values (per-tensor tables) as their length."""
+    rest = ", ".join(f"{key}={_short(value)}" for key, value in settings.items() if key != "method")
+    return settings["method"] + (f" ({rest})" if rest else "")
+
+
+def _short(value) -> str:
+    if isinstance(value, (dict, list)) and len(str(value)) > 60:
+        return f"<{len(value)} entries>"
+    return str(value)
+
+
+def _phase(phase: PhaseSpec) -> str:
+    return (f"{phase.name}: graph {phase.graph}, rows {_buckets(phase.batch_sizes)}, tokens per row "
+            f"{_buckets(phase.steps)}, logits {phase.logits}")
+
+
+def _buckets(values: list[int]) -> str:
+    return str(values[0]) if len(values) == 1 else f"{values[0]}..{values[-1]} ({len(values)} buckets)"
