@@ -11,7 +11,7 @@ import click
 from engines.format import ArtifactError
 from runner.cli_errors import exit_on
 from runner.llm import LLM
-from runner.llm_engine import LLMEngine, PromptError
+from runner.llm_engine import DEFAULT_SPECULATIVE_MAX_ROWS, LLMEngine, PromptError
 from runner.request import Request
 from runner.sampling import SamplingParams
 from runner.tokenizer import ChatTemplateError
@@ -135,8 +135,11 @@ PADDED_ROWS_NOTE = ("note: a lone request runs as two rows: this engine's quanti
               "from an earlier or running request (a chat's earlier turns); greedy tokens may then differ at near-ties.")
 @click.option("--api-key", envvar="RUNNER_API_KEY", default=None,
               help="Require `Authorization: Bearer KEY` on every route but /health and /metrics (or set RUNNER_API_KEY).")
+@click.option("--speculative-max-rows", type=click.IntRange(min=0), default=DEFAULT_SPECULATIVE_MAX_ROWS, show_default=True,
+              help="A speculative engine verifies drafts only in steps with at most this many generating rows "
+                   "(0: in every step); busier steps decode plain, which is faster under load.")
 def serve(engine, host, port, max_batch, max_waiting, threads, model_name, shutdown_grace, enable_prefix_caching,
-          api_key) -> None:
+          api_key, speculative_max_rows) -> None:
     """Serve ENGINE with an OpenAI-compatible HTTP API."""
     import uvicorn
 
@@ -144,7 +147,8 @@ def serve(engine, host, port, max_batch, max_waiting, threads, model_name, shutd
     from runner.server import create_app
 
     with exit_on(ArtifactError, ValueError):
-        llm_engine = LLMEngine(engine, threads=threads, max_batch=max_batch, enable_prefix_caching=enable_prefix_caching)
+        llm_engine = LLMEngine(engine, threads=threads, max_batch=max_batch, enable_prefix_caching=enable_prefix_caching,
+                               speculative_max_rows=speculative_max_rows or None)
     async_engine = AsyncEngine(llm_engine, max_waiting=max_waiting)
     name = model_name or Path(engine).resolve().name
     app = create_app(async_engine, name, shutdown_grace, api_key)

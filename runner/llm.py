@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from runner.llm_engine import LLMEngine, PromptError
+from runner.llm_engine import DEFAULT_SPECULATIVE_MAX_ROWS, LLMEngine, PromptError
 from runner.request import RequestOutput
 from runner.sampling import SamplingParams
 
@@ -21,12 +21,13 @@ Message = dict[str, str]
 class LLM:
     def __init__(
         self, engine_dir: str | Path, threads: int | None = None, verify_checksums: bool = True, max_batch: int | None = None,
-        enable_prefix_caching: bool = False,
+        enable_prefix_caching: bool = False, speculative_max_rows: int | None = DEFAULT_SPECULATIVE_MAX_ROWS,
     ) -> None:
         """`enable_prefix_caching`: a prompt starts after the longest prefix whose K/V a cache row holds from an earlier
-        or running request (runner/prefix_cache.py)."""
+        or running request (runner/prefix_cache.py). `speculative_max_rows`: a speculative engine verifies drafts
+        only in steps with at most this many generating rows (None: in every step)."""
         self.engine = LLMEngine(engine_dir, threads=threads, verify_checksums=verify_checksums, max_batch=max_batch,
-                                enable_prefix_caching=enable_prefix_caching)
+                                enable_prefix_caching=enable_prefix_caching, speculative_max_rows=speculative_max_rows)
 
     @property
     def tokenizer(self):

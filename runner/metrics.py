@@ -42,6 +42,8 @@ class EngineMetrics:
             ("engine_speculative_tokens_per_step", "Mean tokens emitted per verify step (accepted drafts + 1)", lambda: stats.mean_accepted),
             ("engine_speculative_draft_seconds", "Seconds spent in the draft graph", lambda: stats.draft_seconds),
             ("engine_speculative_verify_seconds", "Seconds spent in verify graph calls", lambda: stats.verify_seconds),
+            ("engine_speculative_plain_rows", "Rows decoded without drafts (more generating rows than speculative_max_rows)",
+             lambda: stats.plain_rows),
         ):
             Gauge(name, doc, registry=r).set_function(read)
 

@@ -113,7 +113,7 @@ def test_speculative_engines_reuse_prefixes_and_still_answer_as_plain_decoding(e
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     encode = plain.tokenizer.encode
     for options in (dict(draft_head=tiny_draft_head[0], beam_width=3, draft_len=4), dict(draft_model="mqa", draft_len=3)):
-        spec = LLM(engine_factory("gqa", prefill_chunk=8, **options), enable_prefix_caching=True)
+        spec = LLM(engine_factory("gqa", prefill_chunk=8, **options), enable_prefix_caching=True, speculative_max_rows=None)
         prompt = encode("hello world, the quick brown fox")
         for turn in range(3):
             got = spec.generate(prompt_token_ids=[prompt], sampling_params=params)[0]

@@ -25,12 +25,14 @@ def free_port() -> int:
 
 
 class LiveServer:
-    def __init__(self, engine_dir, max_batch=None, max_waiting=64, enable_prefix_caching=False, api_key=None) -> None:
+    def __init__(self, engine_dir, max_batch=None, max_waiting=64, enable_prefix_caching=False, api_key=None,
+                 speculative_max_rows=1) -> None:
         import uvicorn
 
         from runner.server import create_app
 
-        engine = LLMEngine(engine_dir, max_batch=max_batch, enable_prefix_caching=enable_prefix_caching)
+        engine = LLMEngine(engine_dir, max_batch=max_batch, enable_prefix_caching=enable_prefix_caching,
+                           speculative_max_rows=speculative_max_rows)
         self.engine = AsyncEngine(engine, max_waiting=max_waiting)
         self.port = free_port()
         app = create_app(self.engine, MODEL, shutdown_grace=2.0, api_key=api_key)
@@ -295,7 +297,7 @@ def test_shutdown_lets_running_streams_finish_and_refuses_new_ones(engine_factor
 def test_a_speculative_engine_serves_the_same_streams_and_reports_acceptance(server, engine_factory, tiny_draft_head):
     """Several tokens per step come out as several stream chunks, with the plain engine's text; /metrics reports
     the verify steps and tokens per step."""
-    live = LiveServer(engine_factory("gqa", draft_head=tiny_draft_head[0]))
+    live = LiveServer(engine_factory("gqa", draft_head=tiny_draft_head[0]), speculative_max_rows=None)
     try:
         prompts = ["hello world", "The quick brown fox", "Engines compile graphs"]
         for prompt in prompts:

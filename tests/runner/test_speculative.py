@@ -90,13 +90,14 @@ def oracle(plain, spec_engine_dir):
         return [best[:cut] + [(t + 1) % vocab for t in best[cut:]], best[:1] + [(t + 2) % vocab for t in best[1:]],
                 [(t + 3) % vocab for t in best]]
 
-    return with_oracle_drafts(LLM(spec_engine_dir), plain, beams)
+    return with_oracle_drafts(LLM(spec_engine_dir, speculative_max_rows=None), plain, beams)
 
 
 def test_lookup_beam_deeper_than_the_head_beams_keeps_its_cache_room(plain, engine_factory, tiny_draft_head):
     """Head beams of 1 token plus a prompt-lookup beam of 4: a step can accept 4 drafts, and the cache must have
     room for all of them, also where the path crosses a KV-length bucket (64 positions here)."""
-    spec = LLM(engine_factory("gqa", draft_head=tiny_draft_head[0], beam_width=2, draft_len=1, prompt_lookup_len=4))
+    spec = LLM(engine_factory("gqa", draft_head=tiny_draft_head[0], beam_width=2, draft_len=1, prompt_lookup_len=4),
+               speculative_max_rows=None)
     with_oracle_drafts(spec, plain, lambda best, length, vocab: [[(best[0] + 1) % vocab], best])
     params = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)
     for prompt in PROMPTS:
@@ -119,7 +120,7 @@ def test_greedy_speculative_output_equals_plain_greedy(plain, spec_engine_dir, o
     speculation = LLM(spec_engine_dir).engine.speculation
     assert speculation["prompt_lookup_len"] == 4 and speculation["min_ngram"] == 2  # beams + a prompt-lookup beam
     assert speculation["min_draft_prob"] == 0.1  # the head's unlikely drafts are left out of the tree
-    for spec in (LLM(spec_engine_dir), oracle):  # the distilled head's draft graph + lookup, then oracle drafts
+    for spec in (LLM(spec_engine_dir, speculative_max_rows=None), oracle):  # the distilled head's draft graph + lookup, then oracle drafts
         spec.engine.speculation_stats.__init__()
         assert [spec.generate(p, params)[0].token_ids for p in PROMPTS] == expected
         # inflight: prompts of different lengths join while others generate (prefill chunks of 8 tokens
@@ -145,10 +146,26 @@ def test_limits_stops_and_logprobs_match_plain_decoding(plain, oracle):
                 np.testing.assert_allclose([x.logprob for x in a.logprobs], [x.logprob for x in b.logprobs], atol=1e-4)
 
 
+def test_loaded_steps_decode_plain_and_speculation_resumes_when_load_drops(engine_factory, tiny_draft_head, plain):
+    """With speculative_max_rows 1 (the default), steps with several generating rows decode without drafts and a
+    row left alone speculates again: the tokens are plain decoding's either way."""
+    spec = LLM(engine_factory("gqa", prefill_chunk=8, draft_head=tiny_draft_head[0], beam_width=3, draft_len=4))
+    assert spec.engine.speculative_max_rows == 1
+    lengths = [8, 40, 12]  # the 40-token answer ends alone
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+    outputs = spec.generate(PROMPTS[:3], params)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in plain.generate(PROMPTS[:3], params)]
+    stats = spec.engine.speculation_stats
+    assert stats.plain_rows > 0 and stats.verify_steps > 0
+    assert stats.emitted_tokens + stats.plain_rows + 3 == sum(lengths)  # every token by one path (first ones: prefill)
+    with pytest.raises(ValueError, match="speculative_max_rows"):
+        LLM(engine_factory("gqa"), speculative_max_rows=0)
+
+
 def test_sequence_end_limits_the_tree(engine_factory, tiny_draft_head):
     head, _ = tiny_draft_head
     plain = LLM(engine_factory("gqa", max_seq_len=64))
-    spec = LLM(engine_factory("gqa", max_seq_len=64, draft_head=head))
+    spec = LLM(engine_factory("gqa", max_seq_len=64, draft_head=head), speculative_max_rows=None)
     params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
     a, b = plain.generate(PROMPTS[0], params)[0], spec.generate(PROMPTS[0], params)[0]
     assert a.token_ids == b.token_ids and b.finish_reason == "length"
@@ -188,7 +205,7 @@ def test_sampled_second_token_follows_the_target_distribution(plain, oracle):
 
 
 def test_prompt_lookup_engine_equals_plain_greedy(plain, engine_factory):
-    spec = LLM(engine_factory("gqa", prefill_chunk=8, speculative="prompt-lookup", draft_len=4))
+    spec = LLM(engine_factory("gqa", prefill_chunk=8, speculative="prompt-lookup", draft_len=4), speculative_max_rows=None)
     assert spec.engine.speculation["method"] == "prompt-lookup"
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     prompts = [p + " " + p for p in PROMPTS]  # repeated text: the context has n-grams to copy from
@@ -203,7 +220,7 @@ LONG_PROMPT = " ".join(PROMPTS * 3)  # several prompt chunks of 8: the draft mod
 
 def test_draft_model_engine_equals_plain_greedy(plain, engine_factory):
     """A different tiny model (MQA, untied) drafts for the GQA target: whatever it proposes, output is the target's."""
-    spec = LLM(engine_factory("gqa", prefill_chunk=8, draft_model="mqa", draft_len=3))
+    spec = LLM(engine_factory("gqa", prefill_chunk=8, draft_model="mqa", draft_len=3), speculative_max_rows=None)
     assert spec.engine.speculation["method"] == "draft-model" and spec.engine.speculation["draft_len"] == 3
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     prompts = PROMPTS + [LONG_PROMPT]
@@ -217,7 +234,8 @@ def test_a_model_drafting_for_itself_has_its_drafts_accepted(plain, engine_facto
     """The target's own weights as the draft model (fp32): every draft is the target's greedy token, so each step
     emits draft_len + 1 tokens until the end of the answer cuts the tree: only right if the draft model's cache
     holds exactly the context (catch-up after accepted drafts, the prompt in chunks, batched rows)."""
-    spec = LLM(engine_factory("gqa", prefill_chunk=8, draft_model="gqa", draft_len=3, draft_quant="none"))
+    spec = LLM(engine_factory("gqa", prefill_chunk=8, draft_model="gqa", draft_len=3, draft_quant="none"),
+               speculative_max_rows=None)
     params = SamplingParams(max_tokens=41, temperature=0.0, ignore_eos=True)
     prompts = PROMPTS[:3] + [LONG_PROMPT]
     expected = [o.token_ids for o in plain.generate(prompts, params)]
@@ -247,7 +265,7 @@ def test_draft_model_drafts_are_its_own_greedy_continuation(engine_factory):
     of filling the cache (chunks of other sizes, batched rows) round differently: where a draft token differs, the
     lone engine's logits of both tokens must be a near tie (a wrong cache moves logits by far more)."""
     engine_dir = engine_factory("gqa", prefill_chunk=8, draft_model="gqa", draft_len=3, draft_quant="int4")
-    spec = LLM(engine_dir)
+    spec = LLM(engine_dir, speculative_max_rows=None)
     drafted: list[tuple[list[int], list[int]]] = []
     draft = spec.engine.draft_model.draft
 
