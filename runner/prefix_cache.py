@@ -8,7 +8,9 @@ after the request finished (done, cancelled or disconnected), the same tokens un
 request (llama.cpp's server keeps a slot's prompt the same way). A request always takes the lowest free row, as
 without prefix caching (a higher row would widen every decode call's batch bucket); when the best prefix sits in
 another row, the step first copies those positions' K/V into it (650 positions of the default model are 30 MB of
-fp32 K/V: milliseconds, against the prefill they replace).
+fp32 K/V: milliseconds, against the prefill they replace). A request matches again when it computes its first own
+prompt chunk: requests admitted in the same step (a shared system prompt sent by several clients at once) compute
+their prompts one after another, so all but the first find the shared prefix computed by then.
 
 At least the prompt's last token is computed again: its logits choose the first new token. Reused K/V may have been
 computed in other chunks or by decode steps, so logits can differ from a fresh prefill's in the last bits (as with
@@ -45,8 +47,9 @@ class PrefixIndex:
         self._held[request.row] = np.asarray(context[:request.num_computed], np.int64)
 
     def admit(self, request: Request, running: list[Request]) -> PrefixCopy | None:
-        """`request` has just taken `request.row`: count the prompt tokens it can reuse (`num_computed`,
-        `num_cached_tokens`) and say which copy brings them into its row (None when none or when its row holds them)."""
+        """`request` has just taken `request.row`, or is about to compute its first own prompt chunk (`running`
+        includes it then): count the prompt tokens it can reuse (`num_computed`, `num_cached_tokens`) and say which
+        copy brings them into its row (None when none or when its row holds them)."""
         prompt = np.asarray(request.prompt_token_ids, np.int64)
         limit = len(prompt) - 1  # the last prompt token is always computed: its logits choose the first new token
         candidates = list(self._held.items()) + [

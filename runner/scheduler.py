@@ -42,24 +42,33 @@ class Scheduler:
 
     def schedule(self) -> ScheduledStep:
         step = ScheduledStep()
+        admitted = []
         while self.waiting and self._free_rows:
             request = self.waiting.popleft()
             self._free_rows.sort()
             request.row = self._free_rows.pop(0)  # lowest rows first keeps the decode batch bucket small
-            if self.prefix_index is not None:
-                copy = self.prefix_index.admit(request, self.running)
-                if copy is not None:
-                    step.prefix_copies.append(copy)
             self.running.append(request)
+            self._reuse_prefix(request, step)
+            admitted.append(request)
         for request in self.running:
             if request.fork_of is not None:  # its prompt is computed by the request it forks (LLMEngine._fork)
                 continue
             if request.prefilling and step.prefill is None:
+                if request not in admitted and request.num_computed == request.num_cached_tokens:
+                    # its first own chunk: the prompts of requests admitted with it (one chunk per step, oldest
+                    # first) were computed since, and may share its prefix (a common system prompt)
+                    self._reuse_prefix(request, step)
                 remaining = len(request.prompt_token_ids) - request.num_computed
                 step.prefill = (request, min(remaining, self.prefill_chunk))
             elif not request.prefilling:
                 step.decode.append(request)
         return step
+
+    def _reuse_prefix(self, request: Request, step: ScheduledStep) -> None:
+        if self.prefix_index is not None:
+            copy = self.prefix_index.admit(request, self.running)
+            if copy is not None:
+                step.prefix_copies.append(copy)
 
     def forks_of(self, request: Request) -> list[Request]:
         """The completions waiting for `request`'s prompt (running or still queued)."""

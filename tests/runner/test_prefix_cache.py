@@ -99,6 +99,19 @@ def test_answers_from_reused_prefixes_equal_fresh_prefills(engines):
     assert alone(follow_up).num_cached_tokens == len(follow_up) - len(encode(" why?")) - 1
 
 
+def test_requests_sent_together_share_a_system_prompt_the_first_computes(engines):
+    """Both are admitted in the same step, before anything is computed; prompts are computed one after another, so
+    the second matches again when its turn comes and copies the system prompt from the first's row."""
+    cached, fresh = engines
+    encode = cached.tokenizer.encode
+    system = encode("Answer in the voice of a ship's captain, and keep every answer short. " * 3)
+    prompts = [system + encode("hello world"), system + encode("the quick brown fox")]
+    got = cached.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    assert got[0].num_cached_tokens == 0 and got[1].num_cached_tokens >= len(system) > cached.engine.scheduler.prefill_chunk
+    for output, prompt in zip(got, prompts):
+        assert_same_answers(output, fresh.generate(prompt_token_ids=[prompt], sampling_params=GREEDY)[0])
+
+
 def test_finished_rows_keep_their_pages_for_later_requests(engines):
     cached, _ = engines
     cached.generate("hello world " * 10, GREEDY)
