@@ -8,8 +8,9 @@ from pathlib import Path
 
 import click
 
-from engines.format import ArtifactError
+from engines.format import ArtifactError, open_artifact
 from runner.cli_errors import exit_on
+from runner.info import describe
 from runner.llm import LLM
 from runner.llm_engine import DEFAULT_SPECULATIVE_MAX_ROWS, LLMEngine, PromptError
 from runner.request import Request
@@ -164,9 +165,6 @@ def serve(engine, host, port, max_batch, max_waiting, threads, model_name, shutd
 @click.option("--verify/--no-verify", default=True, show_default=True, help="Check every file's size and SHA-256.")
 def info(engine, as_json, verify) -> None:
     """What ENGINE holds: model, dtype, quantization, speculation, phase buckets, KV cache, files."""
-    from engines.format import open_artifact
-    from runner.info import describe
-
     with exit_on(ArtifactError):
         artifact = open_artifact(engine, verify_checksums=verify)
     click.echo(artifact.manifest.to_json() if as_json else "\n".join(describe(artifact)))

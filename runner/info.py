@@ -9,6 +9,7 @@ from engines.format import Artifact, PhaseSpec
 def describe(artifact: Artifact) -> list[str]:
     manifest = artifact.manifest
     model, cache = manifest.model, manifest.kv_cache
+    sampler_inputs = {t.name for t in manifest.graphs[manifest.sampler.graph].inputs}
     lines = [
         f"engine: {artifact.directory} (schema {manifest.schema_version}, builder {manifest.builder_version}, "
         f"backend {manifest.backend})",
@@ -21,7 +22,7 @@ def describe(artifact: Artifact) -> list[str]:
         f"tensor parallel ranks: {manifest.tensor_parallel}",
         f"speculation: {_settings(manifest.speculation) if manifest.speculation else 'none'}",
         f"sampler: trees up to {manifest.sampler.max_depth} accepted drafts, top {manifest.sampler.top_logprobs} "
-        f"logprobs{'' if 'logit_bias' in {t.name for t in manifest.graphs[manifest.sampler.graph].inputs} else ', no logit_bias (built before it)'}",
+        f"logprobs{'' if 'logit_bias' in sampler_inputs else ', no logit_bias (built before it)'}",
         "phases:",
         *(f"  {_phase(phase)}" for phase in manifest.phases.values()),
         f"files: {len(manifest.files)}, {sum(f.size for f in manifest.files.values()) / 2**20:.1f} MiB",

@@ -39,7 +39,7 @@ class _Pending:
     request: Request
     tree: TokenTree  # a verify call's draft tree, or the root alone (the first token after a prompt; plain decode)
     logits: np.ndarray  # the target's logits at the tree's nodes [>= nodes, vocab]
-    hidden: np.ndarray | None = None  # hidden states at the nodes (where a draft head starts from)
+    hidden: np.ndarray  # hidden states at the nodes (where a draft head starts from)
     verified: bool = False  # its nodes' K/V wait in the cache for the accepted path to be kept
     argmax: np.ndarray | None = None  # the step graph's argmax at the tree's nodes
 
@@ -163,17 +163,16 @@ class LLMEngine:
         if step.decode and self._speculates(len(step.decode)):
             pending += self._verify(step.decode)
         elif step.decode:
-            if self.speculation is not None:  # a loaded step of a speculative engine: plain, no drafts
+            if self.speculation is not None:  # a loaded step of a speculative engine: plain
                 self.speculation_stats.plain_rows += len(step.decode)
-                for request in step.decode:
-                    request.drafts = []
             decoded = self.executor.decode(
                 [r.row for r in step.decode], [r.output_token_ids[-1] for r in step.decode], [r.num_computed for r in step.decode]
             )
             for index, request in enumerate(step.decode):
                 request.num_computed += 1
                 root = pack_tree(request.output_token_ids[-1], [], 0)
-                pending.append(_Pending(request, root, decoded.logits[index, None], argmax=decoded.argmax[index, None]))
+                pending.append(_Pending(request, root, decoded.logits[index, None], decoded.hidden[index, None],
+                                        argmax=decoded.argmax[index, None]))
         if step.prefill is not None:
             request, count = step.prefill
             start = request.num_computed
@@ -204,10 +203,9 @@ class LLMEngine:
                     request.num_computed += len(result.path)
                     if self.draft_model is not None:
                         self.draft_model.accepted(request, len(result.path) - 1)
-            if row.hidden is not None and self.speculation is not None and not request.finished:
+            if self.speculation is not None and not request.finished:
                 to_draft.append((request, row.hidden[result.path[-1]]))  # drafting resumes where acceptance stopped
-        generating = sum(not row.request.finished for row in pending)  # the rows the next step decodes
-        if to_draft and self._speculates(generating):
+        if to_draft and self._speculates(len(to_draft)):  # to_draft: every row the next step decodes
             self._draft(to_draft)
         else:  # drafts for a step that will not verify them are wasted; old ones would follow another position
             for request, _ in to_draft:

@@ -42,21 +42,20 @@ class Scheduler:
 
     def schedule(self) -> ScheduledStep:
         step = ScheduledStep()
-        admitted = []
         while self.waiting and self._free_rows:
             request = self.waiting.popleft()
             self._free_rows.sort()
             request.row = self._free_rows.pop(0)  # lowest rows first keeps the decode batch bucket small
             self.running.append(request)
             self._reuse_prefix(request, step)
-            admitted.append(request)
         for request in self.running:
             if request.fork_of is not None:  # its prompt is computed by the request it forks (LLMEngine._fork)
                 continue
             if request.prefilling and step.prefill is None:
-                if request not in admitted and request.num_computed == request.num_cached_tokens:
+                if request.num_computed == request.num_cached_tokens:
                     # its first own chunk: the prompts of requests admitted with it (one chunk per step, oldest
-                    # first) were computed since, and may share its prefix (a common system prompt)
+                    # first) were computed since, and may share its prefix (a common system prompt); admitted this
+                    # step, it finds what it found at admission, its own row winning the tie: no second copy
                     self._reuse_prefix(request, step)
                 remaining = len(request.prompt_token_ids) - request.num_computed
                 step.prefill = (request, min(remaining, self.prefill_chunk))
