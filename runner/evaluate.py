@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from runner.llm_engine import LLMEngine
+from runner.logprobs import log_softmax
 
 
 @dataclass(frozen=True)
@@ -24,12 +25,6 @@ class Perplexity:
     @property
     def perplexity(self) -> float:
         return math.exp(self.mean_nll)
-
-
-def _nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
-    shifted = logits.astype(np.float64) - logits.max(axis=-1, keepdims=True)
-    log_norm = np.log(np.exp(shifted).sum(axis=-1))
-    return log_norm - shifted[np.arange(len(targets)), targets]
 
 
 def perplexity(engine: LLMEngine, token_ids: list[int], window: int, stride: int) -> Perplexity:
@@ -53,7 +48,7 @@ def perplexity(engine: LLMEngine, token_ids: list[int], window: int, stride: int
         target_from = max(scored_until, begin + 1)
         first = target_from - begin - 1
         targets = np.asarray(token_ids[target_from:end])
-        total += float(_nll(logits[first:first + len(targets)], targets).sum())
+        total -= float(log_softmax(logits[first:first + len(targets)])[np.arange(len(targets)), targets].sum())
         count += len(targets)
         scored_until = end
         begin += stride

@@ -13,7 +13,8 @@ import numpy as np
 from engines.backends import open_backend
 from engines.format import open_artifact
 from runner.draft_model import DraftModel
-from runner.executor import Executor
+from runner.executor import Executor, Scored
+from runner.logprobs import token_logprobs
 from runner.request import Request, TokenLogprob
 from runner.sampler import SampledRow, Sampler
 from runner.sampling import SamplingParams
@@ -119,6 +120,8 @@ class LLMEngine:
             raise PromptError(f"prompt token ids must be in [0, {vocab})")
         if any(t >= vocab for t in params.logit_bias):
             raise PromptError(f"logit_bias token ids must be in [0, {vocab})")
+        if params.prompt_logprobs is not None and self.executor.score_phase is None:
+            raise PromptError("this engine was built before prompt logprobs existed (no score phase): rebuild it")
         if params.logit_bias and not self.sampler.takes_logit_bias:
             raise PromptError("this engine was built before logit_bias existed: rebuild it to use logit_bias")
         if len(prompt_token_ids) >= self.max_seq_len:
@@ -175,8 +178,7 @@ class LLMEngine:
                                         argmax=decoded.argmax[index, None]))
         if step.prefill is not None:
             request, count = step.prefill
-            start = request.num_computed
-            scored = self.executor.prefill(request.row, request.prompt_token_ids[start:start + count], start)
+            scored = self._prefill(request, count)
             request.num_computed += count
             if not request.prefilling:
                 root = pack_tree(request.prompt_token_ids[-1], [], 0)
@@ -212,6 +214,22 @@ class LLMEngine:
                 request.drafts = []
         return events
 
+    def _prefill(self, request: Request, count: int) -> Scored:
+        """Compute the request's next `count` prompt tokens; returns the last one's logits, argmax and hidden state.
+        A request that wants prompt logprobs runs the score phase instead (logits after every token, the same
+        computation) and keeps the logprob each prompt token gets from the tokens before it."""
+        start = request.num_computed
+        tokens = request.prompt_token_ids[start:start + count]
+        top = request.params.prompt_logprobs
+        if top is None:
+            return self.executor.prefill(request.row, tokens, start)
+        if start == 0:
+            request.prompt_logprobs.append(None)  # nothing predicts the first token
+        scored = self.executor.score(request.row, tokens, start)  # its buckets are the prefill chunk's (phases.py)
+        # row j predicts the token after it: the next prompt token, or past the prompt's end the first output token
+        request.prompt_logprobs += token_logprobs(scored.logits, request.prompt_token_ids[start + 1:start + count + 1], top)
+        return scored[-1]
+
     def _speculates(self, rows: int) -> bool:
         return self.speculation is not None and (self.speculative_max_rows is None or rows <= self.speculative_max_rows)
 
@@ -226,6 +244,7 @@ class LLMEngine:
             if fork.row is not None:
                 self.executor.cache.copy_prefix(request.row, fork.row, request.num_computed)
                 fork.num_computed = request.num_computed
+                fork.prompt_logprobs = list(request.prompt_logprobs)
                 forked.append(fork)
         return forked
 

@@ -26,6 +26,8 @@ class RequestOutput:
     token_ids: list[int]
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     logprobs: list[TokenLogprob] | None = None  # one per generated token when asked for
+    # when asked for: one per prompt token, None for the first (nothing comes before it), as vLLM's prompt_logprobs
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     num_cached_tokens: int = 0  # prompt tokens not computed again: their K/V came from the prefix cache
 
 
@@ -44,6 +46,7 @@ class Request:
     text: str = ""  # visible text: stop strings cut off, possible stop prefixes held back while running
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # computed so far (params.prompt_logprobs)
     drafts: list | np.ndarray | None = None  # speculative engines: draft beams (token id sequences) for the next step
     draft_computed: int = 0  # draft-model engines: context tokens in the draft model's cache
     fork_of: Request | None = None  # n > 1: the first completion, whose prompt K/V and first logits this one waits for
@@ -63,5 +66,6 @@ class Request:
     def output(self) -> RequestOutput:
         return RequestOutput(
             self.request_id, self.prompt, self.prompt_token_ids, self.text, list(self.output_token_ids),
-            self.finish_reason, list(self.logprobs) if self.params.logprobs is not None else None, self.num_cached_tokens,
+            self.finish_reason, list(self.logprobs) if self.params.logprobs is not None else None,
+            list(self.prompt_logprobs) if self.params.prompt_logprobs is not None else None, self.num_cached_tokens,
         )

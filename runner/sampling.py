@@ -26,6 +26,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # subtracted once from every token already generated
     frequency_penalty: float = 0.0  # subtracted per occurrence in the output
     logprobs: int | None = None  # return the sampled token's logprob and this many top alternatives
+    prompt_logprobs: int | None = None  # also each prompt token's logprob (from the second on) and this many top ones
     n: int = 1  # completions per prompt (the server's `n`)
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit before anything else
 
@@ -59,6 +60,8 @@ class SamplingParams:
                 problems.append(f"{name} must be in [-2, 2], got {value!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             problems.append(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= 20):
+            problems.append(f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs!r}")
         if not isinstance(self.n, int) or not 1 <= self.n <= 16:
             problems.append(f"n must be an integer in [1, 16], got {self.n!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

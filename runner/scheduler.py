@@ -64,7 +64,8 @@ class Scheduler:
         return step
 
     def _reuse_prefix(self, request: Request, step: ScheduledStep) -> None:
-        if self.prefix_index is not None:
+        # a request that wants its prompt's logprobs computes all of it: reused K/V come without logits
+        if self.prefix_index is not None and request.params.prompt_logprobs is None:
             copy = self.prefix_index.admit(request, self.running)
             if copy is not None:
                 step.prefix_copies.append(copy)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import time
@@ -21,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from runner.async_engine import AsyncEngine, EngineOverloaded, EngineStopped
 from runner.llm_engine import PromptError, TokenEvent
 from runner.request import Request as EngineRequest
+from runner.request import TokenLogprob
 from runner.sampling import SamplingParams
 
 
@@ -51,6 +53,8 @@ UNSUPPORTED_FIELDS = {
     "prediction": lambda value: value is None,
     "audio": lambda value: value is None,
     "modalities": lambda value: value in (None, ["text"]),
+    "prompt_logprobs": lambda value: value is None,  # vLLM's; the completions API's echo + logprobs gives them
+    "echo": lambda value: not value,  # vLLM's chat extra (the completions API's echo is implemented)
 }
 
 
@@ -122,7 +126,8 @@ def _refuse_unsupported(body: SamplingFields) -> None:
         raise APIError(400, "best_of other than n is not supported by this server", param="best_of")
 
 
-def _sampling(body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def _sampling(body: SamplingFields, max_tokens: int | None, logprobs: int | None,
+              prompt_logprobs: int | None = None) -> SamplingParams:
     _refuse_unsupported(body)
     try:
         return SamplingParams(
@@ -131,7 +136,7 @@ def _sampling(body: SamplingFields, max_tokens: int | None, logprobs: int | None
             seed=body.seed, stop=body.stop or [], stop_token_ids=body.stop_token_ids or [],
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
             repetition_penalty=body.repetition_penalty, ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
-            logprobs=logprobs, logit_bias=body.logit_bias or {},
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=body.logit_bias or {},
         )
     except ValueError as err:
         raise APIError(400, str(err)) from None
@@ -235,10 +240,13 @@ def create_app(engine: AsyncEngine, model_name: str, shutdown_grace: float = 10.
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, http: Request):
         check_model(body)
-        params = _sampling(body, body.max_tokens, body.logprobs)
+        # echo returns the prompt before the completion, with its tokens' logprobs when logprobs are asked for
+        params = _sampling(body, body.max_tokens, body.logprobs, body.logprobs if body.echo else None)
         prompts = _completion_prompts(body.prompt)
         groups = [make_requests(text, ids, params) for text, ids in prompts]
-        return await _respond(engine, http, body, groups, "text_completion", _completion_choice, _completion_chunk)
+        choice = functools.partial(_completion_choice, echo=body.echo)
+        chunk = functools.partial(_completion_chunk, echo=body.echo)
+        return await _respond(engine, http, body, groups, "text_completion", choice, chunk)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, http: Request):
@@ -267,37 +275,45 @@ def _completion_prompts(prompt) -> list[tuple[str | None, list[int] | None]]:
     raise APIError(400, "prompt must be a string, a list of strings, a list of token ids or a list of lists", param="prompt")
 
 
-def _logprobs_content(codec, request: EngineRequest, start: int, stop: int) -> list[dict]:
+def _logprobs_content(codec, logprobs: list[TokenLogprob]) -> list[dict]:
     return [
         {
             "token": codec.decode([lp.token_id]), "logprob": lp.logprob,
             "top_logprobs": [{"token": codec.decode([t]), "logprob": v} for t, v in lp.top],
         }
-        for lp in request.logprobs[start:stop]
+        for lp in logprobs
     ]
 
 
-def _completion_choice(codec, index: int, request: EngineRequest) -> dict:
+def _completion_choice(codec, index: int, request: EngineRequest, echo: bool = False) -> dict:
     # the same fields as the last chunk of a stream, over all of the request's tokens
     final = TokenEvent(request, request.text, True)
-    return _completion_chunk(codec, index, final, True, 0)
+    return _completion_chunk(codec, index, final, True, 0, echo)
 
 
 def _chat_choice(codec, index: int, request: EngineRequest) -> dict:
     choice = {"index": index, "message": {"role": "assistant", "content": request.text}, "finish_reason": request.finish_reason, "logprobs": None}
     if request.params.logprobs is not None:
-        choice["logprobs"] = {"content": _logprobs_content(codec, request, 0, len(request.logprobs))}
+        choice["logprobs"] = {"content": _logprobs_content(codec, request.logprobs)}
     return choice
 
 
-def _completion_chunk(codec, index: int, event: TokenEvent, first: bool, logprob_from: int) -> dict:
+def _completion_chunk(codec, index: int, event: TokenEvent, first: bool, logprob_from: int, echo: bool = False) -> dict:
     request = event.request
-    chunk = {"index": index, "text": event.delta, "finish_reason": request.finish_reason if event.finished else None, "logprobs": None}
+    text = event.delta
+    if echo and first:  # the prompt comes first, as the client sent it (token ids: decoded)
+        prompt = request.prompt if request.prompt is not None else codec.decode(request.prompt_token_ids)
+        text = prompt + text
+    chunk = {"index": index, "text": text, "finish_reason": request.finish_reason if event.finished else None, "logprobs": None}
     if request.params.logprobs is not None:
-        content = _logprobs_content(codec, request, logprob_from, len(request.logprobs))
+        content = _logprobs_content(codec, request.logprobs[logprob_from:])
+        if echo and first:  # the first prompt token has no logprob: null, as OpenAI's echo gives it
+            content = [{"token": codec.decode([request.prompt_token_ids[0]]), "logprob": None, "top_logprobs": None}] + \
+                _logprobs_content(codec, request.prompt_logprobs[1:]) + content
         chunk["logprobs"] = {
             "tokens": [c["token"] for c in content], "token_logprobs": [c["logprob"] for c in content],
-            "top_logprobs": [{t["token"]: t["logprob"] for t in c["top_logprobs"]} for c in content],
+            "top_logprobs": [None if c["top_logprobs"] is None else {t["token"]: t["logprob"] for t in c["top_logprobs"]}
+                             for c in content],
         }
     return chunk
 
@@ -306,7 +322,7 @@ def _chat_chunk(codec, index: int, event: TokenEvent, first: bool, logprob_from:
     delta = {"role": "assistant", "content": event.delta} if first else {"content": event.delta}
     chunk = {"index": index, "delta": delta, "finish_reason": event.request.finish_reason if event.finished else None, "logprobs": None}
     if event.request.params.logprobs is not None:
-        chunk["logprobs"] = {"content": _logprobs_content(codec, event.request, logprob_from, len(event.request.logprobs))}
+        chunk["logprobs"] = {"content": _logprobs_content(codec, event.request.logprobs[logprob_from:])}
     return chunk
 
 

@@ -118,6 +118,30 @@ def test_n_seeds_and_logprobs(server):
     assert all(c.logprob == pytest.approx(c.top_logprobs[0].logprob) for c in content)  # greedy takes the top
 
 
+def test_echo_returns_the_prompt_and_its_logprobs_as_lm_eval_asks(server):
+    """lm-evaluation-harness scores a continuation with echo + logprobs + max_tokens 1 on token ids: the prompt's
+    text and tokens come first, the first token's logprob null, then each prompt token's logprob given the ones
+    before it (the engine's prompt_logprobs, checked against transformers in tests/runner/test_logprobs.py)."""
+    prompt = [int(t) for t in server.engine.engine.codec.encode("The quick brown fox jumps over the lazy dog.")]
+    plain = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0.0, logprobs=1)
+    echoed = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0.0, logprobs=1,
+                                              echo=True)
+    choice = echoed.choices[0]
+    prompt_text = server.engine.engine.codec.decode(prompt)
+    assert choice.text == prompt_text + plain.choices[0].text
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(prompt) + 1 and logprobs.tokens[-1] == plain.choices[0].logprobs.tokens[0]
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert all(lp < 0 for lp in logprobs.token_logprobs[1:])
+    assert logprobs.token_logprobs[-1] == pytest.approx(plain.choices[0].logprobs.token_logprobs[0], abs=1e-4)
+    streamed = list(server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0.0,
+                                                     echo=True, stream=True, extra_body={"ignore_eos": True}))
+    assert streamed[0].choices[0].text.startswith(prompt_text)
+    text_only = server.client.completions.create(model=MODEL, prompt="The quick brown", max_tokens=4, temperature=0.0,
+                                                 echo=True)
+    assert text_only.choices[0].text.startswith("The quick brown") and text_only.choices[0].logprobs is None
+
+
 def test_tokenize_and_detokenize_count_what_the_endpoints_send(server):
     def post(path, body):
         return httpx.post(f"{server.url}{path}", json={"model": MODEL, **body})
@@ -180,7 +204,9 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
         with pytest.raises(openai.BadRequestError, match=f"{field} is not supported") as refused:
             chat(server, extra_body={field: value})
         assert refused.value.body["param"] == field
-    for field, value in (("suffix", "end"), ("best_of", 3)):
+    with pytest.raises(openai.BadRequestError, match="echo is not supported"):  # vLLM's chat extra
+        chat(server, extra_body={"echo": True})
+    for field, value in (("suffix", "end"), ("best_of", 3), ("prompt_logprobs", 2)):
         response = post(json.dumps({"model": "tiny", "prompt": "hi", field: value}), "/v1/completions")
         assert response.status_code == 400 and response.json()["error"]["param"] == field
     assert chat(server, extra_body={"response_format": {"type": "text"}, "tools": [], "user": "u", "store": False})
