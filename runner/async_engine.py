@@ -137,7 +137,8 @@ class AsyncEngine:
         for event in events:
             self._deliver(event, now)
         scheduler = self.engine.scheduler
-        self.metrics.observe_step(len(scheduler.waiting) + self._pending, len(scheduler.running), len(events), now)
+        tokens = sum(1 for e in events if e.request.output_token_ids)  # a prompt-only request (max_tokens 0) makes none
+        self.metrics.observe_step(len(scheduler.waiting) + self._pending, len(scheduler.running), tokens, now)
 
     def _after_aborts(self) -> None:
         scheduler = self.engine.scheduler
@@ -149,11 +150,12 @@ class AsyncEngine:
             return
         if len(event.request.output_token_ids) == 1:  # the request's first token: its prompt is in the cache now
             self.metrics.prefix_cache_hits.inc(event.request.num_cached_tokens)
-        if stream.last_token is None:
-            self.metrics.ttft.observe(now - stream.submitted)
-        else:
-            self.metrics.inter_token.observe(now - stream.last_token)
-        stream.last_token = now
+        if event.request.output_token_ids:  # a prompt-only request (max_tokens 0) ends without a token to time
+            if stream.last_token is None:
+                self.metrics.ttft.observe(now - stream.submitted)
+            else:
+                self.metrics.inter_token.observe(now - stream.last_token)
+            stream.last_token = now
         stream.loop.call_soon_threadsafe(stream.events.put_nowait, event)
 
     def _abort(self, request: Request, error: BaseException | None = None) -> None:

@@ -163,6 +163,7 @@ class LLMEngine:
         if step.empty:
             return []
         pending: list[_Pending] = []  # rows whose next tokens the sampler graph chooses this step
+        events: list[TokenEvent] = []
         if step.decode and self._speculates(len(step.decode)):
             pending += self._verify(step.decode)
         elif step.decode:
@@ -182,15 +183,19 @@ class LLMEngine:
             request.num_computed += count
             if not request.prefilling:
                 root = pack_tree(request.prompt_token_ids[-1], [], 0)
-                pending += [_Pending(r, root, scored.logits[None], scored.hidden[None], argmax=scored.argmax[None])
-                            for r in [request] + self._fork(request)]
+                for r in [request] + self._fork(request):
+                    if r.params.max_tokens == 0:  # the prompt was all it asked for (its prompt logprobs)
+                        self._finish(r, "length")
+                        events.append(TokenEvent(r, "", True))
+                    else:
+                        pending.append(_Pending(r, root, scored.logits[None], scored.hidden[None], argmax=scored.argmax[None]))
         if not pending:
-            return []
+            return events
         started = time.perf_counter()
         sampled = self._sample(pending)
         if self.speculation is not None:
             self.speculation_stats.verify_seconds += time.perf_counter() - started  # acceptance is part of verifying
-        events, to_draft = [], []
+        to_draft = []
         for row, result in zip(pending, sampled):
             request, emitted = row.request, 0
             for token, logprob in zip(result.tokens, result.logprobs or [None] * len(result.tokens)):

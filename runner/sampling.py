@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class SamplingParams:
-    max_tokens: int = 16
+    max_tokens: int = 16  # 0: only compute the prompt (for its prompt_logprobs), generate nothing
     temperature: float = 1.0  # 0 = greedy
     top_k: int = -1  # -1 or 0 = no limit
     top_p: float = 1.0
@@ -36,8 +36,8 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         problems = []
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            problems.append(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
+            problems.append(f"max_tokens must be an integer >= 1 (0: compute the prompt only), got {self.max_tokens!r}")
         if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature <= 100.0:
             problems.append(f"temperature must be in [0, 100], got {self.temperature!r}")
         if not isinstance(self.top_k, int) or self.top_k < -1:

@@ -240,7 +240,10 @@ def create_app(engine: AsyncEngine, model_name: str, shutdown_grace: float = 10.
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, http: Request):
         check_model(body)
-        # echo returns the prompt before the completion, with its tokens' logprobs when logprobs are asked for
+        # echo returns the prompt before the completion, with its tokens' logprobs when logprobs are asked for;
+        # max_tokens 0 with echo returns the prompt alone (OpenAI's legacy way to score a text)
+        if body.max_tokens == 0 and not body.echo:
+            raise APIError(400, "max_tokens must be >= 1 (0 only with echo: the prompt alone)", param="max_tokens")
         params = _sampling(body, body.max_tokens, body.logprobs, body.logprobs if body.echo else None)
         prompts = _completion_prompts(body.prompt)
         groups = [make_requests(text, ids, params) for text, ids in prompts]
@@ -254,6 +257,8 @@ def create_app(engine: AsyncEngine, model_name: str, shutdown_grace: float = 10.
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         # without a limit a chat answer may use the rest of the context (OpenAI's and vLLM's chat default), not 16
         limit = next((v for v in (body.max_completion_tokens, body.max_tokens) if v is not None), llm.max_seq_len)
+        if limit == 0:
+            raise APIError(400, "max_tokens must be >= 1", param="max_tokens")
         params = _sampling(body, limit, logprobs)
         groups = [make_requests(chat_prompt(body.messages), None, params)]
         return await _respond(engine, http, body, groups, "chat.completion", _chat_choice, _chat_chunk)

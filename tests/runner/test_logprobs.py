@@ -42,6 +42,9 @@ def test_prompt_logprobs_match_transformers_across_chunks_forks_and_the_prefix_c
     again, = run(engine, prompt, SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=3))
     assert again.num_cached_tokens == 0 and again.prompt_logprobs == first.prompt_logprobs
     assert again.token_ids == first.token_ids
+    scored, = run(engine, prompt, SamplingParams(max_tokens=0, prompt_logprobs=0))  # the prompt alone
+    assert scored.token_ids == [] and scored.finish_reason == "length" and scored.text == ""
+    assert [e.logprob for e in scored.prompt_logprobs[1:]] == [e.logprob for e in first.prompt_logprobs[1:]]
     without, = run(engine, prompt, SamplingParams(max_tokens=2, temperature=0.0))
     assert without.prompt_logprobs is None and without.num_cached_tokens > 0 and without.token_ids == first.token_ids
 

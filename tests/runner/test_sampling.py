@@ -10,7 +10,7 @@ from runner.sampling import SamplingParams
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -1}, "max_tokens"),
         ({"temperature": -0.5}, "temperature"),
         ({"top_k": -3}, "top_k"),
         ({"top_p": 0.0}, "top_p"),

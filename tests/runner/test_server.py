@@ -140,6 +140,17 @@ def test_echo_returns_the_prompt_and_its_logprobs_as_lm_eval_asks(server):
     text_only = server.client.completions.create(model=MODEL, prompt="The quick brown", max_tokens=4, temperature=0.0,
                                                  echo=True)
     assert text_only.choices[0].text.startswith("The quick brown") and text_only.choices[0].logprobs is None
+    # max_tokens 0 + echo (OpenAI's legacy scoring call): the prompt alone, streamed or not, nothing generated
+    scored = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, logprobs=1, echo=True)
+    assert scored.choices[0].text == prompt_text and scored.usage.completion_tokens == 0
+    assert scored.choices[0].logprobs.token_logprobs == logprobs.token_logprobs[:-1]
+    assert scored.choices[0].finish_reason == "length"
+    chunks = list(server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == prompt_text
+    for body in ({"prompt": "hi", "max_tokens": 0}, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}):
+        path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+        response = httpx.post(f"{server.url}{path}", json={"model": MODEL, **body})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "max_tokens"
 
 
 def test_tokenize_and_detokenize_count_what_the_endpoints_send(server):
