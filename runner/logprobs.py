@@ -17,12 +17,13 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 
 def token_logprobs(logits: np.ndarray, targets: list[int], top: int) -> list[TokenLogprob]:
-    """For each row of `logits` [n, vocab], the log-probability of `targets[i]` and the `top` most likely tokens
-    (best first, ties by lower id)."""
+    """For each row of `logits` [n, vocab], the log-probability of `targets[i]`, its rank and the `top` most likely
+    tokens (best first, ties by lower id)."""
     logprobs = log_softmax(logits[:len(targets)])
     result = []
     for row, token in zip(logprobs, targets):
         best = np.argpartition(-row, top - 1)[:top] if top else np.empty(0, np.int64)
         best = best[np.lexsort((best, -row[best]))]
-        result.append(TokenLogprob(int(token), float(row[token]), [(int(t), float(row[t])) for t in best]))
+        rank = 1 + int((row > row[token]).sum())
+        result.append(TokenLogprob(int(token), float(row[token]), [(int(t), float(row[t])) for t in best], rank))
     return result

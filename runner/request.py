@@ -15,6 +15,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # (token id, logprob) of the most likely tokens, best first
+    rank: int | None = None  # 1 + how many tokens are likelier (prompt logprobs; None where not computed)
 
 
 @dataclass

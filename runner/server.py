@@ -53,7 +53,6 @@ UNSUPPORTED_FIELDS = {
     "prediction": lambda value: value is None,
     "audio": lambda value: value is None,
     "modalities": lambda value: value in (None, ["text"]),
-    "prompt_logprobs": lambda value: value is None,  # vLLM's; the completions API's echo + logprobs gives them
     "echo": lambda value: not value,  # vLLM's chat extra (the completions API's echo is implemented)
 }
 
@@ -80,6 +79,7 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = 0
     logit_bias: dict[int, float] | None = None
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob, rank and the top ones (not streamed)
     user: str | None = None
 
 
@@ -127,8 +127,13 @@ def _refuse_unsupported(body: SamplingFields) -> None:
 
 
 def _sampling(body: SamplingFields, max_tokens: int | None, logprobs: int | None,
-              prompt_logprobs: int | None = None) -> SamplingParams:
+              echo_logprobs: int | None = None) -> SamplingParams:
+    """`echo_logprobs`: how many top prompt logprobs the completions API's echo shows (None: no echo)."""
     _refuse_unsupported(body)
+    if body.prompt_logprobs is not None and body.stream:
+        raise APIError(400, "prompt_logprobs are not available when streaming", param="prompt_logprobs")
+    wanted = [k for k in (body.prompt_logprobs, echo_logprobs) if isinstance(k, int)]
+    prompt_logprobs = max(wanted) if wanted else body.prompt_logprobs  # a bad value is SamplingParams' to refuse
     try:
         return SamplingParams(
             max_tokens=max_tokens if max_tokens is not None else 16,
@@ -247,7 +252,7 @@ def create_app(engine: AsyncEngine, model_name: str, shutdown_grace: float = 10.
         params = _sampling(body, body.max_tokens, body.logprobs, body.logprobs if body.echo else None)
         prompts = _completion_prompts(body.prompt)
         groups = [make_requests(text, ids, params) for text, ids in prompts]
-        choice = functools.partial(_completion_choice, echo=body.echo)
+        choice = functools.partial(_completion_choice, echo=body.echo, prompt_logprobs=body.prompt_logprobs)
         chunk = functools.partial(_completion_chunk, echo=body.echo)
         return await _respond(engine, http, body, groups, "text_completion", choice, chunk)
 
@@ -280,20 +285,36 @@ def _completion_prompts(prompt) -> list[tuple[str | None, list[int] | None]]:
     raise APIError(400, "prompt must be a string, a list of strings, a list of token ids or a list of lists", param="prompt")
 
 
-def _logprobs_content(codec, logprobs: list[TokenLogprob]) -> list[dict]:
+def _logprobs_content(codec, logprobs: list[TokenLogprob], top: int | None = None) -> list[dict]:
     return [
         {
             "token": codec.decode([lp.token_id]), "logprob": lp.logprob,
-            "top_logprobs": [{"token": codec.decode([t]), "logprob": v} for t, v in lp.top],
+            "top_logprobs": [{"token": codec.decode([t]), "logprob": v} for t, v in lp.top[:top]],
         }
         for lp in logprobs
     ]
 
 
-def _completion_choice(codec, index: int, request: EngineRequest, echo: bool = False) -> dict:
+def _vllm_prompt_logprobs(codec, request: EngineRequest, top: int) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: per prompt token (None for the first) {token id: {logprob, rank, decoded_token}} for
+    the token itself and the `top` most likely ones."""
+    entries: list[dict | None] = [None]
+    for lp in request.prompt_logprobs[1:]:
+        entry = {str(lp.token_id): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": codec.decode([lp.token_id])}}
+        for rank, (token, logprob) in enumerate(lp.top[:top], start=1):
+            entry.setdefault(str(token), {"logprob": logprob, "rank": rank, "decoded_token": codec.decode([token])})
+        entries.append(entry)
+    return entries
+
+
+def _completion_choice(codec, index: int, request: EngineRequest, echo: bool = False,
+                       prompt_logprobs: int | None = None) -> dict:
     # the same fields as the last chunk of a stream, over all of the request's tokens
     final = TokenEvent(request, request.text, True)
-    return _completion_chunk(codec, index, final, True, 0, echo)
+    choice = _completion_chunk(codec, index, final, True, 0, echo)
+    if prompt_logprobs is not None:
+        choice["prompt_logprobs"] = _vllm_prompt_logprobs(codec, request, prompt_logprobs)
+    return choice
 
 
 def _chat_choice(codec, index: int, request: EngineRequest) -> dict:
@@ -314,7 +335,7 @@ def _completion_chunk(codec, index: int, event: TokenEvent, first: bool, logprob
         content = _logprobs_content(codec, request.logprobs[logprob_from:])
         if echo and first:  # the first prompt token has no logprob: null, as OpenAI's echo gives it
             content = [{"token": codec.decode([request.prompt_token_ids[0]]), "logprob": None, "top_logprobs": None}] + \
-                _logprobs_content(codec, request.prompt_logprobs[1:]) + content
+                _logprobs_content(codec, request.prompt_logprobs[1:], request.params.logprobs) + content
         chunk["logprobs"] = {
             "tokens": [c["token"] for c in content], "token_logprobs": [c["logprob"] for c in content],
             "top_logprobs": [None if c["top_logprobs"] is None else {t["token"]: t["logprob"] for t in c["top_logprobs"]}
@@ -394,10 +415,13 @@ async def _respond(engine, http: Request, body: SamplingFields, groups, kind: st
         watcher.cancel()
         if collector.exception() is not None:
             raise engine_error(collector.exception())
-        return {
+        response = {
             "id": response_id, "object": kind, "created": created, "model": body.model,
             "choices": [choice(codec, index_of[r.request_id], r) for r in flat], "usage": _usage(groups),
         }
+        if kind == "chat.completion" and body.prompt_logprobs is not None:  # vLLM gives a chat's once, at the top
+            response["prompt_logprobs"] = _vllm_prompt_logprobs(codec, flat[0], body.prompt_logprobs)
+        return response
 
     # Streaming: capacity errors must become an HTTP error before the 200 of the stream is sent.
     events = _events(engine, groups)

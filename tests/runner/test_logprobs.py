@@ -36,6 +36,8 @@ def test_prompt_logprobs_match_transformers_across_chunks_forks_and_the_prefix_c
         assert entry.token_id == prompt[position]
         assert entry.logprob == pytest.approx(row[prompt[position]], abs=1e-4)
         assert [t for t, _ in entry.top] == list(np.argsort(-row, kind="stable")[:3])
+        own = row[prompt[position]]  # its rank: 1 + the tokens likelier than it (ties within rounding either way)
+        assert 1 + (row > own + 1e-4).sum() <= entry.rank <= 1 + (row > own - 1e-4).sum()
         assert [v for _, v in entry.top] == pytest.approx(np.sort(row)[::-1][:3], abs=1e-4)
     assert fork.prompt_logprobs == first.prompt_logprobs  # the fork shares the computed prompt
     # the same prompt again: the prefix cache holds it, but logits are not cached, so it is computed again

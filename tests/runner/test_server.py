@@ -147,10 +147,21 @@ def test_echo_returns_the_prompt_and_its_logprobs_as_lm_eval_asks(server):
     assert scored.choices[0].finish_reason == "length"
     chunks = list(server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, stream=True))
     assert "".join(c.choices[0].text for c in chunks) == prompt_text
-    for body in ({"prompt": "hi", "max_tokens": 0}, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}):
+    # vLLM's prompt_logprobs: per prompt token {id: {logprob, rank, decoded_token}}, the token and the top ones
+    vllm_style = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, extra_body={"prompt_logprobs": 2})
+    entries = vllm_style.choices[0].model_extra["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(prompt)
+    for position, entry in enumerate(entries[1:], start=1):
+        own = entry[str(prompt[position])]
+        assert own["logprob"] == pytest.approx(logprobs.token_logprobs[position], abs=1e-6) and own["rank"] >= 1
+        assert len(entry) in (2, 3) and {e["rank"] for t, e in entry.items() if t != str(prompt[position])} <= {1, 2}
+    chat_style = chat(server, max_tokens=1, extra_body={"prompt_logprobs": 0})
+    assert chat_style.model_extra["prompt_logprobs"][0] is None
+    for body in ({"prompt": "hi", "max_tokens": 0}, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0},
+                 {"prompt": "hi", "prompt_logprobs": 1, "stream": True}):
         path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
         response = httpx.post(f"{server.url}{path}", json={"model": MODEL, **body})
-        assert response.status_code == 400 and response.json()["error"]["param"] == "max_tokens"
+        assert response.status_code == 400 and response.json()["error"]["param"] in ("max_tokens", "prompt_logprobs")
 
 
 def test_tokenize_and_detokenize_count_what_the_endpoints_send(server):
@@ -217,7 +228,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
         assert refused.value.body["param"] == field
     with pytest.raises(openai.BadRequestError, match="echo is not supported"):  # vLLM's chat extra
         chat(server, extra_body={"echo": True})
-    for field, value in (("suffix", "end"), ("best_of", 3), ("prompt_logprobs", 2)):
+    for field, value in (("suffix", "end"), ("best_of", 3)):
         response = post(json.dumps({"model": "tiny", "prompt": "hi", field: value}), "/v1/completions")
         assert response.status_code == 400 and response.json()["error"]["param"] == field
     assert chat(server, extra_body={"response_format": {"type": "text"}, "tools": [], "user": "u", "store": False})
