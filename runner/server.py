@@ -17,7 +17,7 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from runner.async_engine import AsyncEngine, EngineOverloaded, EngineStopped
 from runner.llm_engine import PromptError, TokenEvent
@@ -61,6 +61,12 @@ class SamplingFields(BaseModel):
     """The sampling fields both endpoints share (OpenAI's names, plus vLLM's extras)."""
 
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        # OpenAI reads null as "not given" for every optional parameter, and some clients send nulls for all of them
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
     model: str
     max_tokens: int | None = None
     temperature: float = 1.0

@@ -232,6 +232,14 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
         response = post(json.dumps({"model": "tiny", "prompt": "hi", field: value}), "/v1/completions")
         assert response.status_code == 400 and response.json()["error"]["param"] == field
     assert chat(server, extra_body={"response_format": {"type": "text"}, "tools": [], "user": "u", "store": False})
+    # null means "not given", as OpenAI reads it (some clients send every optional parameter as null)
+    nulls = {name: None for name in ("temperature", "top_p", "n", "stream", "stop", "seed", "presence_penalty",
+                                     "frequency_penalty", "logprobs", "top_logprobs", "logit_bias", "tools", "user")}
+    response = post(json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, **nulls}))
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] >= 1
+    response = post(json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 3, "echo": None, **nulls}), "/v1/completions")
+    assert response.status_code == 200
+    assert post(json.dumps({"model": "tiny", "messages": None})).json()["error"]["param"] == "messages"
     assert chat(server).choices[0].message.content is not None
 
 
