@@ -18,6 +18,7 @@ from runner.logprobs import token_logprobs
 from runner.request import Request, TokenLogprob
 from runner.sampler import SampledRow, Sampler
 from runner.sampling import SamplingParams
+from runner.structured import GrammarCompiler, TokenConstraint
 from runner.speculative import SpeculationStats, TokenTree, likely_prefixes, pack_tree, prompt_lookup_draft
 from runner.scheduler import Scheduler
 from runner.tokenizer import IncrementalDetokenizer, TextCodec
@@ -87,6 +88,7 @@ class LLMEngine:
                                           threads, verify_checksums)
         self.speculation_stats = SpeculationStats()
         self._ids = itertools.count()
+        self._grammars: GrammarCompiler | None = None  # made on the first structured-output request
 
     @property
     def max_seq_len(self) -> int:
@@ -122,8 +124,9 @@ class LLMEngine:
             raise PromptError(f"logit_bias token ids must be in [0, {vocab})")
         if params.prompt_logprobs is not None and self.executor.score_phase is None:
             raise PromptError("this engine was built before prompt logprobs existed (no score phase): rebuild it")
-        if params.logit_bias and not self.sampler.takes_logit_bias:
-            raise PromptError("this engine was built before logit_bias existed: rebuild it to use logit_bias")
+        if (params.logit_bias or params.structured_outputs) and not self.sampler.takes_logit_bias:
+            raise PromptError("this engine was built before logit_bias existed: rebuild it to use logit_bias or "
+                              "structured outputs")
         if len(prompt_token_ids) >= self.max_seq_len:
             raise PromptError(
                 f"the prompt has {len(prompt_token_ids)} tokens; this engine's max sequence length is "
@@ -132,6 +135,7 @@ class LLMEngine:
         requests = []
         for index in range(params.n):
             requests.append(Request(
+                constraint=self._constraint(params),
                 request_id=str(next(self._ids)),
                 prompt=prompt,
                 prompt_token_ids=prompt_token_ids,
@@ -141,6 +145,14 @@ class LLMEngine:
                 fork_of=requests[0] if requests else None,
             ))
         return requests
+
+    def _constraint(self, params: SamplingParams) -> TokenConstraint | None:
+        if params.structured_outputs is None:
+            return None
+        if self._grammars is None:  # GrammarError (a ValueError) when xgrammar is missing or the spec is bad
+            self._grammars = GrammarCompiler(self.artifact.path(self.manifest.tokenizer.file),
+                                             self.manifest.model.vocab_size, sorted(self.manifest.model.eos_token_ids))
+        return self._grammars.constraint(params.structured_outputs)
 
     def abort(self, request: Request) -> None:
         if not request.finished:
@@ -281,6 +293,11 @@ class LLMEngine:
         """New drafts for the next step: the draft graph's beams from each request's hidden state (ReDrafter), the
         draft model's greedy continuation, and/or the continuation of the latest earlier match of the context's last
         tokens (prompt lookup)."""
+        for request, _ in requests:
+            request.drafts = []
+        requests = [(r, hidden) for r, hidden in requests if r.constraint is None]  # (see runner/structured.py)
+        if not requests:
+            return
         started = time.perf_counter()
         spec = self.speculation
         lookup_len = spec["draft_len"] if spec["method"] == "prompt-lookup" else spec.get("prompt_lookup_len", 0)
@@ -311,7 +328,9 @@ class LLMEngine:
         reason = None
         full_text = request.detokenizer.text
         visible = full_text
-        if token in self.sampler.stop_ids(request):
+        if request.constraint is not None:
+            request.constraint.accept(token)
+        if token in self.sampler.stop_ids(request) or (request.constraint is not None and request.constraint.complete):
             reason = "stop"
         for stop in params.stop:
             index = full_text.find(stop)

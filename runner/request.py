@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from runner.sampling import SamplingParams
+from runner.structured import TokenConstraint
 from runner.tokenizer import IncrementalDetokenizer
 
 
@@ -50,6 +51,7 @@ class Request:
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # computed so far (params.prompt_logprobs)
     drafts: list | np.ndarray | None = None  # speculative engines: draft beams (token id sequences) for the next step
     draft_computed: int = 0  # draft-model engines: context tokens in the draft model's cache
+    constraint: TokenConstraint | None = None  # structured outputs: where the request is in its grammar
     fork_of: Request | None = None  # n > 1: the first completion, whose prompt K/V and first logits this one waits for
 
     @property

@@ -43,7 +43,7 @@ class Sampler:
         penalties or a logit bias, or a stop token comes before min_tokens (the graph then takes the best allowed
         one). Saves a greedy step the sampler call (~0.7 ms for a 5-node tree over a 49k vocabulary)."""
         params = request.params
-        if not params.greedy or params.logprobs is not None or params.penalised or params.logit_bias:
+        if not params.greedy or params.logprobs is not None or params.penalised or params.logit_bias or request.constraint:
             return None
         banned_until = params.min_tokens - len(request.output_token_ids)  # tokens emitted before stops are allowed
         stop_ids = self.stop_ids(request) if banned_until > 0 else set()
@@ -117,4 +117,6 @@ class Sampler:
             for index, (request, _, _) in enumerate(rows):
                 for token, bias in request.params.logit_bias.items():
                     feeds["logit_bias"][index, token] = bias
+                if request.constraint is not None:  # tokens the grammar does not allow next (a constrained row has no drafts)
+                    feeds["logit_bias"][index, ~request.constraint.allowed()] = -np.inf
         return feeds

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from runner.structured import StructuredOutputs
+
 
 @dataclass
 class SamplingParams:
@@ -29,6 +31,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # also each prompt token's logprob (from the second on) and this many top ones
     n: int = 1  # completions per prompt (the server's `n`)
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit before anything else
+    structured_outputs: StructuredOutputs | None = None  # a JSON schema, any JSON, a regex or a choice (structured.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -71,6 +74,10 @@ class SamplingParams:
             problems.append("logit_bias keys must be non-negative token ids")
         if any(not isinstance(v, (int, float)) or not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
             problems.append("logit_bias values must be in [-100, 100]")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            problems.append("structured_outputs must be a StructuredOutputs")
+        elif self.structured_outputs is not None and self.min_tokens:
+            problems.append("min_tokens cannot be combined with structured outputs (the grammar says where the output ends)")
         if problems:
             raise ValueError("; ".join(problems))
 

@@ -24,6 +24,7 @@ from runner.llm_engine import PromptError, TokenEvent
 from runner.request import Request as EngineRequest
 from runner.request import TokenLogprob
 from runner.sampling import SamplingParams
+from runner.structured import GrammarError, StructuredOutputs
 
 
 class APIError(Exception):
@@ -45,7 +46,6 @@ class StreamOptions(BaseModel):
 # it. Fields unknown to OpenAI too are ignored, as vLLM does.
 UNSUPPORTED_FIELDS = {
     "suffix": lambda value: not value,
-    "response_format": lambda value: value is None or (isinstance(value, dict) and value.get("type") == "text"),
     "tools": lambda value: not value,
     "functions": lambda value: not value,
     "tool_choice": lambda value: value in (None, "none", "auto"),  # without tools, "auto" chooses none
@@ -54,6 +54,8 @@ UNSUPPORTED_FIELDS = {
     "audio": lambda value: value is None,
     "modalities": lambda value: value in (None, ["text"]),
     "echo": lambda value: not value,  # vLLM's chat extra (the completions API's echo is implemented)
+    "guided_grammar": lambda value: value is None,  # vLLM's; the other guided_* fields are implemented
+    "guided_decoding_backend": lambda value: value is None,
 }
 
 
@@ -86,6 +88,11 @@ class SamplingFields(BaseModel):
     min_tokens: int = 0
     logit_bias: dict[int, float] | None = None
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob, rank and the top ones (not streamed)
+    response_format: dict[str, Any] | None = None  # OpenAI's: text, json_object or json_schema
+    guided_json: dict[str, Any] | str | None = None  # vLLM's structured outputs, older and newer names
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    structured_outputs: dict[str, Any] | None = None
     user: str | None = None
 
 
@@ -142,6 +149,7 @@ def _sampling(body: SamplingFields, max_tokens: int | None, logprobs: int | None
     prompt_logprobs = max(wanted) if wanted else body.prompt_logprobs  # a bad value is SamplingParams' to refuse
     try:
         return SamplingParams(
+            structured_outputs=_structured_outputs(body),
             max_tokens=max_tokens if max_tokens is not None else 16,
             temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p, n=body.n,
             seed=body.seed, stop=body.stop or [], stop_token_ids=body.stop_token_ids or [],
@@ -151,6 +159,41 @@ def _sampling(body: SamplingFields, max_tokens: int | None, logprobs: int | None
         )
     except ValueError as err:
         raise APIError(400, str(err)) from None
+
+
+def _structured_outputs(body: SamplingFields) -> StructuredOutputs | None:
+    """OpenAI's response_format, or vLLM's guided_json / guided_regex / guided_choice / structured_outputs."""
+    asked = []
+    response_format = body.response_format or {"type": "text"}
+    kind = response_format.get("type")
+    if kind == "json_object":
+        asked.append(StructuredOutputs(json_object=True))
+    elif kind == "json_schema":
+        schema = (response_format.get("json_schema") or {}).get("schema")
+        if schema is None:
+            raise APIError(400, "response_format json_schema needs json_schema.schema", param="response_format")
+        asked.append(StructuredOutputs(json=schema))
+    elif kind != "text":
+        raise APIError(400, f"response_format type {kind!r} is not one of text, json_object, json_schema",
+                       param="response_format")
+    for value, make in ((body.guided_json, lambda v: StructuredOutputs(json=v)),
+                        (body.guided_regex, lambda v: StructuredOutputs(regex=v)),
+                        (body.guided_choice, lambda v: StructuredOutputs(choice=v)),
+                        (body.structured_outputs, _vllm_structured_outputs)):
+        if value is not None:
+            asked.append(make(value))
+    if len(asked) > 1:
+        raise APIError(400, "ask for one structured output (response_format, guided_* or structured_outputs)",
+                       param="response_format")
+    return asked[0] if asked else None
+
+
+def _vllm_structured_outputs(fields: dict[str, Any]) -> StructuredOutputs:
+    known = {"json", "json_object", "regex", "choice"}
+    if not set(fields) <= known:
+        raise APIError(400, f"structured_outputs supports {', '.join(sorted(known))}; not {', '.join(sorted(set(fields) - known))}",
+                       param="structured_outputs")
+    return StructuredOutputs(**fields)
 
 
 def _message_text(content: str | list[dict[str, Any]] | None) -> str:
@@ -222,6 +265,8 @@ def create_app(engine: AsyncEngine, model_name: str, shutdown_grace: float = 10.
             return llm.new_requests(prompt, ids, params)
         except PromptError as err:
             raise APIError(400, str(err), param="prompt") from None
+        except GrammarError as err:
+            raise APIError(400, str(err), param="response_format") from None
 
     def chat_prompt(messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
         turns = [{"role": m.role, "content": _message_text(m.content)} for m in messages]

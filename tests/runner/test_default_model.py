@@ -59,3 +59,18 @@ def test_shipped_draft_head_keeps_the_output_and_is_accepted(llm, default_redraf
         assert spec.generate(prompt, params)[0].token_ids == llm.generate(prompt, params)[0].token_ids
     stats = spec.engine.speculation_stats
     assert stats.mean_accepted > 1.2, stats.accepted_histogram
+
+
+def test_a_json_schema_answer_from_the_real_model(llm):
+    """Structured outputs on the real vocabulary (byte-level BPE, 49k tokens): a JSON answer that parses and follows
+    its schema, and the answer the question asks for."""
+    pytest.importorskip("xgrammar", reason="structured outputs need xgrammar (scripts/test.sh installs it)")
+    import json
+
+    from runner.structured import StructuredOutputs
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+              "additionalProperties": False}
+    chat = [{"role": "user", "content": "What is the capital of France? Answer in JSON with the key city."}]
+    out = llm.chat(chat, SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=StructuredOutputs(json=schema)))[0]
+    assert out.finish_reason == "stop" and json.loads(out.text) == {"city": "Paris"}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 import socket
 import threading
 import time
@@ -164,6 +165,25 @@ def test_echo_returns_the_prompt_and_its_logprobs_as_lm_eval_asks(server):
         assert response.status_code == 400 and response.json()["error"]["param"] in ("max_tokens", "prompt_logprobs")
 
 
+def test_structured_outputs_by_openai_and_vllm_names(server):
+    pytest.importorskip("xgrammar", reason="structured outputs need xgrammar (scripts/test.sh installs it)")
+    choices = ["alpha", "beta", "gamma delta"]
+    answer = chat(server, temperature=1.0, seed=2, n=4, extra_body={"guided_choice": choices})
+    assert all(c.message.content in choices and c.finish_reason == "stop" for c in answer.choices)
+    streamed = server.client.completions.create(model=MODEL, prompt="hello", max_tokens=30, temperature=1.0, seed=4,
+                                                stream=True, extra_body={"structured_outputs": {"regex": "[0-9]{4}"}})
+    assert re.fullmatch("[0-9]{4}", "".join(c.choices[0].text for c in streamed))
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    for response_format in ({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}, {"type": "json_object"}):
+        outs = chat(server, temperature=1.0, seed=7, n=4, max_tokens=60, response_format=response_format).choices
+        parsed = [json.loads(c.message.content) for c in outs if c.finish_reason == "stop"]
+        assert parsed and (response_format["type"] == "json_object" or all(set(p) == {"ok"} for p in parsed))
+    for extra, message in (({"guided_regex": "[0-9"}, "cannot compile"), ({"guided_regex": "a", "guided_choice": ["b"]}, "one structured"),
+                           ({"response_format": {"type": "yaml"}}, "not one of"), ({"structured_outputs": {"grammar": "x"}}, "supports")):
+        with pytest.raises(openai.BadRequestError, match=message):
+            chat(server, extra_body=extra)
+
+
 def test_tokenize_and_detokenize_count_what_the_endpoints_send(server):
     def post(path, body):
         return httpx.post(f"{server.url}{path}", json={"model": MODEL, **body})
@@ -221,8 +241,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
     response = post('{"model": "tiny", "prompt": [[]]}', "/v1/completions")
     assert response.status_code == 400 and "empty" in response.json()["error"]["message"]
     # OpenAI fields the server does not implement are refused, not silently ignored; their neutral values pass
-    for field, value in (("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
-                         ("tool_choice", "required")):
+    for field, value in (("tools", [{"type": "function"}]), ("tool_choice", "required"), ("guided_grammar", "root ::= x")):
         with pytest.raises(openai.BadRequestError, match=f"{field} is not supported") as refused:
             chat(server, extra_body={field: value})
         assert refused.value.body["param"] == field
