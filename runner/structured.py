@@ -1,5 +1,6 @@
 """Structured outputs (vLLM's name): a request's tokens held to a JSON schema, to any JSON, to a regular expression
-or to one of given strings, by xgrammar (vLLM's default backend, an optional dependency: `pip install xgrammar`).
+or to one of given strings, by xgrammar (vLLM's default backend, an optional dependency: `pip install xgrammar`;
+it imports torch and transformers).
 
 Before each token the request's grammar matcher says which tokens may come next; the others get -inf in the
 sampler graph's `logit_bias` row, so every sampling parameter keeps its meaning over the tokens the grammar allows
@@ -45,8 +46,8 @@ class GrammarCompiler:
     def __init__(self, tokenizer_file: Path, vocab_size: int, stop_token_ids: list[int]) -> None:
         try:
             import xgrammar
-        except ImportError:
-            raise GrammarError("structured outputs need xgrammar: pip install xgrammar") from None
+        except ImportError as err:  # itself, or torch / transformers, which it imports
+            raise GrammarError(f"structured outputs need xgrammar (pip install xgrammar): {err}") from None
         from tokenizers import Tokenizer
 
         self._xgrammar = xgrammar

