@@ -25,6 +25,7 @@ from runner.request import Request as EngineRequest
 from runner.request import TokenLogprob
 from runner.sampling import SamplingParams
 from runner.structured import GrammarError, StructuredOutputs
+from runner.tool_calls import ForcedTools, ToolRequestError, forced_tools, tool_call
 
 
 class APIError(Exception):
@@ -46,9 +47,7 @@ class StreamOptions(BaseModel):
 # it. Fields unknown to OpenAI too are ignored, as vLLM does.
 UNSUPPORTED_FIELDS = {
     "suffix": lambda value: not value,
-    "tools": lambda value: not value,
     "functions": lambda value: not value,
-    "tool_choice": lambda value: value in (None, "none", "auto"),  # without tools, "auto" chooses none
     "function_call": lambda value: value in (None, "none", "auto"),
     "prediction": lambda value: value is None,
     "audio": lambda value: value is None,
@@ -127,6 +126,9 @@ class ChatBody(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None  # called when tool_choice forces them (runner/tool_calls.py)
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
 
 def _refuse_unsupported(body: SamplingFields) -> None:
@@ -140,16 +142,23 @@ def _refuse_unsupported(body: SamplingFields) -> None:
 
 
 def _sampling(body: SamplingFields, max_tokens: int | None, logprobs: int | None,
-              echo_logprobs: int | None = None) -> SamplingParams:
-    """`echo_logprobs`: how many top prompt logprobs the completions API's echo shows (None: no echo)."""
+              echo_logprobs: int | None = None, tools: ForcedTools | None = None) -> SamplingParams:
+    """`echo_logprobs`: how many top prompt logprobs the completions API's echo shows (None: no echo); `tools`: the
+    tool calls the answer must be."""
     _refuse_unsupported(body)
+    structured = _structured_outputs(body)
+    if tools is not None:
+        if structured is not None:
+            raise APIError(400, "a forced tool call is a structured output already: drop response_format / guided_*",
+                           param="tool_choice")
+        structured = StructuredOutputs(json=tools.output_schema())
     if body.prompt_logprobs is not None and body.stream:
         raise APIError(400, "prompt_logprobs are not available when streaming", param="prompt_logprobs")
     wanted = [k for k in (body.prompt_logprobs, echo_logprobs) if isinstance(k, int)]
     prompt_logprobs = max(wanted) if wanted else body.prompt_logprobs  # a bad value is SamplingParams' to refuse
     try:
         return SamplingParams(
-            structured_outputs=_structured_outputs(body),
+            structured_outputs=structured,
             max_tokens=max_tokens if max_tokens is not None else 16,
             temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p, n=body.n,
             seed=body.seed, stop=body.stop or [], stop_token_ids=body.stop_token_ids or [],
@@ -268,10 +277,11 @@ def create_app(engine: AsyncEngine, model_name: str, shutdown_grace: float = 10.
         except GrammarError as err:
             raise APIError(400, str(err), param="response_format") from None
 
-    def chat_prompt(messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
-        turns = [{"role": m.role, "content": _message_text(m.content)} for m in messages]
+    def chat_prompt(messages: list[ChatMessage], add_generation_prompt: bool = True, tools: list | None = None) -> str:
+        # a message's other fields (an assistant's tool_calls, a tool result's tool_call_id) go to the template too
+        turns = [{**(m.model_extra or {}), "role": m.role, "content": _message_text(m.content)} for m in messages]
         try:
-            return llm.codec.apply_chat_template(turns, add_generation_prompt=add_generation_prompt)
+            return llm.codec.apply_chat_template(turns, add_generation_prompt=add_generation_prompt, tools=tools)
         except Exception as err:  # ChatTemplateError, or anything else a jinja template raises
             raise APIError(400, f"cannot apply the chat template: {err}", param="messages") from None
 
@@ -315,9 +325,15 @@ def create_app(engine: AsyncEngine, model_name: str, shutdown_grace: float = 10.
         limit = next((v for v in (body.max_completion_tokens, body.max_tokens) if v is not None), llm.max_seq_len)
         if limit == 0:
             raise APIError(400, "max_tokens must be >= 1", param="max_tokens")
-        params = _sampling(body, limit, logprobs)
-        groups = [make_requests(chat_prompt(body.messages), None, params)]
-        return await _respond(engine, http, body, groups, "chat.completion", _chat_choice, _chat_chunk)
+        try:
+            tools = forced_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+        except ToolRequestError as err:
+            raise APIError(400, str(err), param="tool_choice" if "tool_choice" in str(err) else "tools") from None
+        params = _sampling(body, limit, logprobs, tools=tools)
+        groups = [make_requests(chat_prompt(body.messages, tools=body.tools), None, params)]
+        choice = functools.partial(_chat_choice, tools=tools)
+        chunk = functools.partial(_chat_chunk, tools=tools)
+        return await _respond(engine, http, body, groups, "chat.completion", choice, chunk)
 
     return app
 
@@ -368,8 +384,13 @@ def _completion_choice(codec, index: int, request: EngineRequest, echo: bool = F
     return choice
 
 
-def _chat_choice(codec, index: int, request: EngineRequest) -> dict:
-    choice = {"index": index, "message": {"role": "assistant", "content": request.text}, "finish_reason": request.finish_reason, "logprobs": None}
+def _chat_choice(codec, index: int, request: EngineRequest, tools: ForcedTools | None = None) -> dict:
+    message, finish_reason = {"role": "assistant", "content": request.text}, request.finish_reason
+    calls = tools.tool_calls(request.text) if tools is not None and finish_reason == "stop" else None
+    if calls:  # (an answer cut by max_tokens is no call: it stays text, finish_reason "length")
+        message = {"role": "assistant", "content": None, "tool_calls": calls}
+        finish_reason = _tool_finish_reason(tools)
+    choice = {"index": index, "message": message, "finish_reason": finish_reason, "logprobs": None}
     if request.params.logprobs is not None:
         choice["logprobs"] = {"content": _logprobs_content(codec, request.logprobs)}
     return choice
@@ -395,9 +416,29 @@ def _completion_chunk(codec, index: int, event: TokenEvent, first: bool, logprob
     return chunk
 
 
-def _chat_chunk(codec, index: int, event: TokenEvent, first: bool, logprob_from: int) -> dict:
-    delta = {"role": "assistant", "content": event.delta} if first else {"content": event.delta}
-    chunk = {"index": index, "delta": delta, "finish_reason": event.request.finish_reason if event.finished else None, "logprobs": None}
+def _tool_finish_reason(tools: ForcedTools) -> str:
+    return "stop" if tools.name is not None else "tool_calls"  # OpenAI's and vLLM's for a named function; vLLM's
+
+
+def _chat_chunk(codec, index: int, event: TokenEvent, first: bool, logprob_from: int,
+                tools: ForcedTools | None = None) -> dict | None:
+    """A stream's chunk for `event`, or None when there is nothing to send yet."""
+    request = event.request
+    finish_reason = request.finish_reason if event.finished else None
+    if tools is None:
+        delta = {"role": "assistant", "content": event.delta} if first else {"content": event.delta}
+    elif tools.name is not None:  # one call: its arguments stream as they come
+        call = {"index": 0, **tool_call(tools.name, event.delta)} if first else {"index": 0, "function": {"arguments": event.delta}}
+        delta = {"role": "assistant", "tool_calls": [call]} if first else {"tool_calls": [call]}
+        finish_reason = finish_reason and (_tool_finish_reason(tools) if finish_reason == "stop" else finish_reason)
+    else:  # a list of calls: known when it is complete
+        if not event.finished:
+            return None
+        calls = tools.tool_calls(request.text) if finish_reason == "stop" else None
+        delta = {"role": "assistant", "tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]} if calls else \
+            {"role": "assistant", "content": request.text}
+        finish_reason = _tool_finish_reason(tools) if calls else finish_reason
+    chunk = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
     if event.request.params.logprobs is not None:
         chunk["logprobs"] = {"content": _logprobs_content(codec, event.request.logprobs[logprob_from:])}
     return chunk
@@ -501,7 +542,9 @@ async def _respond(engine, http: Request, body: SamplingFields, groups, kind: st
                 first = rid not in started
                 started.add(rid)
                 sent = logprobs_sent.get(rid, 0)
-                yield frame([chunk(codec, index_of[rid], event, first, sent)])
+                piece = chunk(codec, index_of[rid], event, first, sent)
+                if piece is not None:
+                    yield frame([piece])
                 logprobs_sent[rid] = len(event.request.logprobs)
                 event = await anext(events, None)
             if body.stream_options is not None and body.stream_options.include_usage:

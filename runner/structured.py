@@ -36,6 +36,11 @@ class StructuredOutputs:
             raise ValueError("structured outputs: choice must be a non-empty list of non-empty strings")
 
 
+# whitespace characters JSON may have in one place: enough to pretty-print a few levels deep, not so many that a
+# weak model writes whitespace until max_tokens (unbounded, a random test model did at every temperature)
+MAX_WHITESPACE = 8
+
+
 class GrammarError(ValueError):
     """A schema or regex xgrammar cannot compile, or xgrammar is missing."""
 
@@ -69,10 +74,10 @@ class GrammarCompiler:
         """A fresh matcher for one request."""
         compiler = self._compiler
         try:
-            if spec.json is not None:
-                grammar = compiler.compile_json_schema(spec.json if isinstance(spec.json, str) else json.dumps(spec.json))
-            elif spec.json_object:
-                grammar = compiler.compile_builtin_json_grammar()
+            if spec.json is not None or spec.json_object:
+                schema = {"type": "object"} if spec.json_object else spec.json  # OpenAI's JSON mode answers an object
+                grammar = compiler.compile_json_schema(schema if isinstance(schema, str) else json.dumps(schema),
+                                                       max_whitespace_cnt=MAX_WHITESPACE)
             elif spec.regex is not None:
                 grammar = compiler.compile_regex(spec.regex)
             else:

@@ -42,7 +42,7 @@ class TextCodec:
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None) -> str:
         if self._template is None:
             raise ChatTemplateError("this engine's tokenizer has no chat template")
         for message in messages:
@@ -53,6 +53,7 @@ class TextCodec:
             add_generation_prompt=add_generation_prompt,
             bos_token=self.info.bos_token or "",
             eos_token=self.info.eos_token or "",
+            tools=tools,  # templates that describe tools to the model read them (transformers passes them the same way)
         )
 
 

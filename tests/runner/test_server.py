@@ -184,6 +184,52 @@ def test_structured_outputs_by_openai_and_vllm_names(server):
             chat(server, extra_body=extra)
 
 
+TOOLS = [
+    {"type": "function", "function": {"name": "get_time", "description": "The time in a zone", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"],
+        "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "roll", "parameters": {
+        "type": "object", "properties": {"sides": {"type": "integer", "enum": [6, 20]}}, "required": ["sides"],
+        "additionalProperties": False}}},
+]
+
+
+def test_forced_tool_calls_streamed_and_not(server):
+    """tool_choice naming a function or "required" makes the answer tool_calls whose arguments follow the tool's
+    schema, whatever the (random) model would say; "auto" needs a parser for the model's syntax and is refused."""
+    pytest.importorskip("xgrammar", reason="tool calls are structured outputs (scripts/test.sh installs xgrammar)")
+    named = {"type": "function", "function": {"name": "roll"}}
+    message = chat(server, max_tokens=60, tools=TOOLS, tool_choice=named).choices[0]
+    call, = message.message.tool_calls
+    assert message.finish_reason == "stop" and message.message.content is None
+    assert call.function.name == "roll" and json.loads(call.function.arguments)["sides"] in (6, 20)
+    streamed = list(server.client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=60, temperature=0.0, tools=TOOLS,
+        tool_choice=named, stream=True))
+    first = streamed[0].choices[0].delta.tool_calls[0]
+    assert first.id and first.function.name == "roll"
+    arguments = "".join(c.choices[0].delta.tool_calls[0].function.arguments or "" for c in streamed if c.choices[0].delta.tool_calls)
+    assert arguments == call.function.arguments  # the same greedy answer, in pieces
+    for stream in (False, True):
+        response = server.client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=200, temperature=1.0, seed=3,
+            tools=TOOLS, tool_choice="required", parallel_tool_calls=False, stream=stream)
+        if stream:
+            last = [c for c in response if c.choices][-1].choices[0]
+            calls, finish = last.delta.tool_calls, last.finish_reason
+        else:
+            calls, finish = response.choices[0].message.tool_calls, response.choices[0].finish_reason
+        assert finish == "tool_calls" and len(calls) == 1
+        for c in calls:
+            arguments = json.loads(c.function.arguments)
+            assert (c.function.name, set(arguments)) in (("get_time", {"zone"}), ("roll", {"sides"}))
+    assert chat(server, max_tokens=3, tools=TOOLS, tool_choice="none").choices[0].message.content
+    for kwargs, message in (({"tools": TOOLS}, "auto"), ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}}, "not one of"),
+                            ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "structured output")):
+        with pytest.raises(openai.BadRequestError, match=message):
+            chat(server, **kwargs)
+
+
 def test_tokenize_and_detokenize_count_what_the_endpoints_send(server):
     def post(path, body):
         return httpx.post(f"{server.url}{path}", json={"model": MODEL, **body})
@@ -241,7 +287,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
     response = post('{"model": "tiny", "prompt": [[]]}', "/v1/completions")
     assert response.status_code == 400 and "empty" in response.json()["error"]["message"]
     # OpenAI fields the server does not implement are refused, not silently ignored; their neutral values pass
-    for field, value in (("tools", [{"type": "function"}]), ("tool_choice", "required"), ("guided_grammar", "root ::= x")):
+    for field, value in (("functions", [{"name": "f"}]), ("function_call", "f"), ("guided_grammar", "root ::= x")):
         with pytest.raises(openai.BadRequestError, match=f"{field} is not supported") as refused:
             chat(server, extra_body={field: value})
         assert refused.value.body["param"] == field
