@@ -328,7 +328,7 @@ def create_app(engine: AsyncEngine, model_name: str, shutdown_grace: float = 10.
         try:
             tools = forced_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
         except ToolRequestError as err:
-            raise APIError(400, str(err), param="tool_choice" if "tool_choice" in str(err) else "tools") from None
+            raise APIError(400, str(err), param=err.field) from None
         params = _sampling(body, limit, logprobs, tools=tools)
         groups = [make_requests(chat_prompt(body.messages, tools=body.tools), None, params)]
         choice = functools.partial(_chat_choice, tools=tools)

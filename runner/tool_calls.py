@@ -16,7 +16,9 @@ from typing import Any
 
 
 class ToolRequestError(ValueError):
-    pass
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field  # the request field at fault: "tools" or "tool_choice"
 
 
 @dataclass(frozen=True)
@@ -60,15 +62,17 @@ def forced_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict | N
     for tool in tools:
         function = tool.get("function") if isinstance(tool, dict) and tool.get("type", "function") == "function" else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise ToolRequestError("each tool must be {\"type\": \"function\", \"function\": {\"name\": ..., \"parameters\": ...}}")
+            raise ToolRequestError("each tool must be {\"type\": \"function\", \"function\": {\"name\": ..., \"parameters\": ...}}",
+                                   "tools")
         schemas[function["name"]] = function.get("parameters") or {"type": "object", "properties": {}}
     if tool_choice in (None, "auto"):
         raise ToolRequestError(
             "tool_choice \"auto\" (the default with tools) needs a parser for this model's own tool-call syntax, which "
-            "this server does not have; use tool_choice \"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}")
+            "this server does not have; use tool_choice \"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}",
+            "tool_choice")
     if tool_choice == "required":
         return ForcedTools(schemas, None, parallel)
     name = (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice, dict) else None
     if name not in schemas:
-        raise ToolRequestError(f"tool_choice names {name!r}, which is not one of the tools")
+        raise ToolRequestError(f"tool_choice names {name!r}, which is not one of the tools", "tool_choice")
     return ForcedTools(schemas, name)
