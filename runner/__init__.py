@@ -3,5 +3,6 @@
 from runner.llm import LLM
 from runner.request import RequestOutput
 from runner.sampling import SamplingParams
+from runner.structured import StructuredOutputs
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "StructuredOutputs"]
