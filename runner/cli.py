@@ -15,6 +15,7 @@ from runner.llm import LLM
 from runner.llm_engine import DEFAULT_SPECULATIVE_MAX_ROWS, LLMEngine, PromptError
 from runner.request import Request
 from runner.sampling import SamplingParams
+from runner.structured import StructuredOutputs
 from runner.tokenizer import ChatTemplateError
 
 
@@ -32,6 +33,9 @@ def sampling_options(command):
         click.option("--top-k", type=int, default=-1, show_default=True),
         click.option("--top-p", type=float, default=1.0, show_default=True),
         click.option("--seed", type=int, default=None),
+        click.option("--json-schema", default=None, help="Answer in JSON following this schema (a file, or the JSON itself)."),
+        click.option("--regex", default=None, help="Answer with text matching this regular expression."),
+        click.option("--choice", multiple=True, help="Answer with one of these strings (repeat the option)."),
         click.option("--threads", type=int, default=None, help="CPU threads (default: onnxruntime's choice)."),
         click.option("--stats/--no-stats", default=True, help="Print token counts and speed to stderr."),
     ]
@@ -40,15 +44,29 @@ def sampling_options(command):
     return command
 
 
+def sampling_params(max_tokens, temperature, top_k, top_p, seed, json_schema, regex, choice) -> SamplingParams:
+    """SamplingParams from the shared options; --json-schema / --regex / --choice become structured outputs."""
+    structured = None
+    if json_schema is not None:
+        path = Path(json_schema)
+        structured = StructuredOutputs(json=path.read_text() if path.is_file() else json_schema)
+    if regex is not None or choice:
+        if structured is not None or (regex is not None and choice):
+            raise ValueError("give one of --json-schema, --regex, --choice")
+        structured = StructuredOutputs(regex=regex) if regex is not None else StructuredOutputs(choice=list(choice))
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                          structured_outputs=structured)
+
+
 @main.command()
 @click.argument("engine", type=click.Path())
 @click.argument("prompt")
 @click.option("--chat/--no-chat", default=False, help="Wrap the prompt as a user message in the chat template.")
 @sampling_options
-def generate(engine, prompt, chat, max_tokens, temperature, top_k, top_p, seed, threads, stats) -> None:
+def generate(engine, prompt, chat, threads, stats, **sampling) -> None:
     """Generate a completion of PROMPT with ENGINE, streamed to stdout."""
     with exit_on(ArtifactError, PromptError, ChatTemplateError, ValueError):
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        params = sampling_params(**sampling)
         llm = LLM(engine, threads=threads, max_batch=1)  # one request: no padding for batch invariance
         if chat:
             prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
@@ -59,18 +77,19 @@ def generate(engine, prompt, chat, max_tokens, temperature, top_k, top_p, seed, 
 @click.argument("engine", type=click.Path())
 @click.option("--system", default=None, help="A system message that opens the conversation.")
 @sampling_options
-def chat(engine, system, max_tokens, temperature, top_k, top_p, seed, threads, stats) -> None:
+def chat(engine, system, threads, stats, **sampling) -> None:
     """Chat with ENGINE: one user message per line on stdin, each reply streamed to stdout.
 
     The conversation is kept, and its earlier turns are not computed again (prefix caching): a turn costs its new
     message, not the whole history. When the history outgrows the engine's sequence length, the oldest turns are
     dropped (the system message stays). `/reset` starts a new conversation; an empty line or end of input ends."""
     with exit_on(ArtifactError, ChatTemplateError, ValueError):
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        params = sampling_params(**sampling)
         llm = LLM(engine, threads=threads, max_batch=1, enable_prefix_caching=True)
         opening = [{"role": "system", "content": system}] if system else []
         llm.tokenizer.apply_chat_template(opening)  # an engine without a chat template fails here, not mid-conversation
-    room = min(max_tokens, llm.engine.max_seq_len // 4)  # an over-long history leaves at least this much to answer in
+        llm.engine.new_requests("", [0], params)  # and so does a schema or regex that does not compile (not run)
+    room = min(params.max_tokens, llm.engine.max_seq_len // 4)  # an over-long history leaves at least this much to answer in
     messages = list(opening)
     while True:
         if sys.stdin.isatty():

@@ -312,7 +312,8 @@ def create_app(engine: AsyncEngine, model_name: str, shutdown_grace: float = 10.
             raise APIError(400, "max_tokens must be >= 1 (0 only with echo: the prompt alone)", param="max_tokens")
         params = _sampling(body, body.max_tokens, body.logprobs, body.logprobs if body.echo else None)
         prompts = _completion_prompts(body.prompt)
-        groups = [make_requests(text, ids, params) for text, ids in prompts]
+        # off the event loop: a first structured-output request imports xgrammar (~1.5 s, torch and transformers)
+        groups = await asyncio.to_thread(lambda: [make_requests(text, ids, params) for text, ids in prompts])
         choice = functools.partial(_completion_choice, echo=body.echo, prompt_logprobs=body.prompt_logprobs)
         chunk = functools.partial(_completion_chunk, echo=body.echo)
         return await _respond(engine, http, body, groups, "text_completion", choice, chunk)
@@ -330,7 +331,7 @@ def create_app(engine: AsyncEngine, model_name: str, shutdown_grace: float = 10.
         except ToolRequestError as err:
             raise APIError(400, str(err), param=err.field) from None
         params = _sampling(body, limit, logprobs, tools=tools)
-        groups = [make_requests(chat_prompt(body.messages, tools=body.tools), None, params)]
+        groups = await asyncio.to_thread(lambda: [make_requests(chat_prompt(body.messages, tools=body.tools), None, params)])
         choice = functools.partial(_chat_choice, tools=tools)
         chunk = functools.partial(_chat_chunk, tools=tools)
         return await _respond(engine, http, body, groups, "chat.completion", choice, chunk)

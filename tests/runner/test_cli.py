@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 BUILDER = [sys.executable, "-c", "from builder.cli import main; main()"]
 RUNNER = [sys.executable, "-c", "from runner.cli import main; main()"]
 
@@ -26,6 +28,24 @@ def test_build_then_generate(checkpoint_factory, tmp_path):
     assert chat.returncode == 0, chat.stderr
     again = run(BUILDER + ["build", str(checkpoint_factory("gqa")), "--out", str(out)])
     assert again.returncode == 2 and "--overwrite" in again.stderr
+
+
+def test_generate_and_chat_hold_answers_to_a_choice_a_regex_or_a_schema(engine_factory, tmp_path):
+    pytest.importorskip("xgrammar", reason="structured outputs need xgrammar (scripts/test.sh installs it)")
+    engine = str(engine_factory("gqa"))
+    picked = run(RUNNER + ["generate", engine, "hello", "--choice", "north", "--choice", "south", "--no-stats"])
+    assert picked.returncode == 0, picked.stderr
+    assert picked.stdout.strip() in ("north", "south")
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"n": {"type": "integer", "enum": [1, 2]}},
+                                  "required": ["n"], "additionalProperties": False}))
+    answered = run(RUNNER + ["generate", engine, "hello", "--json-schema", str(schema), "--max-tokens", "60", "--no-stats"])
+    assert answered.returncode == 0 and json.loads(answered.stdout)["n"] in (1, 2), answered.stdout
+    chatted = run(RUNNER + ["chat", engine, "--regex", "[0-9]{3}", "--no-stats"], input="hi\nagain\n")
+    assert chatted.returncode == 0 and all(len(line) == 3 and line.isdigit() for line in chatted.stdout.split())
+    for args, message in ((["--regex", "[0-9"], "Unclosed"), (["--regex", "a", "--choice", "b"], "one of")):
+        refused = run(RUNNER + ["generate", engine, "hi", *args])
+        assert refused.returncode == 2 and message in refused.stderr and "Traceback" not in refused.stderr
 
 
 def test_clear_one_line_errors(tmp_path, engine_factory):
