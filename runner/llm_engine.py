@@ -268,7 +268,7 @@ class LLMEngine:
     def _sample(self, pending: list[_Pending]) -> list[SampledRow]:
         """The sampler graph's choice for every pending row, in one call; greedy rows whose choice the step graph's
         argmax already gives (Sampler.greedy_walk) take it without one."""
-        walked = [None if p.argmax is None else self.sampler.greedy_walk(p.request, p.tree, p.argmax) for p in pending]
+        walked = [None if p.argmax is None else self.sampler.greedy_walk(p.request, p.tree, p.argmax, p.logits) for p in pending]
         to_sample = [(p.request, p.tree, p.logits) for p, row in zip(pending, walked) if row is None]
         sampled = iter(self.sampler.sample(to_sample) if to_sample else [])
         return [next(sampled) if row is None else row for row in walked]

@@ -190,7 +190,7 @@ def test_the_greedy_walk_is_taken_only_where_it_is_the_graphs_choice(sampler):
         logits[:, :6] += rng.integers(0, 3, (len(tree.tokens), 6))  # drafts and stop tokens often the maximum
         row = request(params, 0, [1], output)
         (expected,) = sampler.sample([(row, tree, logits)])
-        walked = sampler.greedy_walk(row, tree, logits.argmax(axis=-1))
+        walked = sampler.greedy_walk(row, tree, logits.argmax(axis=-1), logits)
         if walked is not None:
             taken += 1
             accepted += len(walked.path) > 1
@@ -199,4 +199,29 @@ def test_the_greedy_walk_is_taken_only_where_it_is_the_graphs_choice(sampler):
             assert len(row.output_token_ids) < params.min_tokens  # a stop token on the walk was still banned
     assert 100 < taken < 300 and accepted > 30  # every answer occurs
     for params in PARAMS[1:]:  # sampling, penalties, logprobs, logit bias: never
-        assert sampler.greedy_walk(request(params, 0, [1], [9]), pack_tree(9, [], 0), np.array([3])) is None
+        assert sampler.greedy_walk(request(params, 0, [1], [9]), pack_tree(9, [], 0), np.array([3]), np.zeros((1, VOCAB))) is None
+
+
+class FixedMask:
+    """A grammar stand-in that allows a fixed set of tokens."""
+
+    def __init__(self, allowed: np.ndarray) -> None:
+        self._allowed = allowed
+
+    def allowed(self) -> np.ndarray:
+        return self._allowed
+
+
+def test_the_greedy_walk_under_a_grammar_is_the_graphs_masked_choice(sampler):
+    """A constrained greedy row (one node) walks to the first maximum among the allowed tokens, as the graph picks
+    with the others at -inf in its logit_bias row, ties included."""
+    rng = np.random.default_rng(5)
+    for _ in range(100):
+        allowed = rng.random(VOCAB) < 0.3
+        allowed[rng.integers(VOCAB)] = True
+        row = request(SamplingParams(temperature=0.0), 0, [1], [9])
+        row.constraint = FixedMask(allowed)
+        logits = rng.integers(-3, 3, (1, VOCAB)).astype(np.float32)
+        (expected,) = sampler.sample([(row, pack_tree(9, [], 0), logits)])
+        walked = sampler.greedy_walk(row, pack_tree(9, [], 0), logits.argmax(axis=-1), logits)
+        assert walked.tokens == expected.tokens and allowed[walked.tokens[0]]
