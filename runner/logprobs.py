@@ -12,8 +12,10 @@ from runner.request import TokenLogprob
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     """[..., vocab] float logits -> float64 log-probabilities."""
-    shifted = logits.astype(np.float64) - logits.max(axis=-1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+    shifted = logits.astype(np.float64)
+    shifted -= logits.max(axis=-1, keepdims=True)  # in place: `runner eval` passes windows of 512 x 49k logits
+    shifted -= np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+    return shifted
 
 
 def token_logprobs(logits: np.ndarray, targets: list[int], top: int) -> list[TokenLogprob]:

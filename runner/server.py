@@ -431,7 +431,6 @@ def _chat_chunk(codec, index: int, event: TokenEvent, first: bool, logprob_from:
     elif tools.name is not None:  # one call: its arguments stream as they come
         call = {"index": 0, **tool_call(tools.name, event.delta)} if first else {"index": 0, "function": {"arguments": event.delta}}
         delta = {"role": "assistant", "tool_calls": [call]} if first else {"tool_calls": [call]}
-        finish_reason = finish_reason and (_tool_finish_reason(tools) if finish_reason == "stop" else finish_reason)
     else:  # a list of calls: known when it is complete
         if not event.finished:
             return None
