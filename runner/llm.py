@@ -75,10 +75,20 @@ class LLM:
         self,
         messages: Sequence[Message] | Sequence[Sequence[Message]],
         sampling_params: SamplingParams | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the engine's chat template to one conversation (or several) and generate the replies."""
+        """Apply the engine's chat template to one conversation (or several) and generate the replies.
+        `continue_final_message` (with add_generation_prompt=False): go on with the last (assistant) message instead
+        of answering it; `chat_template_kwargs`: more template variables; `tools`: for templates that describe them.
+        vLLM's LLM.chat arguments."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.engine.codec.apply_chat_template(list(c)) for c in conversations]
+        prompts = [self.engine.codec.apply_chat_template(
+            list(c), add_generation_prompt=add_generation_prompt, tools=tools,
+            continue_final_message=continue_final_message, template_kwargs=chat_template_kwargs)
+            for c in conversations]
         return self.generate(prompts, sampling_params)
 
 

@@ -12,6 +12,7 @@ import numpy as np
 
 from engines.backends import open_backend
 from engines.format import open_artifact
+from runner.bad_words import BadWords
 from runner.draft_model import DraftModel
 from runner.executor import Executor, Scored
 from runner.logprobs import token_logprobs
@@ -106,10 +107,12 @@ class LLMEngine:
         """Validate and tokenize a prompt into a Request, without touching the scheduler (safe from any thread)."""
         return self.new_requests(prompt, prompt_token_ids, params)[0]
 
-    def new_requests(self, prompt: str | None, prompt_token_ids: list[int] | None, params: SamplingParams) -> list[Request]:
+    def new_requests(self, prompt: str | None, prompt_token_ids: list[int] | None, params: SamplingParams,
+                     cache_salt: str | None = None) -> list[Request]:
         """The `params.n` completions of one prompt, as Requests (safe from any thread). Completion i samples with
         seed + i; completions after the first are forks of it: they wait for its prompt's K/V and first logits
-        instead of computing the same prompt again (vLLM's parallel sampling; see `_fork`)."""
+        instead of computing the same prompt again (vLLM's parallel sampling; see `_fork`). `cache_salt`: with
+        prefix caching, reuse cached K/V only from requests with the same salt (vLLM's)."""
         if prompt_token_ids is None:
             if not isinstance(prompt, str):
                 raise PromptError(f"a prompt must be a string, got {type(prompt).__name__}")
@@ -117,16 +120,22 @@ class LLMEngine:
         prompt_token_ids = [int(t) for t in prompt_token_ids]
         if not prompt_token_ids:
             raise PromptError("the prompt is empty")
+        keep = self.max_seq_len - 1 if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+        if keep is not None and len(prompt_token_ids) > keep:  # vLLM's: only the prompt's last k tokens
+            prompt_token_ids = prompt_token_ids[-keep:]
+            prompt = self.codec.decode(prompt_token_ids, skip_special_tokens=False)  # what the model reads (echo)
         vocab = self.manifest.model.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise PromptError(f"prompt token ids must be in [0, {vocab})")
-        if any(t >= vocab for t in params.logit_bias):
-            raise PromptError(f"logit_bias token ids must be in [0, {vocab})")
+        for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids or [])):
+            if any(t >= vocab for t in ids):
+                raise PromptError(f"{name} token ids must be in [0, {vocab})")
         if params.prompt_logprobs is not None and self.executor.score_phase is None:
             raise PromptError("this engine was built before prompt logprobs existed (no score phase): rebuild it")
-        if (params.logit_bias or params.structured_outputs) and not self.sampler.takes_logit_bias:
-            raise PromptError("this engine was built before logit_bias existed: rebuild it to use logit_bias or "
-                              "structured outputs")
+        masks = [name for name in ("logit_bias", "structured_outputs", "allowed_token_ids", "bad_words") if getattr(params, name)]
+        if masks and not self.sampler.takes_logit_bias:
+            raise PromptError(f"this engine was built before logit_bias existed: rebuild it to use {', '.join(masks)}")
+        bad_words = BadWords(params.bad_words, lambda text: self.codec.encode(text, add_special_tokens=False)) if params.bad_words else None
         if len(prompt_token_ids) >= self.max_seq_len:
             raise PromptError(
                 f"the prompt has {len(prompt_token_ids)} tokens; this engine's max sequence length is "
@@ -136,11 +145,13 @@ class LLMEngine:
         for index in range(params.n):
             requests.append(Request(
                 constraint=self._constraint(params),
+                bad_words=bad_words,
+                cache_salt=cache_salt,
                 request_id=str(next(self._ids)),
                 prompt=prompt,
                 prompt_token_ids=prompt_token_ids,
                 params=params,
-                detokenizer=IncrementalDetokenizer(self.codec),
+                detokenizer=IncrementalDetokenizer(self.codec, params.skip_special_tokens),
                 rng=np.random.default_rng(None if params.seed is None else params.seed + index),
                 fork_of=requests[0] if requests else None,
             ))
@@ -295,7 +306,7 @@ class LLMEngine:
         tokens (prompt lookup)."""
         for request, _ in requests:
             request.drafts = []
-        requests = [(r, hidden) for r, hidden in requests if r.constraint is None]  # (see runner/structured.py)
+        requests = [(r, hidden) for r, hidden in requests if not r.masked]
         if not requests:
             return
         started = time.perf_counter()
@@ -323,19 +334,20 @@ class LLMEngine:
         if logprob is not None:
             request.logprobs.append(logprob)
         request.output_token_ids.append(token)
-        request.detokenizer.push(token)
-
-        reason = None
-        full_text = request.detokenizer.text
-        visible = full_text
         if request.constraint is not None:
             request.constraint.accept(token)
+        reason = None
         if token in self.sampler.stop_ids(request) or (request.constraint is not None and request.constraint.complete):
             reason = "stop"
+        if reason is None or params.include_stop_str_in_output:  # a stop token's text is not part of the answer
+            request.detokenizer.push(token)
+        full_text = request.detokenizer.text
+        visible = full_text
         for stop in params.stop:
             index = full_text.find(stop)
             if index != -1:
-                visible, reason = full_text[:index], "stop"
+                end = index + len(stop) if params.include_stop_str_in_output else index
+                visible, reason = full_text[:end], "stop"
                 break
         if reason is None and (len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_seq_len):
             reason = "length"

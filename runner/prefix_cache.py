@@ -39,12 +39,13 @@ class PrefixIndex:
     """Which tokens' K/V each free row still holds; running rows are read from their requests."""
 
     def __init__(self) -> None:
-        self._held: dict[int, np.ndarray] = {}  # free row -> tokens whose K/V it holds (positions 0..)
+        # free row -> the cache salt of the request that computed it, and the tokens whose K/V it holds (positions 0..)
+        self._held: dict[int, tuple[str | None, np.ndarray]] = {}
 
     def hold(self, request: Request) -> None:
         """`request` left its row: the row keeps the K/V of what it computed until the row is given away."""
         context = request.prompt_token_ids + request.output_token_ids
-        self._held[request.row] = np.asarray(context[:request.num_computed], np.int64)
+        self._held[request.row] = (request.cache_salt, np.asarray(context[:request.num_computed], np.int64))
 
     def admit(self, request: Request, running: list[Request]) -> PrefixCopy | None:
         """`request` has just taken `request.row`, or is about to compute its first own prompt chunk (`running`
@@ -52,8 +53,11 @@ class PrefixIndex:
         copy brings them into its row (None when none or when its row holds them)."""
         prompt = np.asarray(request.prompt_token_ids, np.int64)
         limit = len(prompt) - 1  # the last prompt token is always computed: its logits choose the first new token
-        candidates = list(self._held.items()) + [
-            (r.row, np.asarray((r.prompt_token_ids + r.output_token_ids)[:r.num_computed], np.int64)) for r in running
+        # only K/V computed for requests with the same cache salt (None included): tenants that salt their requests
+        # differently cannot learn from a faster first token that another sent the same prompt
+        candidates = [(row, tokens) for row, (salt, tokens) in self._held.items() if salt == request.cache_salt] + [
+            (r.row, np.asarray((r.prompt_token_ids + r.output_token_ids)[:r.num_computed], np.int64))
+            for r in running if r.cache_salt == request.cache_salt
         ]
         best_row, best = request.row, 0
         for row, tokens in candidates:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from runner.bad_words import BadWords
 from runner.sampling import SamplingParams
 from runner.structured import TokenConstraint
 from runner.tokenizer import IncrementalDetokenizer
@@ -52,6 +53,8 @@ class Request:
     drafts: list | np.ndarray | None = None  # speculative engines: draft beams (token id sequences) for the next step
     draft_computed: int = 0  # draft-model engines: context tokens in the draft model's cache
     constraint: TokenConstraint | None = None  # structured outputs: where the request is in its grammar
+    bad_words: BadWords | None = None  # token sequences it must not complete
+    cache_salt: str | None = None  # prefix caching reuses K/V only from requests with the same salt
     fork_of: Request | None = None  # n > 1: the first completion, whose prompt K/V and first logits this one waits for
 
     @property
@@ -61,6 +64,22 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def masked(self) -> bool:
+        """Whether the tokens allowed next depend on the tokens before (a grammar, bad words): such a request gets
+        no drafts, since every node of a draft tree would need its own mask."""
+        return self.constraint is not None or self.bad_words is not None
+
+    def allowed_next(self, vocab_size: int) -> np.ndarray | None:
+        """[vocab_size] bool: the tokens the grammar or the bad words allow next; None where nothing is masked."""
+        if self.constraint is not None:
+            return self.constraint.allowed()
+        if self.bad_words is not None:
+            allowed = np.ones(vocab_size, bool)
+            allowed[self.bad_words.banned(self.output_token_ids)] = False
+            return allowed
+        return None
 
     @property
     def num_tokens(self) -> int:

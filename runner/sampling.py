@@ -32,12 +32,21 @@ class SamplingParams:
     n: int = 1  # completions per prompt (the server's `n`)
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit before anything else
     structured_outputs: StructuredOutputs | None = None  # a JSON schema, any JSON, a regex or a choice (structured.py)
+    allowed_token_ids: list[int] | None = None  # only these tokens may be generated
+    bad_words: list[str] = field(default_factory=list)  # words never generated (runner/bad_words.py: vLLM's rule)
+    include_stop_str_in_output: bool = False  # the text ends with the stop string (or stop token) that ended it
+    skip_special_tokens: bool = True  # special tokens (<|im_end|>, ...) are left out of the text
+    # vLLM's; the engines' tokenizers (the `tokenizers` library's fast ones) never put spaces around special tokens,
+    # as vLLM's fast detokenizer does not, so either value gives the same text
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: as many as the engine takes)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.bad_words = list(self.bad_words or [])
         problems = []
         if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
             problems.append(f"max_tokens must be an integer >= 1 (0: compute the prompt only), got {self.max_tokens!r}")
@@ -78,6 +87,21 @@ class SamplingParams:
             problems.append("structured_outputs must be a StructuredOutputs")
         elif self.structured_outputs is not None and self.min_tokens:
             problems.append("min_tokens cannot be combined with structured outputs (the grammar says where the output ends)")
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+            if not self.allowed_token_ids or any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids):
+                problems.append("allowed_token_ids must be a non-empty list of non-negative token ids")
+        if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            problems.append("bad_words must be a list of non-blank strings")
+        masks = [name for name in ("structured_outputs", "allowed_token_ids", "bad_words") if getattr(self, name)]
+        if len(masks) > 1:
+            problems.append(f"{' and '.join(masks)} cannot be combined: together they could leave no token to generate")
+        for name in ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                problems.append(f"{name} must be true or false, got {getattr(self, name)!r}")
+        truncate = self.truncate_prompt_tokens
+        if truncate is not None and (not isinstance(truncate, int) or isinstance(truncate, bool) or not (truncate == -1 or truncate >= 1)):
+            problems.append(f"truncate_prompt_tokens must be -1 (the engine's limit) or an integer >= 1, got {truncate!r}")
         if problems:
             raise ValueError("; ".join(problems))
 

@@ -40,6 +40,7 @@ def error_response(status: int, message: str, kind: str, param: str | None = Non
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: the usage so far in every chunk too (with include_usage)
 
 
 # OpenAI fields this server does not implement, each with the test of a value that asks for nothing (clients send
@@ -52,9 +53,19 @@ UNSUPPORTED_FIELDS = {
     "prediction": lambda value: value is None,
     "audio": lambda value: value is None,
     "modalities": lambda value: value in (None, ["text"]),
-    "echo": lambda value: not value,  # vLLM's chat extra (the completions API's echo is implemented)
-    "guided_grammar": lambda value: value is None,  # vLLM's; the other guided_* fields are implemented
+    # vLLM's extras that this server does not implement (its others are implemented, see SamplingFields)
+    "guided_grammar": lambda value: value is None,
     "guided_decoding_backend": lambda value: value is None,
+    "guided_whitespace_pattern": lambda value: value is None,
+    "use_beam_search": lambda value: not value,
+    "length_penalty": lambda value: value == 1.0,
+    "priority": lambda value: value == 0,
+    "chat_template": lambda value: value is None,  # a template from the request: vLLM refuses it by default too
+    "logits_processors": lambda value: not value,
+    "prompt_embeds": lambda value: value is None,
+    "mm_processor_kwargs": lambda value: not value,
+    "kv_transfer_params": lambda value: value is None,
+    "vllm_xargs": lambda value: not value,
 }
 
 
@@ -92,6 +103,16 @@ class SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     structured_outputs: dict[str, Any] | None = None
+    allowed_token_ids: list[int] | None = None  # vLLM's extras from here on
+    bad_words: list[str] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+    add_special_tokens: bool | None = None  # None: the endpoint's default (completions add BOS, chat does not)
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
+    request_id: str | None = None  # the response's id (after its "cmpl-" / "chatcmpl-")
+    cache_salt: str | None = None  # prefix caching shares cached K/V only between requests with the same salt
     user: str | None = None
 
 
@@ -114,6 +135,9 @@ class TokenizeBody(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool | None = None  # None: as the completions (prompt) or chat (messages) endpoint would
 
 
 class DetokenizeBody(BaseModel):
@@ -129,6 +153,11 @@ class ChatBody(SamplingFields):
     tools: list[dict[str, Any]] | None = None  # called when tool_choice forces them (runner/tool_calls.py)
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
+    echo: bool = False  # vLLM's: an answer to a final assistant message starts with that message's content
+    add_generation_prompt: bool = True  # vLLM's chat-template controls from here on
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
 
 
 def _refuse_unsupported(body: SamplingFields) -> None:
@@ -165,6 +194,10 @@ def _sampling(body: SamplingFields, max_tokens: int | None, logprobs: int | None
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
             repetition_penalty=body.repetition_penalty, ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=body.logit_bias or {},
+            allowed_token_ids=body.allowed_token_ids, bad_words=body.bad_words or [],
+            include_stop_str_in_output=body.include_stop_str_in_output, skip_special_tokens=body.skip_special_tokens,
+            spaces_between_special_tokens=body.spaces_between_special_tokens,
+            truncate_prompt_tokens=body.truncate_prompt_tokens,
         )
     except ValueError as err:
         raise APIError(400, str(err)) from None
@@ -269,19 +302,29 @@ def create_app(engine: AsyncEngine, model_name: str, shutdown_grace: float = 10.
         if body.model != model_name:
             raise APIError(404, f"the model {body.model!r} does not exist; this server serves {model_name!r}", "not_found_error", "model")
 
-    def make_requests(prompt: str | None, ids: list[int] | None, params: SamplingParams) -> list[EngineRequest]:
+    def make_requests(prompt: str | None, ids: list[int] | None, params: SamplingParams,
+                      body: SamplingFields) -> list[EngineRequest]:
+        """A text prompt is tokenized here, with or without the BOS token as the body asks (the completions
+        endpoint's default adds it, the chat endpoint's, whose template writes it, does not: vLLM's defaults)."""
+        if ids is None and isinstance(prompt, str):
+            add_special_tokens = body.add_special_tokens
+            if add_special_tokens is None:
+                add_special_tokens = not isinstance(body, ChatBody)
+            ids = llm.codec.encode(prompt, add_special_tokens=add_special_tokens)
         try:
-            return llm.new_requests(prompt, ids, params)
+            return llm.new_requests(prompt, ids, params, cache_salt=body.cache_salt)
         except PromptError as err:
             raise APIError(400, str(err), param="prompt") from None
         except GrammarError as err:
             raise APIError(400, str(err), param="response_format") from None
 
-    def chat_prompt(messages: list[ChatMessage], add_generation_prompt: bool = True, tools: list | None = None) -> str:
+    def chat_prompt(body: ChatBody | TokenizeBody, tools: list | None = None, documents: list | None = None) -> str:
         # a message's other fields (an assistant's tool_calls, a tool result's tool_call_id) go to the template too
-        turns = [{**(m.model_extra or {}), "role": m.role, "content": _message_text(m.content)} for m in messages]
+        turns = [{**(m.model_extra or {}), "role": m.role, "content": _message_text(m.content)} for m in body.messages]
         try:
-            return llm.codec.apply_chat_template(turns, add_generation_prompt=add_generation_prompt, tools=tools)
+            return llm.codec.apply_chat_template(
+                turns, add_generation_prompt=body.add_generation_prompt, tools=tools, documents=documents,
+                continue_final_message=body.continue_final_message, template_kwargs=body.chat_template_kwargs)
         except Exception as err:  # ChatTemplateError, or anything else a jinja template raises
             raise APIError(400, f"cannot apply the chat template: {err}", param="messages") from None
 
@@ -291,8 +334,9 @@ def create_app(engine: AsyncEngine, model_name: str, shutdown_grace: float = 10.
         check_model(body)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give either prompt or messages", param="prompt")
-        text = body.prompt if body.messages is None else chat_prompt(body.messages, body.add_generation_prompt)
-        tokens = llm.codec.encode(text)
+        text = body.prompt if body.messages is None else chat_prompt(body)
+        add_special_tokens = body.add_special_tokens if body.add_special_tokens is not None else body.messages is None
+        tokens = llm.codec.encode(text, add_special_tokens=add_special_tokens)
         return {"count": len(tokens), "max_model_len": llm.max_seq_len, "tokens": tokens}
 
     @app.post("/detokenize")
@@ -313,9 +357,10 @@ def create_app(engine: AsyncEngine, model_name: str, shutdown_grace: float = 10.
         params = _sampling(body, body.max_tokens, body.logprobs, body.logprobs if body.echo else None)
         prompts = _completion_prompts(body.prompt)
         # off the event loop: a first structured-output request imports xgrammar (~1.5 s, torch and transformers)
-        groups = await asyncio.to_thread(lambda: [make_requests(text, ids, params) for text, ids in prompts])
-        choice = functools.partial(_completion_choice, echo=body.echo, prompt_logprobs=body.prompt_logprobs)
-        chunk = functools.partial(_completion_chunk, echo=body.echo)
+        groups = await asyncio.to_thread(lambda: [make_requests(text, ids, params, body) for text, ids in prompts])
+        as_ids = body.return_tokens_as_token_ids
+        choice = functools.partial(_completion_choice, echo=body.echo, prompt_logprobs=body.prompt_logprobs, as_ids=as_ids)
+        chunk = functools.partial(_completion_chunk, echo=body.echo, as_ids=as_ids)
         return await _respond(engine, http, body, groups, "text_completion", choice, chunk)
 
     @app.post("/v1/chat/completions")
@@ -330,10 +375,17 @@ def create_app(engine: AsyncEngine, model_name: str, shutdown_grace: float = 10.
             tools = forced_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
         except ToolRequestError as err:
             raise APIError(400, str(err), param=err.field) from None
+        # vLLM's echo: an answer that goes on with a final assistant message (continue_final_message) starts with it
+        last = body.messages[-1]
+        echo = _message_text(last.content) if body.echo and last.role == "assistant" else ""
+        if echo and tools is not None:
+            raise APIError(400, "echo cannot be combined with a forced tool call", param="echo")
         params = _sampling(body, limit, logprobs, tools=tools)
-        groups = await asyncio.to_thread(lambda: [make_requests(chat_prompt(body.messages, tools=body.tools), None, params)])
-        choice = functools.partial(_chat_choice, tools=tools)
-        chunk = functools.partial(_chat_chunk, tools=tools)
+        groups = await asyncio.to_thread(
+            lambda: [make_requests(chat_prompt(body, tools=body.tools, documents=body.documents), None, params, body)])
+        as_ids = body.return_tokens_as_token_ids
+        choice = functools.partial(_chat_choice, tools=tools, echo=echo, as_ids=as_ids)
+        chunk = functools.partial(_chat_chunk, tools=tools, echo=echo, as_ids=as_ids)
         return await _respond(engine, http, body, groups, "chat.completion", choice, chunk)
 
     return app
@@ -353,12 +405,15 @@ def _completion_prompts(prompt) -> list[tuple[str | None, list[int] | None]]:
     raise APIError(400, "prompt must be a string, a list of strings, a list of token ids or a list of lists", param="prompt")
 
 
-def _logprobs_content(codec, logprobs: list[TokenLogprob], top: int | None = None) -> list[dict]:
+def _logprobs_content(codec, logprobs: list[TokenLogprob], top: int | None = None, as_ids: bool = False) -> list[dict]:
+    """`as_ids`: tokens named "token_id:<id>" (vLLM's return_tokens_as_token_ids: a token that is part of a UTF-8
+    character has no text of its own)."""
+    def name(token: int) -> str:
+        return f"token_id:{token}" if as_ids else codec.decode([token])
+
     return [
-        {
-            "token": codec.decode([lp.token_id]), "logprob": lp.logprob,
-            "top_logprobs": [{"token": codec.decode([t]), "logprob": v} for t, v in lp.top[:top]],
-        }
+        {"token": name(lp.token_id), "logprob": lp.logprob,
+         "top_logprobs": [{"token": name(t), "logprob": v} for t, v in lp.top[:top]]}
         for lp in logprobs
     ]
 
@@ -376,28 +431,30 @@ def _vllm_prompt_logprobs(codec, request: EngineRequest, top: int) -> list[dict 
 
 
 def _completion_choice(codec, index: int, request: EngineRequest, echo: bool = False,
-                       prompt_logprobs: int | None = None) -> dict:
+                       prompt_logprobs: int | None = None, as_ids: bool = False) -> dict:
     # the same fields as the last chunk of a stream, over all of the request's tokens
     final = TokenEvent(request, request.text, True)
-    choice = _completion_chunk(codec, index, final, True, 0, echo)
+    choice = _completion_chunk(codec, index, final, True, 0, echo, as_ids)
     if prompt_logprobs is not None:
         choice["prompt_logprobs"] = _vllm_prompt_logprobs(codec, request, prompt_logprobs)
     return choice
 
 
-def _chat_choice(codec, index: int, request: EngineRequest, tools: ForcedTools | None = None) -> dict:
-    message, finish_reason = {"role": "assistant", "content": request.text}, request.finish_reason
+def _chat_choice(codec, index: int, request: EngineRequest, tools: ForcedTools | None = None, echo: str = "",
+                 as_ids: bool = False) -> dict:
+    message, finish_reason = {"role": "assistant", "content": echo + request.text}, request.finish_reason
     calls = tools.tool_calls(request.text) if tools is not None and finish_reason == "stop" else None
     if calls:  # (an answer cut by max_tokens is no call: it stays text, finish_reason "length")
         message = {"role": "assistant", "content": None, "tool_calls": calls}
         finish_reason = _tool_finish_reason(tools)
     choice = {"index": index, "message": message, "finish_reason": finish_reason, "logprobs": None}
     if request.params.logprobs is not None:
-        choice["logprobs"] = {"content": _logprobs_content(codec, request.logprobs)}
+        choice["logprobs"] = {"content": _logprobs_content(codec, request.logprobs, as_ids=as_ids)}
     return choice
 
 
-def _completion_chunk(codec, index: int, event: TokenEvent, first: bool, logprob_from: int, echo: bool = False) -> dict:
+def _completion_chunk(codec, index: int, event: TokenEvent, first: bool, logprob_from: int, echo: bool = False,
+                      as_ids: bool = False) -> dict:
     request = event.request
     text = event.delta
     if echo and first:  # the prompt comes first, as the client sent it (token ids: decoded)
@@ -405,10 +462,12 @@ def _completion_chunk(codec, index: int, event: TokenEvent, first: bool, logprob
         text = prompt + text
     chunk = {"index": index, "text": text, "finish_reason": request.finish_reason if event.finished else None, "logprobs": None}
     if request.params.logprobs is not None:
-        content = _logprobs_content(codec, request.logprobs[logprob_from:])
+        content = _logprobs_content(codec, request.logprobs[logprob_from:], as_ids=as_ids)
         if echo and first:  # the first prompt token has no logprob: null, as OpenAI's echo gives it
-            content = [{"token": codec.decode([request.prompt_token_ids[0]]), "logprob": None, "top_logprobs": None}] + \
-                _logprobs_content(codec, request.prompt_logprobs[1:], request.params.logprobs) + content
+            first_token = request.prompt_token_ids[0]
+            content = [{"token": f"token_id:{first_token}" if as_ids else codec.decode([first_token]), "logprob": None,
+                        "top_logprobs": None}] + \
+                _logprobs_content(codec, request.prompt_logprobs[1:], request.params.logprobs, as_ids) + content
         chunk["logprobs"] = {
             "tokens": [c["token"] for c in content], "token_logprobs": [c["logprob"] for c in content],
             "top_logprobs": [None if c["top_logprobs"] is None else {t["token"]: t["logprob"] for t in c["top_logprobs"]}
@@ -422,12 +481,12 @@ def _tool_finish_reason(tools: ForcedTools) -> str:
 
 
 def _chat_chunk(codec, index: int, event: TokenEvent, first: bool, logprob_from: int,
-                tools: ForcedTools | None = None) -> dict | None:
+                tools: ForcedTools | None = None, echo: str = "", as_ids: bool = False) -> dict | None:
     """A stream's chunk for `event`, or None when there is nothing to send yet."""
     request = event.request
     finish_reason = request.finish_reason if event.finished else None
     if tools is None:
-        delta = {"role": "assistant", "content": event.delta} if first else {"content": event.delta}
+        delta = {"role": "assistant", "content": echo + event.delta} if first else {"content": event.delta}
     elif tools.name is not None:  # one call: its arguments stream as they come
         call = {"index": 0, **tool_call(tools.name, event.delta)} if first else {"index": 0, "function": {"arguments": event.delta}}
         delta = {"role": "assistant", "tool_calls": [call]} if first else {"tool_calls": [call]}
@@ -440,13 +499,15 @@ def _chat_chunk(codec, index: int, event: TokenEvent, first: bool, logprob_from:
         finish_reason = _tool_finish_reason(tools) if calls else finish_reason
     chunk = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
     if event.request.params.logprobs is not None:
-        chunk["logprobs"] = {"content": _logprobs_content(codec, event.request.logprobs[logprob_from:])}
+        chunk["logprobs"] = {"content": _logprobs_content(codec, event.request.logprobs[logprob_from:], as_ids=as_ids)}
     return chunk
 
 
-def _usage(groups: list[list[EngineRequest]]) -> dict:
+def _usage(groups: list[list[EngineRequest]], completion: int | None = None) -> dict:
+    """`completion`: the tokens sent so far, where the stream is behind the engine (continuous usage stats)."""
     prompt = sum(len(g[0].prompt_token_ids) for g in groups)
-    completion = sum(len(r.output_token_ids) for g in groups for r in g)
+    if completion is None:
+        completion = sum(len(r.output_token_ids) for g in groups for r in g)
     cached = sum(g[0].num_cached_tokens for g in groups)  # prompt tokens the prefix cache held (0 without it)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
@@ -484,7 +545,7 @@ async def _events(engine: AsyncEngine, groups: list[list[EngineRequest]]) -> Asy
 
 async def _respond(engine, http: Request, body: SamplingFields, groups, kind: str, choice, chunk):
     codec = engine.engine.codec
-    response_id = f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}"
+    response_id = f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{body.request_id or uuid.uuid4().hex}"
     created = int(time.time())
     flat = [r for g in groups for r in g]
     index_of = {r.request_id: i for i, r in enumerate(flat)}
@@ -524,10 +585,14 @@ async def _respond(engine, http: Request, body: SamplingFields, groups, kind: st
     except Exception as err:
         raise engine_error(err) from None
 
+    options = body.stream_options or StreamOptions()
+    continuous_usage = options.include_usage and options.continuous_usage_stats
+
     async def sse() -> AsyncIterator[str]:
         chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
         started: set[str] = set()
         logprobs_sent: dict[str, int] = {}
+        tokens_sent = 0  # one event per token (but a max_tokens 0 request's one event, which has none)
 
         def frame(choices: list[dict], usage: dict | None = None) -> str:
             payload = {"id": response_id, "object": chunk_kind, "created": created, "model": body.model, "choices": choices}
@@ -542,12 +607,13 @@ async def _respond(engine, http: Request, body: SamplingFields, groups, kind: st
                 first = rid not in started
                 started.add(rid)
                 sent = logprobs_sent.get(rid, 0)
+                tokens_sent += 1 if event.request.output_token_ids else 0
                 piece = chunk(codec, index_of[rid], event, first, sent)
                 if piece is not None:
-                    yield frame([piece])
+                    yield frame([piece], _usage(groups, tokens_sent) if continuous_usage else None)
                 logprobs_sent[rid] = len(event.request.logprobs)
                 event = await anext(events, None)
-            if body.stream_options is not None and body.stream_options.include_usage:
+            if options.include_usage:
                 yield frame([], _usage(groups))
             yield "data: [DONE]\n\n"
         except Exception as err:  # after the 200: report in-band, as OpenAI does

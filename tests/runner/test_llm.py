@@ -81,6 +81,86 @@ def test_seeded_sampling_reproduces_alone_and_in_a_batch(llm):
     assert other_seed.token_ids != alone
 
 
+def test_stop_strings_and_stop_tokens_are_left_out_of_the_text_unless_asked_for(llm):
+    full = llm.generate("hello", SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0]
+    at = next(i for i in range(3, len(full.text) - 3) if full.text.find(full.text[i:i + 3]) == i)
+    stop = full.text[at:at + 3]
+    kept = llm.generate("hello", SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop],
+                                                include_stop_str_in_output=True))[0]
+    assert kept.text == full.text[:at + 3] and kept.finish_reason == "stop"
+    # a stop token's text is not part of the answer (vLLM's rule), unless asked for
+    index = next(i for i, t in enumerate(full.token_ids) if i > 2 and llm.tokenizer.decode([t]).strip())
+    stop_id = full.token_ids[index]
+    for include in (False, True):
+        out = llm.generate("hello", SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_id],
+                                                   include_stop_str_in_output=include))[0]
+        assert out.token_ids == full.token_ids[:full.token_ids.index(stop_id) + 1]
+        assert out.text == llm.tokenizer.decode(out.token_ids if include else out.token_ids[:-1])
+
+
+def test_special_tokens_are_in_the_text_only_when_not_skipped(llm):
+    special = llm.tokenizer.encode("<|im_start|>", add_special_tokens=False)
+    assert len(special) == 1
+    forced = dict(max_tokens=3, temperature=0.0, ignore_eos=True, logit_bias={special[0]: 100.0})
+    assert llm.generate("hi", SamplingParams(**forced))[0].text == ""
+    assert llm.generate("hi", SamplingParams(**forced, skip_special_tokens=False))[0].text == "<|im_start|>" * 3
+
+
+def test_allowed_token_ids_hold_sampled_and_greedy_tokens_to_the_set(llm):
+    allowed = [5, 9, 13, 40]
+    sampled = llm.generate(["hello", "hello"], [
+        SamplingParams(max_tokens=24, temperature=1.0, seed=3, ignore_eos=True, allowed_token_ids=allowed),
+        SamplingParams(max_tokens=24, temperature=1.0, seed=3, ignore_eos=True)])
+    assert set(sampled[0].token_ids) <= set(allowed) and len(set(sampled[0].token_ids)) > 1  # it samples among them
+    assert not set(sampled[1].token_ids) <= set(allowed)  # its neighbour in the batch is not held to them
+    greedy = llm.generate("hello", SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, allowed_token_ids=allowed))[0]
+    assert set(greedy.token_ids) <= set(allowed)
+    with pytest.raises(PromptError, match="allowed_token_ids token ids"):
+        llm.generate("hi", SamplingParams(allowed_token_ids=[10**6]))
+
+
+def test_bad_words_never_appear_as_their_token_sequences(llm):
+    full = llm.generate("hello", GREEDY)[0]
+    encode = lambda text: llm.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    # a word of the answer that is one token in its own right, and two of its tokens as a two-token word
+    word = next(w for w in (llm.tokenizer.decode([t]) for t in full.token_ids[2:]) if w.strip() and len(encode(w.strip())) == 1)
+    pair = llm.tokenizer.decode(full.token_ids[4:6])
+    for bad in (word, pair):
+        out = llm.generate("hello", SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, bad_words=[bad]))[0]
+        forms = {tuple(encode(form)) for form in (bad.strip(), " " + bad.strip())}
+        assert any(_contains(full.token_ids, form) for form in forms)  # the answer had it...
+        assert not any(_contains(out.token_ids, form) for form in forms)  # ...and now does not
+        assert out.token_ids != full.token_ids and len(out.token_ids) == 16
+        sampled = llm.generate("hello", SamplingParams(max_tokens=32, temperature=1.0, seed=7, ignore_eos=True, bad_words=[bad]))[0]
+        assert not any(_contains(sampled.token_ids, form) for form in forms)
+
+
+def _contains(tokens: list[int], sequence: tuple[int, ...]) -> bool:
+    return any(tuple(tokens[i:i + len(sequence)]) == sequence for i in range(len(tokens) - len(sequence) + 1))
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(llm):
+    prompt = llm.tokenizer.encode("one two three four five six seven eight nine ten")
+    truncated = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(
+        max_tokens=8, temperature=0.0, ignore_eos=True, truncate_prompt_tokens=4))[0]
+    alone = llm.generate(prompt_token_ids=[prompt[-4:]], sampling_params=GREEDY)[0]
+    assert truncated.prompt_token_ids == prompt[-4:] and truncated.token_ids == alone.token_ids[:8]
+    limit = llm.engine.max_seq_len  # -1: as much of it as the engine takes, leaving room for one token
+    out = llm.generate(prompt_token_ids=[[5] * (limit + 10)], sampling_params=SamplingParams(
+        max_tokens=4, temperature=0.0, ignore_eos=True, truncate_prompt_tokens=-1))[0]
+    assert len(out.prompt_token_ids) == limit - 1 and len(out.token_ids) == 1 and out.finish_reason == "length"
+
+
+def test_chat_can_continue_the_final_message(llm):
+    conversation = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "Once upon"}]
+    out = llm.chat(conversation, GREEDY, add_generation_prompt=False, continue_final_message=True)[0]
+    assert out.prompt == "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\nOnce upon"
+    with pytest.raises(ValueError, match="exclude each other"):
+        llm.chat(conversation, GREEDY, continue_final_message=True)
+    with pytest.raises(ValueError, match="cannot set messages"):
+        llm.chat(conversation, GREEDY, chat_template_kwargs={"messages": []})
+
+
 def test_max_seq_len_bounds_prompt_and_output(llm):
     limit = llm.engine.max_seq_len
     with pytest.raises(PromptError, match=f"max sequence length is {limit}"):

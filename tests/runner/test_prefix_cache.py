@@ -14,9 +14,9 @@ from runner.tokenizer import IncrementalDetokenizer
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
 
 
-def request(prompt: list[int], row: int, output: list[int] = (), computed: int = 0) -> Request:
+def request(prompt: list[int], row: int, output: list[int] = (), computed: int = 0, salt: str | None = None) -> Request:
     made = Request("r", None, list(prompt), SamplingParams(), IncrementalDetokenizer(None), np.random.default_rng(0),
-                   output_token_ids=list(output), row=row)
+                   output_token_ids=list(output), row=row, cache_salt=salt)
     made.num_computed = computed
     return made
 
@@ -31,6 +31,16 @@ def test_a_new_request_reuses_the_longest_held_prefix_and_recomputes_at_least_it
     same = request([1, 2, 3, 4], row=1)  # the whole prompt is held: its last token is computed again
     assert index.admit(same, running=[]) == PrefixCopy(2, 1, 3)
     assert same.num_computed == 3
+
+
+def test_only_requests_with_the_same_cache_salt_share_cached_tokens():
+    index = PrefixIndex()
+    index.hold(request([1, 2, 3, 4], row=2, computed=4, salt="tenant a"))
+    running = [request([1, 2, 3, 9], row=3, computed=4, salt="tenant b")]
+    for salt, source, length in ((None, 0, 0), ("tenant c", 0, 0), ("tenant a", 2, 4), ("tenant b", 3, 3)):
+        new = request([1, 2, 3, 4, 5], row=0, salt=salt)
+        copy = index.admit(new, running=running)
+        assert new.num_cached_tokens == length and (copy is None if length == 0 else copy == PrefixCopy(source, 0, length))
 
 
 def test_a_row_reuses_its_own_prefix_without_a_copy_and_forgets_what_it_held():

@@ -246,6 +246,55 @@ def test_tokenize_and_detokenize_count_what_the_endpoints_send(server):
     assert httpx.post(f"{server.url}/tokenize", json={"model": "gpt-9", "prompt": "x"}).status_code == 404
 
 
+def test_vllm_request_extras_reach_the_engine(server):
+    """vLLM's sampling and chat-template extras are honoured (the engine-level behaviour: tests/runner/test_llm.py)."""
+    codec = server.engine.engine.codec
+    greedy = dict(temperature=0.0, max_tokens=8)
+    allowed = [5, 9, 13]
+    out = chat(server, **greedy, logprobs=True, top_logprobs=2,
+               extra_body={"allowed_token_ids": allowed, "ignore_eos": True, "return_tokens_as_token_ids": True})
+    tokens = [c.token for c in out.choices[0].logprobs.content]
+    assert len(tokens) == 8 and {t for t in tokens} <= {f"token_id:{t}" for t in allowed}
+    assert all(t.token.startswith("token_id:") for c in out.choices[0].logprobs.content for t in c.top_logprobs)
+
+    def token_ids(**extra) -> list[int]:
+        answer = chat(server, **greedy, logprobs=True, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True, **extra})
+        return [int(c.token.removeprefix("token_id:")) for c in answer.choices[0].logprobs.content]
+
+    full = token_ids()
+    word = next(w for w in map(lambda t: codec.decode([t]), full) if w.strip() and len(codec.encode(w.strip(), False)) == 1)
+    banned = codec.encode(word.strip(), False)[0]
+    without = token_ids(bad_words=[word])
+    assert banned in full and banned not in without and without != full
+    special = chat(server, max_tokens=2, logit_bias={"1": 100}, extra_body={"ignore_eos": True, "skip_special_tokens": False})
+    assert special.choices[0].message.content == "<|im_start|>" * 2
+    truncated = server.client.completions.create(model=MODEL, prompt="one two three four five six", max_tokens=1,
+                                                 extra_body={"truncate_prompt_tokens": 3})
+    assert truncated.usage.prompt_tokens == 3
+    # the chat template's controls: go on with a final assistant message, and echo it (vLLM's chat echo)
+    messages = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "Once upon"}]
+    body = {"add_generation_prompt": False, "continue_final_message": True}
+    counted = httpx.post(f"{server.url}/tokenize", json={"model": MODEL, "messages": messages, **body}).json()
+    assert codec.decode(counted["tokens"], skip_special_tokens=False).endswith("<|im_start|>assistant\nOnce upon")
+    going_on = server.client.chat.completions.create(model=MODEL, messages=messages, **greedy, extra_body=body)
+    echoed = server.client.chat.completions.create(model=MODEL, messages=messages, **greedy, extra_body={**body, "echo": True})
+    assert going_on.usage.prompt_tokens == counted["count"]
+    assert echoed.choices[0].message.content == "Once upon" + going_on.choices[0].message.content
+    streamed = server.client.chat.completions.create(model=MODEL, messages=messages, **greedy, stream=True,
+                                                     extra_body={**body, "echo": True})
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == echoed.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="exclude each other"):
+        server.client.chat.completions.create(model=MODEL, messages=messages, extra_body={"continue_final_message": True})
+    with pytest.raises(openai.BadRequestError, match="cannot set messages"):
+        chat(server, extra_body={"chat_template_kwargs": {"messages": []}})
+    # the usage so far in every chunk, and the response id from the request's
+    chunks = list(chat(server, **greedy, stream=True, stream_options={"include_usage": True},
+                       extra_body={"request_id": "abc", "ignore_eos": True,
+                                   "stream_options": {"include_usage": True, "continuous_usage_stats": True}}))
+    assert {c.id for c in chunks} == {"chatcmpl-abc"}
+    assert [c.usage.completion_tokens for c in chunks if c.choices] == list(range(1, 9))
+
+
 def test_logit_bias(server):
     forced = chat(server, max_tokens=3, logit_bias={"7": 100}, extra_body={"ignore_eos": True}, logprobs=True)
     assert [c.token for c in forced.choices[0].logprobs.content] == [server.engine.engine.codec.decode([7])] * 3
@@ -287,16 +336,17 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
     response = post('{"model": "tiny", "prompt": [[]]}', "/v1/completions")
     assert response.status_code == 400 and "empty" in response.json()["error"]["message"]
     # OpenAI fields the server does not implement are refused, not silently ignored; their neutral values pass
-    for field, value in (("functions", [{"name": "f"}]), ("function_call", "f"), ("guided_grammar", "root ::= x")):
+    # (and vLLM's extras that it does not implement)
+    for field, value in (("functions", [{"name": "f"}]), ("function_call", "f"), ("guided_grammar", "root ::= x"),
+                         ("use_beam_search", True), ("priority", 1), ("chat_template", "{{ messages }}")):
         with pytest.raises(openai.BadRequestError, match=f"{field} is not supported") as refused:
             chat(server, extra_body={field: value})
         assert refused.value.body["param"] == field
-    with pytest.raises(openai.BadRequestError, match="echo is not supported"):  # vLLM's chat extra
-        chat(server, extra_body={"echo": True})
     for field, value in (("suffix", "end"), ("best_of", 3)):
         response = post(json.dumps({"model": "tiny", "prompt": "hi", field: value}), "/v1/completions")
         assert response.status_code == 400 and response.json()["error"]["param"] == field
-    assert chat(server, extra_body={"response_format": {"type": "text"}, "tools": [], "user": "u", "store": False})
+    assert chat(server, extra_body={"response_format": {"type": "text"}, "tools": [], "user": "u", "store": False,
+                                    "use_beam_search": False, "priority": 0, "length_penalty": 1.0})
     # null means "not given", as OpenAI reads it (some clients send every optional parameter as null)
     nulls = {name: None for name in ("temperature", "top_p", "n", "stream", "stop", "seed", "presence_penalty",
                                      "frequency_penalty", "logprobs", "top_logprobs", "logit_bias", "tools", "user")}
@@ -343,6 +393,9 @@ def test_prefix_caching_reports_cached_prompt_tokens_in_usage_and_metrics(engine
         cached = second.usage.prompt_tokens_details.cached_tokens
         assert first.usage.prompt_tokens < cached < second.usage.prompt_tokens  # the first turn, not the new message
         assert f"engine_prefix_cache_hit_tokens_total {float(cached)}" in httpx.get(f"{live.url}/metrics").text
+        salted = live.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0.0,
+                                                     extra_body={"cache_salt": "another tenant"})
+        assert salted.usage.prompt_tokens_details.cached_tokens == 0  # K/V computed for unsalted requests: not its
     finally:
         live.stop()
 

@@ -213,6 +213,14 @@ def test_prompt_lookup_engine_equals_plain_greedy(plain, engine_factory):
     assert [spec.generate(p, params)[0].token_ids for p in prompts] == expected
     assert [o.token_ids for o in spec.generate(prompts, params)] == expected
     assert spec.engine.speculation_stats.verify_steps > 0
+    # masks: allowed_token_ids apply at every node of a tree (drafted); bad words depend on the path (not drafted)
+    allowed = sorted(set(expected[0][:10]))
+    words = [plain.tokenizer.decode(expected[1][3:5])]
+    for masked in (SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, allowed_token_ids=allowed),
+                   SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, bad_words=words)):
+        want = [o.token_ids for o in plain.generate(prompts, masked)]
+        assert want != [e[:24] for e in expected]
+        assert [o.token_ids for o in spec.generate(prompts, masked)] == want
 
 
 LONG_PROMPT = " ".join(PROMPTS * 3)  # several prompt chunks of 8: the draft model catches up in chunks too

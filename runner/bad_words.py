@@ -1,0 +1,33 @@
+"""Words a request must not generate (vLLM's `bad_words`), as token sequences: a sequence's last token is banned
+wherever the output so far ends with the rest of it, so the whole sequence never appears in the output.
+
+A word is tokenized as it would start the text and as it would follow a space (" word", a different token in most
+vocabularies), as vLLM does; vLLM keeps the second form only when it has as many tokens as the first, here every
+distinct form is banned. Only the generated tokens count, not the prompt's (vLLM's rule too)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+
+class BadWords:
+    def __init__(self, words: list[str], encode: Callable[[str], list[int]]) -> None:
+        """`encode`: text -> token ids without special tokens."""
+        sequences = set()
+        for word in words:
+            for form in (word.lstrip(), " " + word.lstrip()):
+                ids = tuple(encode(form))
+                if ids:
+                    sequences.add(ids)
+        self.sequences = sorted(sequences)
+
+    def banned(self, output_token_ids: list[int]) -> list[int]:
+        """Tokens that would complete a bad word after `output_token_ids`."""
+        banned = []
+        for sequence in self.sequences:
+            prefix = len(sequence) - 1
+            if prefix > len(output_token_ids):
+                continue
+            if prefix == 0 or tuple(output_token_ids[-prefix:]) == sequence[:-1]:
+                banned.append(sequence[-1])
+        return banned
