@@ -11,4 +11,5 @@ from runner import LLM, SamplingParams
 llm = LLM(sys.argv[1] if len(sys.argv) > 1 else "engines-out/default")
 prompts = ["The three primary colours are", "A haiku about compilers:", "def fibonacci(n):"]
 for output in llm.generate(prompts, SamplingParams(max_tokens=48, temperature=0.0)):
-    print(f"--- {output.prompt!r} ({len(output.token_ids)} tokens, {output.finish_reason})\n{output.text}\n")
+    completion = output.outputs[0]  # vLLM's shape: n completions per prompt (output.text reads the only one)
+    print(f"--- {output.prompt!r} ({len(completion.token_ids)} tokens, {completion.finish_reason})\n{completion.text}\n")

@@ -3,7 +3,7 @@
     from runner import LLM, SamplingParams
     llm = LLM("engine_dir")
     outputs = llm.generate(["Hello"], SamplingParams(max_tokens=64, temperature=0.0))
-    print(outputs[0].text, outputs[0].token_ids)
+    print(outputs[0].outputs[0].text, outputs[0].outputs[0].token_ids)  # or outputs[0].text where n is 1
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from runner.llm_engine import DEFAULT_SPECULATIVE_MAX_ROWS, LLMEngine, PromptError
-from runner.request import RequestOutput
+from runner.request import RequestOutput, request_output
 from runner.sampling import SamplingParams
 
 Message = dict[str, str]
@@ -39,18 +39,20 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text, or token ids), batched; outputs in the order of the prompts, with
-        `n` consecutive outputs per prompt when its SamplingParams ask for n > 1 (completion i seeded seed + i)."""
+        """Generate for every prompt (text, or token ids), batched; one RequestOutput per prompt, in their order,
+        holding the n completions its SamplingParams ask for (completion i seeded seed + i)."""
         if isinstance(prompts, str):
             prompts = [prompts]
         if (prompts is None) == (prompt_token_ids is None):
             raise PromptError("give either prompts or prompt_token_ids")
         items = [(p, None) for p in prompts] if prompts is not None else [(None, list(ids)) for ids in prompt_token_ids]
         params = _per_prompt(sampling_params, len(items))
+        per_prompt = []
         requests = []
         try:
             for (text, ids), p in zip(items, params):
-                requests += self.engine.new_requests(text, ids, p)
+                per_prompt.append(self.engine.new_requests(text, ids, p))
+                requests += per_prompt[-1]
             for request in requests:
                 self.engine.add(request)
             for _ in self.engine.run(requests):
@@ -58,7 +60,7 @@ class LLM:
         finally:
             for request in requests:
                 self.engine.abort(request)  # only unfinished ones: an exception must not leave rows taken
-        return [r.output() for r in requests]
+        return [request_output(completions) for completions in per_prompt]
 
     def stream(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield the text increments of one prompt as they are generated."""

@@ -339,6 +339,9 @@ class LLMEngine:
         reason = None
         if token in self.sampler.stop_ids(request) or (request.constraint is not None and request.constraint.complete):
             reason = "stop"
+            # vLLM's stop_reason: a stop token the request named (not the model's own end of sequence)
+            if token in params.stop_token_ids and (params.ignore_eos or token not in self.sampler.eos_token_ids):
+                request.stop_reason = token
         if reason is None or params.include_stop_str_in_output:  # a stop token's text is not part of the answer
             request.detokenizer.push(token)
         full_text = request.detokenizer.text
@@ -347,7 +350,7 @@ class LLMEngine:
             index = full_text.find(stop)
             if index != -1:
                 end = index + len(stop) if params.include_stop_str_in_output else index
-                visible, reason = full_text[:end], "stop"
+                visible, reason, request.stop_reason = full_text[:end], "stop", stop
                 break
         if reason is None and (len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_seq_len):
             reason = "length"

@@ -21,17 +21,56 @@ class TokenLogprob:
 
 
 @dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
+class CompletionOutput:
+    """One completion of a prompt (vLLM's CompletionOutput)."""
+
+    index: int  # which of the prompt's n completions (it sampled with seed + index)
     text: str
     token_ids: list[int]
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it (None for EOS or a limit)
     logprobs: list[TokenLogprob] | None = None  # one per generated token when asked for
+    cumulative_logprob: float | None = None  # the sum of the generated tokens' logprobs, when they were asked for
+
+
+@dataclass
+class RequestOutput:
+    """What one prompt produced: its n completions in `outputs` (vLLM's RequestOutput). For the usual single
+    completion, `text`, `token_ids`, `finish_reason` and `logprobs` read it directly."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
     # when asked for: one per prompt token, None for the first (nothing comes before it), as vLLM's prompt_logprobs
     prompt_logprobs: list[TokenLogprob | None] | None = None
     num_cached_tokens: int = 0  # prompt tokens not computed again: their K/V came from the prefix cache
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finish_reason is not None for o in self.outputs)
+
+    @property
+    def only(self) -> CompletionOutput:
+        if len(self.outputs) != 1:
+            raise ValueError(f"this prompt has {len(self.outputs)} completions (n > 1): read them in .outputs")
+        return self.outputs[0]
+
+    @property
+    def text(self) -> str:
+        return self.only.text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.only.token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.only.finish_reason
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        return self.only.logprobs
 
 
 @dataclass
@@ -48,6 +87,7 @@ class Request:
     row: int | None = None  # KV cache row while running
     text: str = ""  # visible text: stop strings cut off, possible stop prefixes held back while running
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # computed so far (params.prompt_logprobs)
     drafts: list | np.ndarray | None = None  # speculative engines: draft beams (token id sequences) for the next step
@@ -85,9 +125,16 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
-    def output(self) -> RequestOutput:
-        return RequestOutput(
-            self.request_id, self.prompt, self.prompt_token_ids, self.text, list(self.output_token_ids),
-            self.finish_reason, list(self.logprobs) if self.params.logprobs is not None else None,
-            list(self.prompt_logprobs) if self.params.prompt_logprobs is not None else None, self.num_cached_tokens,
-        )
+    def completion(self, index: int = 0) -> CompletionOutput:
+        logprobs = list(self.logprobs) if self.params.logprobs is not None else None
+        return CompletionOutput(index, self.text, list(self.output_token_ids), self.finish_reason, self.stop_reason,
+                                logprobs, None if logprobs is None else sum(lp.logprob for lp in logprobs))
+
+
+def request_output(completions: list[Request]) -> RequestOutput:
+    """The output of one prompt from its n requests (in index order)."""
+    first = completions[0]
+    return RequestOutput(
+        first.request_id, first.prompt, first.prompt_token_ids, [r.completion(i) for i, r in enumerate(completions)],
+        list(first.prompt_logprobs) if first.params.prompt_logprobs is not None else None, first.num_cached_tokens,
+    )

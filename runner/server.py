@@ -447,7 +447,8 @@ def _chat_choice(codec, index: int, request: EngineRequest, tools: ForcedTools |
     if calls:  # (an answer cut by max_tokens is no call: it stays text, finish_reason "length")
         message = {"role": "assistant", "content": None, "tool_calls": calls}
         finish_reason = _tool_finish_reason(tools)
-    choice = {"index": index, "message": message, "finish_reason": finish_reason, "logprobs": None}
+    choice = {"index": index, "message": message, "finish_reason": finish_reason, "stop_reason": request.stop_reason,
+              "logprobs": None}
     if request.params.logprobs is not None:
         choice["logprobs"] = {"content": _logprobs_content(codec, request.logprobs, as_ids=as_ids)}
     return choice
@@ -460,7 +461,8 @@ def _completion_chunk(codec, index: int, event: TokenEvent, first: bool, logprob
     if echo and first:  # the prompt comes first, as the client sent it (token ids: decoded)
         prompt = request.prompt if request.prompt is not None else codec.decode(request.prompt_token_ids)
         text = prompt + text
-    chunk = {"index": index, "text": text, "finish_reason": request.finish_reason if event.finished else None, "logprobs": None}
+    chunk = {"index": index, "text": text, "finish_reason": request.finish_reason if event.finished else None,
+             "stop_reason": request.stop_reason if event.finished else None, "logprobs": None}  # vLLM's stop_reason
     if request.params.logprobs is not None:
         content = _logprobs_content(codec, request.logprobs[logprob_from:], as_ids=as_ids)
         if echo and first:  # the first prompt token has no logprob: null, as OpenAI's echo gives it
@@ -497,7 +499,8 @@ def _chat_chunk(codec, index: int, event: TokenEvent, first: bool, logprob_from:
         delta = {"role": "assistant", "tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]} if calls else \
             {"role": "assistant", "content": request.text}
         finish_reason = _tool_finish_reason(tools) if calls else finish_reason
-    chunk = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+    chunk = {"index": index, "delta": delta, "finish_reason": finish_reason,
+             "stop_reason": request.stop_reason if event.finished else None, "logprobs": None}
     if event.request.params.logprobs is not None:
         chunk["logprobs"] = {"content": _logprobs_content(codec, event.request.logprobs[logprob_from:], as_ids=as_ids)}
     return chunk

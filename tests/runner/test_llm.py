@@ -51,6 +51,7 @@ def test_stop_token_ids_and_min_tokens(llm):
     stop_id = full.token_ids[3]
     out = llm.generate("hello", SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_id]))[0]
     assert out.token_ids == full.token_ids[: full.token_ids.index(stop_id) + 1] and out.finish_reason == "stop"
+    assert out.outputs[0].stop_reason == stop_id and full.outputs[0].stop_reason is None
     held = llm.generate("hello", SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_id], min_tokens=16))[0]
     assert stop_id not in held.token_ids and len(held.token_ids) == 16
 
@@ -87,7 +88,7 @@ def test_stop_strings_and_stop_tokens_are_left_out_of_the_text_unless_asked_for(
     stop = full.text[at:at + 3]
     kept = llm.generate("hello", SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop],
                                                 include_stop_str_in_output=True))[0]
-    assert kept.text == full.text[:at + 3] and kept.finish_reason == "stop"
+    assert kept.text == full.text[:at + 3] and kept.finish_reason == "stop" and kept.outputs[0].stop_reason == stop
     # a stop token's text is not part of the answer (vLLM's rule), unless asked for
     index = next(i for i, t in enumerate(full.token_ids) if i > 2 and llm.tokenizer.decode([t]).strip())
     stop_id = full.token_ids[index]
@@ -244,10 +245,13 @@ def test_n_completions_compute_the_prompt_once_and_each_equals_its_seed_alone(en
     chunks = []
     prefill = executor.prefill
     executor.prefill = lambda row, token_ids, start: (chunks.append(start), prefill(row, token_ids, start))[1]
-    outputs = llm.generate(prompt, params)
-    prompt_chunks = -(-len(outputs[0].prompt_token_ids) // executor.max_chunk)
+    result, = llm.generate(prompt, params)  # one output per prompt, its n completions inside (vLLM's shape)
+    outputs = result.outputs
+    prompt_chunks = -(-len(result.prompt_token_ids) // executor.max_chunk)
     assert len(chunks) == 2 * prompt_chunks  # the first two completions' prompt once, the third's when it got a row
     for index, output in enumerate(outputs):
         alone = SamplingParams(max_tokens=10, temperature=1.0, seed=5 + index, ignore_eos=True)
-        assert output.token_ids == llm.generate(prompt, alone)[0].token_ids
+        assert output.index == index and output.token_ids == llm.generate(prompt, alone)[0].token_ids
     assert len({tuple(o.token_ids) for o in outputs}) == 3
+    with pytest.raises(ValueError, match="3 completions"):
+        result.text  # noqa: B018 - which of the three would it be

@@ -7,6 +7,7 @@ import pytest
 
 from runner.llm_engine import LLMEngine, PromptError
 from runner.logprobs import log_softmax, token_logprobs
+from runner.request import request_output
 from runner.sampling import SamplingParams
 from tests.reference import load_reference, reference_logits
 
@@ -20,7 +21,7 @@ def run(engine: LLMEngine, prompt: list[int], params: SamplingParams):
         engine.add(request)
     while not all(r.finished for r in requests):
         engine.step()
-    return [r.output() for r in requests]
+    return [request_output([r]) for r in requests]  # each completion on its own
 
 
 def test_prompt_logprobs_match_transformers_across_chunks_forks_and_the_prefix_cache(engine_factory, checkpoint_factory):

@@ -8,7 +8,7 @@ import pytest
 
 from runner import LLM, SamplingParams
 from runner.prefix_cache import PrefixCopy, PrefixIndex
-from runner.request import Request
+from runner.request import Request, request_output
 from runner.tokenizer import IncrementalDetokenizer
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
@@ -102,7 +102,7 @@ def test_answers_from_reused_prefixes_equal_fresh_prefills(engines):
         pass
     assert beside.row == 1 and beside.num_cached_tokens == len(system)
     for request in (running, beside):
-        assert_same_answers(request.output(), fresh.generate(prompt_token_ids=[request.prompt_token_ids], sampling_params=GREEDY)[0])
+        assert_same_answers(request_output([request]), fresh.generate(prompt_token_ids=[request.prompt_token_ids], sampling_params=GREEDY)[0])
 
     # both rows are free now; a follow-up to the row-1 answer takes row 0 and copies from row 1
     follow_up = beside.prompt_token_ids + beside.output_token_ids + encode(" why?")

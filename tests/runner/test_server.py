@@ -292,6 +292,8 @@ def test_vllm_request_extras_reach_the_engine(server):
                        extra_body={"request_id": "abc", "ignore_eos": True,
                                    "stream_options": {"include_usage": True, "continuous_usage_stats": True}}))
     assert {c.id for c in chunks} == {"chatcmpl-abc"}
+    stopped = chat(server, **greedy, extra_body={"ignore_eos": True, "stop_token_ids": [full[2]]})
+    assert stopped.choices[0].model_extra["stop_reason"] == full[2]  # vLLM's: the stop token id that ended it
     assert [c.usage.completion_tokens for c in chunks if c.choices] == list(range(1, 9))
 
 

@@ -23,7 +23,7 @@ def test_sampled_outputs_always_match_a_regex_and_keep_their_randomness(engine_f
     llm = LLM(engine_factory("gqa"))
     params = SamplingParams(max_tokens=40, temperature=1.0, top_p=0.95, seed=5, n=12,
                             structured_outputs=StructuredOutputs(regex=PHONE))
-    outputs = llm.generate("The quick brown fox", params)
+    outputs = llm.generate("The quick brown fox", params)[0].outputs
     assert all(re.fullmatch(PHONE, o.text) and o.finish_reason == "stop" for o in outputs), [o.text for o in outputs]
     assert len({o.text for o in outputs}) > 3
     unconstrained = llm.generate("The quick brown fox", SamplingParams(max_tokens=12, temperature=1.0, seed=5))[0]
@@ -41,8 +41,9 @@ def test_choice_and_json_on_plain_and_speculative_engines(engine_factory):
             outs = llm.generate(["hello hello hello", "The quick brown"], SamplingParams(
                 max_tokens=16, temperature=temperature, seed=3, structured_outputs=StructuredOutputs(choice=choices)))
             assert all(o.text in choices and o.finish_reason == "stop" for o in outs), [o.text for o in outs]
-        outs = llm.generate(["hello", "The quick brown"], SamplingParams(
+        outs = [o for result in llm.generate(["hello", "The quick brown"], SamplingParams(
             max_tokens=60, temperature=1.0, seed=1, n=4, structured_outputs=StructuredOutputs(json=schema)))
+            for o in result.outputs]
         finished = [json.loads(o.text) for o in outs if o.finish_reason == "stop"]
         assert finished and all(set(value) == {"ok"} and isinstance(value["ok"], bool) for value in finished)
         stats = llm.engine.speculation_stats
