@@ -10,7 +10,9 @@ in turn (a warm-up first, then --runs rounds of plain, speculative 1, speculativ
 drifts within minutes and moves the memory-bound plain engine most, so only engines timed in the same rounds compare.
 Answers end at EOS or --new-tokens; decode speed is tokens after the first over the time after the first token; the
 overall figures are over the chat prompts. Prints per-prompt and overall numbers, checks that every output is the
-plain engine's, and writes benchmarks/results/speculative.json.
+plain engine's, and writes benchmarks/results/speculative.json. `--json-schema SCHEMA` (JSON, or a file holding it)
+holds every answer to that schema (structured outputs: the drafts are cut where the grammar stops allowing them and
+verified with each tree node's own mask).
 """
 
 from __future__ import annotations
@@ -43,10 +45,13 @@ HELD_OUT_PROMPTS = [
 ]
 
 
-def timed(engine, prompt_ids: list[int], new_tokens: int) -> tuple[list[int], float, float]:
+def timed(engine, prompt_ids: list[int], new_tokens: int, schema: dict | None) -> tuple[list[int], float, float]:
     from runner.sampling import SamplingParams
+    from runner.structured import StructuredOutputs
 
-    request = engine.add_request(None, prompt_ids, SamplingParams(max_tokens=new_tokens, temperature=0.0))
+    structured = None if schema is None else StructuredOutputs(json=schema)
+    request = engine.add_request(None, prompt_ids, SamplingParams(max_tokens=new_tokens, temperature=0.0,
+                                                                  structured_outputs=structured))
     start = time.perf_counter()
     first = None
     while not request.finished:
@@ -63,9 +68,14 @@ def timed(engine, prompt_ids: list[int], new_tokens: int) -> tuple[list[int], fl
 @click.option("--new-tokens", type=int, default=128, show_default=True)
 @click.option("--runs", type=int, default=2, show_default=True, help="Timed rounds per prompt (median per engine).")
 @click.option("--out", type=click.Path(), default=str(ROOT / "benchmarks" / "results" / "speculative.json"), show_default=True)
-def main(plain_dir, spec_dirs, threads, new_tokens, runs, out) -> None:
+@click.option("--json-schema", "json_schema", default=None, help="Hold every answer to this JSON schema (JSON or a file).")
+def main(plain_dir, spec_dirs, threads, new_tokens, runs, out, json_schema) -> None:
     from runner.bench import chat_prompts
     from runner.llm_engine import LLMEngine
+
+    schema = None
+    if json_schema is not None:
+        schema = json.loads(Path(json_schema).read_text() if Path(json_schema).is_file() else json_schema)
 
     plain = LLMEngine(plain_dir, threads=threads)
     specs = {spec_dir: LLMEngine(spec_dir, threads=threads) for spec_dir in spec_dirs}
@@ -76,12 +86,12 @@ def main(plain_dir, spec_dirs, threads, new_tokens, runs, out) -> None:
 
     def compare(kind: str, label: str, ids: list[int]) -> dict:
         for engine in engines.values():
-            timed(engine, ids, 8)  # warm-up
+            timed(engine, ids, 8, schema)  # warm-up (and xgrammar's import, once)
         results = {name: [] for name in engines}
         before = {name: (spec.speculation_stats.verify_steps, spec.speculation_stats.emitted_tokens) for name, spec in specs.items()}
         for _ in range(runs):
             for name, engine in engines.items():
-                results[name].append(timed(engine, ids, new_tokens))
+                results[name].append(timed(engine, ids, new_tokens, schema))
         tokens = {name: r[0][0] for name, r in results.items()}
         row = {"kind": kind, "prompt": label, "prompt_tokens": len(ids), "new_tokens": len(tokens["plain"]), "engines": {}}
         for name, r in results.items():
@@ -130,7 +140,7 @@ def main(plain_dir, spec_dirs, threads, new_tokens, runs, out) -> None:
                 if line.startswith("model name")), platform.processor())
     record = {
         "commit": commit, "machine": {"cpu": cpu, "threads": threads}, "plain": plain_dir, "plain_decode_tok_s": rate["plain"],
-        "speculative": summaries, "new_tokens": new_tokens, "runs": runs, "prompts": rows,
+        "speculative": summaries, "new_tokens": new_tokens, "runs": runs, "json_schema": schema, "prompts": rows,
     }
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(record, indent=2))

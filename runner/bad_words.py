@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
+
 
 class BadWords:
     def __init__(self, words: list[str], encode: Callable[[str], list[int]]) -> None:
@@ -31,3 +33,23 @@ class BadWords:
             if prefix == 0 or tuple(output_token_ids[-prefix:]) == sequence[:-1]:
                 banned.append(sequence[-1])
         return banned
+
+    def draft_prefix(self, output_token_ids: list[int], tokens: list[int]) -> list[int]:
+        """The longest prefix of a draft that completes no bad word after `output_token_ids`."""
+        taken: list[int] = []
+        for token in tokens:
+            if token in self.banned(output_token_ids + taken):
+                break
+            taken.append(int(token))
+        return taken
+
+    def tree_masks(self, output_token_ids: list[int], tokens: list[int], parents: list[int], vocab_size: int) -> np.ndarray:
+        """[nodes, vocab_size] bool: the tokens allowed after each node of a draft tree whose root is the last
+        output token."""
+        masks = np.ones((len(tokens), vocab_size), bool)
+        paths: list[list[int]] = [[]]  # each node's tokens after the root
+        for node in range(len(tokens)):
+            if node:
+                paths.append(paths[parents[node]] + [int(tokens[node])])
+            masks[node, self.banned(output_token_ids + paths[node])] = False
+        return masks

@@ -8,16 +8,20 @@ the context tokens in it. A round first feeds the tokens it lacks (one call for 
 and the last draft when all were accepted; the whole prompt, in chunks, the first time), whose last argmax is the
 first draft, then decodes the rest of the draft one token at a time for all rows at once. Drafting fed d1..d(k-1)
 through the draft model, so when the target accepts a drafts, the first min(a, k-1) of them are in its cache
-already (`accepted`); the next round writes over the rejected ones.
+already (`accepted`); the next round writes over the rejected ones. A request under a grammar or bad words drafts
+the draft model's best token among those they allow (its greedy answer under the same masks), which the target,
+masked the same way, accepts far more often than the unmasked argmax.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from engines.backends import open_backend
 from engines.format import open_artifact
-from runner.executor import Executor
+from runner.executor import Executor, Scored
 from runner.request import Request
 
 
@@ -41,12 +45,13 @@ class DraftModel:
                 chains.append((index, request.draft_computed, missing))
                 continue
             for start in range(request.draft_computed, len(context), executor.max_chunk):  # the prompt, in chunks
-                first_drafts[index] = int(executor.prefill(request.row, context[start:start + executor.max_chunk], start).argmax)
+                scored = executor.prefill(request.row, context[start:start + executor.max_chunk], start)
+                first_drafts[index] = _choose(request, [], scored)
         if chains:
             fed = executor.extend([requests[i].row for i, _, _ in chains], [tokens for _, _, tokens in chains],
                                   [start for _, start, _ in chains])
             for row, (index, _, _) in enumerate(chains):
-                first_drafts[index] = int(fed.argmax[row])
+                first_drafts[index] = _choose(requests[index], [], fed[row])
         for request, context in zip(requests, contexts):
             request.draft_computed = len(context)
         drafts = [[first_drafts[i]] for i in range(len(requests))]
@@ -57,8 +62,8 @@ class DraftModel:
             decoded = executor.decode(
                 [requests[i].row for i in room], [drafts[i][-1] for i in room], [len(contexts[i]) + step - 1 for i in room]
             )
-            for i, token in zip(room, decoded.argmax.tolist()):
-                drafts[i].append(token)
+            for row, i in enumerate(room):
+                drafts[i].append(_choose(requests[i], drafts[i], decoded[row]))
         return drafts
 
     def accepted(self, request: Request, drafts: int) -> None:
@@ -67,3 +72,14 @@ class DraftModel:
 
     def free_row(self, row: int) -> None:
         self.executor.cache.free_row(row)
+
+
+def _choose(request: Request, drafted: list[int], scored: Scored) -> int:
+    """The next draft token: the draft graph's argmax, or for a masked request the first maximum among the tokens
+    allowed after its output and `drafted` (the argmax where the drafts already break the masks: cut later)."""
+    if not request.masked:
+        return int(scored.argmax)
+    allowed = request.allowed_after(drafted, len(scored.logits))
+    if allowed is None:
+        return int(scored.argmax)
+    return int(np.argmax(np.where(allowed[:len(scored.logits)], scored.logits[:len(allowed)], -np.inf)))

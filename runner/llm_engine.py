@@ -295,10 +295,15 @@ class LLMEngine:
             [r.row for r in requests], [(t.tokens, t.mask) for t in trees], [r.num_computed for r in requests]
         )
         self.speculation_stats.verify_seconds += time.perf_counter() - started
-        return [
-            _Pending(request, tree, verified.logits[index], verified.hidden[index], True, verified.argmax[index])
-            for index, (request, tree) in enumerate(zip(requests, trees))
-        ]
+        pending = []
+        for index, (request, tree) in enumerate(zip(requests, trees)):
+            logits, argmax = verified.logits[index], verified.argmax[index]
+            if request.masked and len(tree.tokens) > 1:  # each node's own mask (a one-node tree's: the sampler's)
+                masks = request.tree_masks(tree.tokens, tree.parents, self.manifest.model.vocab_size)
+                logits = np.where(masks, logits[:len(tree.tokens)], -np.inf).astype(np.float32)
+                argmax = logits.argmax(-1)  # the first maximum among allowed tokens, as the sampler graph's choice
+            pending.append(_Pending(request, tree, logits, verified.hidden[index], True, argmax))
+        return pending
 
     def _draft(self, requests: list[tuple[Request, np.ndarray]]) -> None:
         """New drafts for the next step: the draft graph's beams from each request's hidden state (ReDrafter), the
@@ -306,7 +311,9 @@ class LLMEngine:
         tokens (prompt lookup)."""
         for request, _ in requests:
             request.drafts = []
-        requests = [(r, hidden) for r, hidden in requests if not r.masked]
+        # a masked request's tree gets its masks on the logits (`_verify`), which would change the logprobs it asked
+        # for (those are the model's own): such a request goes without drafts
+        requests = [(r, hidden) for r, hidden in requests if not (r.masked and r.params.logprobs is not None)]
         if not requests:
             return
         started = time.perf_counter()
@@ -326,6 +333,8 @@ class LLMEngine:
             if lookup_len:  # one more beam; the tree merges what it shares with the others
                 context = request.prompt_token_ids + request.output_token_ids
                 request.drafts.append(prompt_lookup_draft(context, lookup_len, spec["max_ngram"], spec.get("min_ngram", 1)))
+            if request.masked:  # a grammar or bad words: a draft ends where they stop allowing it
+                request.drafts = [request.draft_prefix(list(beam)) for beam in request.drafts]
         self.speculation_stats.draft_seconds += time.perf_counter() - started
 
     def _emit(self, request: Request, token: int, logprob: TokenLogprob | None) -> TokenEvent:

@@ -107,8 +107,8 @@ class Request:
 
     @property
     def masked(self) -> bool:
-        """Whether the tokens allowed next depend on the tokens before (a grammar, bad words): such a request gets
-        no drafts, since every node of a draft tree would need its own mask."""
+        """Whether the tokens allowed next depend on the tokens before (a grammar, bad words): a draft tree of such
+        a request needs a mask per node (`tree_masks`)."""
         return self.constraint is not None or self.bad_words is not None
 
     def allowed_next(self, vocab_size: int) -> np.ndarray | None:
@@ -120,6 +120,27 @@ class Request:
             allowed[self.bad_words.banned(self.output_token_ids)] = False
             return allowed
         return None
+
+    def allowed_after(self, drafted: list[int], vocab_size: int) -> np.ndarray | None:
+        """[vocab_size] bool: the tokens allowed after the output and then `drafted` (a masked request drafting);
+        None where the drafts already break the masks or end the grammar."""
+        if self.constraint is not None:
+            return self.constraint.allowed_after(drafted)
+        allowed = np.ones(vocab_size, bool)
+        allowed[self.bad_words.banned(self.output_token_ids + drafted)] = False
+        return allowed
+
+    def draft_prefix(self, draft: list[int]) -> list[int]:
+        """The part of a draft the masks allow (a masked request): the rest could never be accepted."""
+        if self.constraint is not None:
+            return self.constraint.draft_prefix(draft)
+        return self.bad_words.draft_prefix(self.output_token_ids, draft)
+
+    def tree_masks(self, tokens: list[int], parents: list[int], vocab_size: int) -> np.ndarray:
+        """[nodes, vocab_size] bool: the tokens allowed after each node of its draft tree (a masked request)."""
+        if self.constraint is not None:
+            return self.constraint.tree_masks(tokens, parents)
+        return self.bad_words.tree_masks(self.output_token_ids, tokens, parents, vocab_size)
 
     @property
     def num_tokens(self) -> int:

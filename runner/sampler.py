@@ -42,13 +42,14 @@ class Sampler:
         long as no token on the way is banned; None where the graph must choose: the request wants logprobs,
         penalties, a logit bias or allowed_token_ids, or a stop token comes before min_tokens (the graph then takes
         the best allowed one). Saves a greedy step the sampler call (~0.7 ms for a 5-node tree over a 49k
-        vocabulary). A request under a grammar or bad words (never drafted: one node) takes the first maximum of
-        `logits` [>= 1, vocab] among the tokens allowed next, which is what the graph does with the others at -inf."""
+        vocabulary). A request under a grammar or bad words with a one-node tree takes the first maximum of
+        `logits` [>= 1, vocab] among the tokens allowed next, which is what the graph does with the others at -inf
+        (a larger tree comes with each node's mask on its logits and `argmax`, see LLMEngine._verify)."""
         params = request.params
         if (not params.greedy or params.logprobs is not None or params.penalised or params.logit_bias
                 or params.allowed_token_ids is not None):
             return None
-        if request.masked:
+        if request.masked and len(tree.tokens) == 1:
             argmax = [int(np.argmax(np.where(request.allowed_next(self.vocab_size), logits[0], -np.inf)))]
         banned_until = params.min_tokens - len(request.output_token_ids)  # tokens emitted before stops are allowed
         stop_ids = self.stop_ids(request) if banned_until > 0 else set()
@@ -119,7 +120,7 @@ class Sampler:
         feeds["want_logprobs"] = np.array(any(request.params.logprobs is not None for request, _, _ in rows))
         if self.takes_logit_bias:
             feeds["logit_bias"] = np.zeros((batch, vocab), np.float32)
-            for index, (request, _, _) in enumerate(rows):
+            for index, (request, tree, _) in enumerate(rows):
                 params = request.params
                 bias = feeds["logit_bias"][index]
                 if params.allowed_token_ids is not None:  # the same at every node of a tree: drafts are fine
@@ -127,7 +128,8 @@ class Sampler:
                     bias[params.allowed_token_ids] = 0.0
                 for token, value in params.logit_bias.items():
                     bias[token] += value
-                allowed = request.allowed_next(vocab)  # a grammar's or bad words' (such a row has no drafts)
+                # a grammar's or bad words' mask, for a one-node tree (a larger one's masks are on its logits)
+                allowed = request.allowed_next(vocab) if len(tree.tokens) == 1 else None
                 if allowed is not None:
                     bias[~allowed] = -np.inf
         return feeds

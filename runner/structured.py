@@ -110,6 +110,47 @@ class TokenConstraint:
         """The grammar has taken its stop token: nothing more may come."""
         return self._matcher.is_terminated()
 
+    def draft_prefix(self, tokens: list[int]) -> list[int]:
+        """The longest prefix of a draft the grammar allows from here (the matcher is left where it was)."""
+        taken = 0
+        for token in tokens:
+            if self._matcher.is_terminated() or not self._matcher.accept_token(int(token)):
+                break
+            taken += 1
+        if taken:
+            self._matcher.rollback(taken)
+        return list(tokens[:taken])
+
+    def allowed_after(self, tokens: list[int]) -> np.ndarray | None:
+        """[vocab] bool: the tokens allowed after `tokens` (the matcher is left where it was); None where the grammar
+        does not allow them or ends within them."""
+        taken = len(self.draft_prefix(tokens))
+        for token in tokens[:taken]:
+            self._matcher.accept_token(int(token))
+        allowed = None if taken < len(tokens) or self._matcher.is_terminated() else self.allowed()
+        if taken:
+            self._matcher.rollback(taken)
+        return allowed
+
+    def tree_masks(self, tokens: list[int], parents: list[int]) -> np.ndarray:
+        """[nodes, vocab] bool: the tokens the grammar allows after each node of a draft tree (node 0: the token it
+        has taken last; every other node's token allowed after its parent, see `draft_prefix`). After the grammar's
+        end nothing is masked: the request ends there."""
+        masks = np.ones((len(tokens), self._vocab_size), bool)
+        children = [[c for c in range(1, len(tokens)) if parents[c] == node] for node in range(len(tokens))]
+
+        def visit(node: int) -> None:
+            if self._matcher.is_terminated():
+                return
+            masks[node] = self.allowed()
+            for child in children[node]:
+                if self._matcher.accept_token(int(tokens[child])):
+                    visit(child)
+                    self._matcher.rollback(1)
+
+        visit(0)
+        return masks
+
 
 def _regex_literal(text: str) -> str:
     special = set(r"\.^$|?*+()[]{}")
