@@ -9,6 +9,7 @@ import pytest
 from scipy import stats
 
 from runner import LLM, SamplingParams
+from runner.bad_words import BadWords
 from runner.speculative import likely_prefixes, pack_tree, prompt_lookup_draft
 from tests.reference_sampling import processed_probs
 
@@ -176,25 +177,52 @@ def test_sampled_second_token_follows_the_target_distribution(plain, oracle):
     """The first token comes from prefill, the second from the first verify step (accepted draft or residual
     sample): over many seeds its histogram must match sum_x p(x | prompt) p(y | prompt, x), computed exactly
     from the plain engine's logits."""
-    spec = oracle
+    assert_second_token_distribution(plain, oracle, bad_words=[])
+
+
+def test_sampled_second_token_under_bad_words_follows_the_masked_distribution(plain, oracle):
+    """The same with bad words, whose masks go on each tree node's logits: the words are likely second tokens (the
+    drafts, the plain engine's unmasked greedy continuation, often propose them), so the masks move much of the
+    probability."""
+    prompt = plain.tokenizer.encode(PROMPTS[1])
+    executor = plain.engine.executor
+    first = executor.prefill(0, prompt, 0).logits
+    second = executor.decode([0], [int(np.argmax(first))], [len(prompt)]).logits[0]
+    executor.cache.release()
+    encode = lambda text: plain.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    likely = [plain.tokenizer.decode([int(t)]) for t in np.argsort(-second)[:40]]
+    words = [word for word in likely if word.strip() and len(encode(word.strip())) == 1][:8]
+    assert len(words) >= 4
+    assert_second_token_distribution(plain, oracle, bad_words=words)
+
+
+def assert_second_token_distribution(plain, spec, bad_words):
     params = SamplingParams(temperature=1.0, top_p=0.95)
     prompt = plain.tokenizer.encode(PROMPTS[1])
     executor = plain.engine.executor
-    first_logits = executor.prefill(0, prompt, 0).logits
-    first = processed_probs(first_logits, params)
+    banned = BadWords(bad_words, lambda text: plain.tokenizer.encode(text, add_special_tokens=False)).banned
+
+    def masked(logits: np.ndarray, output: list[int]) -> np.ndarray:
+        logits = logits.copy()
+        logits[banned(output)] = -np.inf
+        return logits
+
+    first = processed_probs(masked(executor.prefill(0, prompt, 0).logits, []), params)
     expected = np.zeros_like(first)
     for token in np.flatnonzero(first > 1e-6):
         logits = executor.decode([0], [int(token)], [len(prompt)]).logits[0]
-        expected += first[token] * processed_probs(logits, params)
+        expected += first[token] * processed_probs(masked(logits, [int(token)]), params)
     executor.cache.release()
 
     runs = 2400
     spec.engine.speculation_stats.__init__()
     outputs = spec.generate(
         prompt_token_ids=[prompt] * runs,
-        sampling_params=[SamplingParams(max_tokens=3, temperature=1.0, top_p=0.95, seed=s, ignore_eos=True) for s in range(runs)],
+        sampling_params=[SamplingParams(max_tokens=3, temperature=1.0, top_p=0.95, seed=s, ignore_eos=True,
+                                        bad_words=bad_words) for s in range(runs)],
     )
     counts = np.bincount([o.token_ids[1] for o in outputs], minlength=len(expected)).astype(float)
+    assert not any(o.token_ids[i] in banned(o.token_ids[:i]) for o in outputs for i in range(3))
     # a real share of second tokens are accepted drafts, not only residual samples
     assert spec.engine.speculation_stats.accepted_histogram.get(1, 0) > runs / 10
     frequent = expected * runs >= 5
