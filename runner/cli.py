@@ -146,10 +146,12 @@ PADDED_ROWS_NOTE = ("note: a lone request runs as two rows: this engine's quanti
 @click.argument("engine", type=click.Path())
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=int, default=8000, show_default=True)
-@click.option("--max-batch", type=int, default=None, help="Requests decoded together (default: the engine's largest bucket).")
+@click.option("--max-batch", "--max-num-seqs", "max_batch", type=int, default=None,
+              help="Requests decoded together (default: the engine's largest bucket; --max-num-seqs is vLLM's name).")
 @click.option("--max-waiting", type=int, default=64, show_default=True, help="Queued requests before answering 503.")
 @click.option("--threads", type=int, default=None, help="CPU threads (default: onnxruntime's choice).")
-@click.option("--model-name", default=None, help="Name clients use in `model` (default: the engine directory's name).")
+@click.option("--model-name", "--served-model-name", "model_name", default=None,
+              help="Name clients use in `model` (default: the engine directory's name; --served-model-name is vLLM's).")
 @click.option("--shutdown-grace", type=float, default=10.0, show_default=True, help="Seconds running requests get to finish on shutdown.")
 @click.option("--enable-prefix-caching", is_flag=True, help="Start a prompt after the longest prefix a cache row holds "
               "from an earlier or running request (a chat's earlier turns); greedy tokens may then differ at near-ties.")

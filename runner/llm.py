@@ -16,17 +16,19 @@ from runner.request import RequestOutput, request_output
 from runner.sampling import SamplingParams
 
 Message = dict[str, str]
+Prompt = str | dict  # a text, or vLLM's {"prompt": text} / {"prompt_token_ids": ids} (optionally with "cache_salt")
 
 
 class LLM:
     def __init__(
-        self, engine_dir: str | Path, threads: int | None = None, verify_checksums: bool = True, max_batch: int | None = None,
+        self, model: str | Path, threads: int | None = None, verify_checksums: bool = True, max_batch: int | None = None,
         enable_prefix_caching: bool = False, speculative_max_rows: int | None = DEFAULT_SPECULATIVE_MAX_ROWS,
     ) -> None:
-        """`enable_prefix_caching`: a prompt starts after the longest prefix whose K/V a cache row holds from an earlier
-        or running request (runner/prefix_cache.py). `speculative_max_rows`: a speculative engine verifies drafts
-        only in steps with at most this many generating rows (None: in every step)."""
-        self.engine = LLMEngine(engine_dir, threads=threads, verify_checksums=verify_checksums, max_batch=max_batch,
+        """`model`: the engine directory (vLLM's name for what to load). `enable_prefix_caching`: a prompt starts
+        after the longest prefix whose K/V a cache row holds from an earlier or running request
+        (runner/prefix_cache.py). `speculative_max_rows`: a speculative engine verifies drafts only in steps with at
+        most this many generating rows (None: in every step)."""
+        self.engine = LLMEngine(model, threads=threads, verify_checksums=verify_checksums, max_batch=max_batch,
                                 enable_prefix_caching=enable_prefix_caching, speculative_max_rows=speculative_max_rows)
 
     @property
@@ -35,28 +37,36 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | Sequence[str] | None = None,
+        prompts: Prompt | Sequence[Prompt] | None = None,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text, or token ids), batched; one RequestOutput per prompt, in their order,
-        holding the n completions its SamplingParams ask for (completion i seeded seed + i)."""
-        if isinstance(prompts, str):
+        """Generate for every prompt, batched; one RequestOutput per prompt, in their order, holding the n completions
+        its SamplingParams ask for (completion i seeded seed + i). A prompt is a text, or as in vLLM a dict:
+        {"prompt": text} or {"prompt_token_ids": ids}, either with an optional "cache_salt" (prefix caching shares K/V
+        only within a salt); `prompt_token_ids` gives token-id prompts the older way. `use_tqdm`: a progress bar over
+        the prompts (tqdm)."""
+        if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if (prompts is None) == (prompt_token_ids is None):
             raise PromptError("give either prompts or prompt_token_ids")
-        items = [(p, None) for p in prompts] if prompts is not None else [(None, list(ids)) for ids in prompt_token_ids]
+        items = [_prompt(p) for p in prompts] if prompts is not None else [(None, list(ids), None) for ids in prompt_token_ids]
         params = _per_prompt(sampling_params, len(items))
         per_prompt = []
         requests = []
         try:
-            for (text, ids), p in zip(items, params):
-                per_prompt.append(self.engine.new_requests(text, ids, p))
+            for (text, ids, salt), p in zip(items, params):
+                per_prompt.append(self.engine.new_requests(text, ids, p, cache_salt=salt))
                 requests += per_prompt[-1]
             for request in requests:
                 self.engine.add(request)
-            for _ in self.engine.run(requests):
-                pass
+            progress = _Progress(per_prompt) if use_tqdm else None
+            for event in self.engine.run(requests):
+                if progress is not None and event.finished:
+                    progress.finished(event.request)
+            if progress is not None:
+                progress.close()
         finally:
             for request in requests:
                 self.engine.abort(request)  # only unfinished ones: an exception must not leave rows taken
@@ -81,6 +91,7 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
         tools: list[dict] | None = None,
+        use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Apply the engine's chat template to one conversation (or several) and generate the replies.
         `continue_final_message` (with add_generation_prompt=False): go on with the last (assistant) message instead
@@ -91,7 +102,7 @@ class LLM:
             list(c), add_generation_prompt=add_generation_prompt, tools=tools,
             continue_final_message=continue_final_message, template_kwargs=chat_template_kwargs)
             for c in conversations]
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
 
 def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
@@ -103,3 +114,37 @@ def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, count:
     if len(params) != count:
         raise ValueError(f"{len(params)} sampling params for {count} prompts")
     return params
+
+
+def _prompt(prompt: Prompt) -> tuple[str | None, list[int] | None, str | None]:
+    """(text, token ids, cache salt) of one prompt."""
+    if isinstance(prompt, str):
+        return prompt, None, None
+    if isinstance(prompt, dict) and set(prompt) <= {"prompt", "prompt_token_ids", "cache_salt"}:
+        ids = prompt.get("prompt_token_ids")
+        if ids is not None:
+            return prompt.get("prompt"), list(ids), prompt.get("cache_salt")
+        if isinstance(prompt.get("prompt"), str):
+            return prompt["prompt"], None, prompt.get("cache_salt")
+    raise PromptError('a prompt is a string, {"prompt": text} or {"prompt_token_ids": [ids]} (with an optional '
+                      f'"cache_salt"), got {prompt!r:.80}')
+
+
+class _Progress:
+    """A tqdm bar that advances when all completions of a prompt are done."""
+
+    def __init__(self, groups: list[list]) -> None:
+        from tqdm import tqdm  # only with use_tqdm (transformers, in the build and test set-ups, brings it)
+
+        self._group = {id(r): index for index, group in enumerate(groups) for r in group}
+        self._left = [len(group) for group in groups]
+        self._bar = tqdm(total=len(groups), desc="prompts", unit="prompt")
+
+    def finished(self, request) -> None:
+        index = self._group[id(request)]
+        self._left[index] -= 1
+        if self._left[index] == 0:
+            self._bar.update(1)
+
+    def close(self) -> None:
+        self._bar.close()

@@ -154,8 +154,8 @@ def test_serve_answers_and_stops_cleanly_on_sigint(engine_factory):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    proc = subprocess.Popen(RUNNER + ["serve", str(engine_factory("gqa")), "--port", str(port), "--model-name", "tiny"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    serve = ["serve", str(engine_factory("gqa")), "--port", str(port), "--served-model-name", "tiny", "--max-num-seqs", "2"]
+    proc = subprocess.Popen(RUNNER + serve, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # vLLM's flag names
     try:
         deadline = time.monotonic() + 60
         while True:

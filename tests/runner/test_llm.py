@@ -24,6 +24,21 @@ def test_generate_text_and_token_id_prompts_agree(llm):
     assert by_text.prompt == "hello world"
 
 
+def test_vllm_prompt_dicts_and_a_progress_bar(llm, engine_factory, capsys):
+    ids = llm.tokenizer.encode("hello world")
+    by_text, by_dict, by_ids = llm.generate(["hello world", {"prompt": "hello world"}, {"prompt_token_ids": ids}],
+                                            GREEDY, use_tqdm=True)
+    assert by_text.token_ids == by_dict.token_ids == by_ids.token_ids and by_ids.prompt is None
+    assert "3/3" in capsys.readouterr().err
+    with pytest.raises(PromptError, match="prompt_token_ids"):
+        llm.generate([{"text": "hello"}], GREEDY)
+    cached = LLM(model=engine_factory("gqa"), enable_prefix_caching=True)  # vLLM's keyword
+    cached.generate("hello world, how are you", GREEDY)
+    again, salted = cached.generate([{"prompt": "hello world, how are you"},
+                                     {"prompt": "hello world, how are you", "cache_salt": "other"}], GREEDY)
+    assert again.num_cached_tokens > 0 and salted.num_cached_tokens == 0
+
+
 def test_stream_yields_the_same_text_as_generate(llm):
     pieces = list(llm.stream("The quick brown fox", GREEDY))
     assert len(pieces) > 1
