@@ -160,20 +160,26 @@ PADDED_ROWS_NOTE = ("note: a lone request runs as two rows: this engine's quanti
 @click.option("--speculative-max-rows", type=click.IntRange(min=0), default=DEFAULT_SPECULATIVE_MAX_ROWS, show_default=True,
               help="A speculative engine verifies drafts only in steps with at most this many generating rows "
                    "(0: in every step); busier steps decode plain, which is faster under load.")
+@click.option("--tool-call-parser", type=click.Choice(["hermes", "llama3_json"]), default=None,
+              help="Read the tool calls the model makes in its family's syntax, which serves tool_choice \"auto\" "
+                   "(hermes: <tool_call> blocks, Qwen2.5 / Hermes; llama3_json: Llama 3.1+).")
+@click.option("--enable-auto-tool-choice", is_flag=True, help="vLLM's flag for the same; needs --tool-call-parser.")
 def serve(engine, host, port, max_batch, max_waiting, threads, model_name, shutdown_grace, enable_prefix_caching,
-          api_key, speculative_max_rows) -> None:
+          api_key, speculative_max_rows, tool_call_parser, enable_auto_tool_choice) -> None:
     """Serve ENGINE with an OpenAI-compatible HTTP API."""
     import uvicorn
 
     from runner.async_engine import AsyncEngine
     from runner.server import create_app
 
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise click.UsageError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
     with exit_on(ArtifactError, ValueError):
         llm_engine = LLMEngine(engine, threads=threads, max_batch=max_batch, enable_prefix_caching=enable_prefix_caching,
                                speculative_max_rows=speculative_max_rows or None)
     async_engine = AsyncEngine(llm_engine, max_waiting=max_waiting)
     name = model_name or Path(engine).resolve().name
-    app = create_app(async_engine, name, shutdown_grace, api_key)
+    app = create_app(async_engine, name, shutdown_grace, api_key, tool_call_parser)
     click.echo(f"serving {name!r} ({llm_engine.scheduler.max_rows} rows, max_seq_len {llm_engine.max_seq_len}) on http://{host}:{port}/v1", err=True)
     if llm_engine.executor.min_rows > 1:
         click.echo(PADDED_ROWS_NOTE, err=True)

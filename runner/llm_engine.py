@@ -364,7 +364,7 @@ class LLMEngine:
         if reason is None and (len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_seq_len):
             reason = "length"
         if reason is None:
-            visible = full_text[: len(full_text) - _held_back(full_text, params.stop)]
+            visible = full_text[: len(full_text) - held_back(full_text, params.stop)]
         delta = visible[len(request.text):]
         request.text = visible
         if reason is not None:
@@ -377,7 +377,7 @@ class LLMEngine:
             yield from self.step()
 
 
-def _held_back(text: str, stops: list[str]) -> int:
+def held_back(text: str, stops: list[str]) -> int:
     """How many trailing characters could still grow into a stop string (not shown yet while streaming)."""
     held = 0
     for stop in stops:

@@ -26,6 +26,7 @@ from runner.request import TokenLogprob
 from runner.sampling import SamplingParams
 from runner.structured import GrammarError, StructuredOutputs
 from runner.tool_calls import ForcedTools, ToolRequestError, forced_tools, tool_call
+from runner.tool_parsers import PARSERS, AutoToolStream, ParsedCalls, ToolCallParser
 
 
 class APIError(Exception):
@@ -252,8 +253,12 @@ def _message_text(content: str | list[dict[str, Any]] | None) -> str:
 OPEN_PATHS = ("/health", "/metrics")  # probes and scrapers need no API key
 
 
-def create_app(engine: AsyncEngine, model_name: str, shutdown_grace: float = 10.0, api_key: str | None = None) -> FastAPI:
-    """`api_key`: when set, every route but OPEN_PATHS wants `Authorization: Bearer <api_key>` (401 otherwise)."""
+def create_app(engine: AsyncEngine, model_name: str, shutdown_grace: float = 10.0, api_key: str | None = None,
+               tool_call_parser: str | None = None) -> FastAPI:
+    """`api_key`: when set, every route but OPEN_PATHS wants `Authorization: Bearer <api_key>` (401 otherwise).
+    `tool_call_parser` (a name in runner/tool_parsers.PARSERS): read the calls the model makes by itself, which
+    serves tool_choice "auto"."""
+    parser = None if tool_call_parser is None else PARSERS[tool_call_parser]
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         yield
@@ -372,20 +377,25 @@ def create_app(engine: AsyncEngine, model_name: str, shutdown_grace: float = 10.
         if limit == 0:
             raise APIError(400, "max_tokens must be >= 1", param="max_tokens")
         try:
-            tools = forced_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+            tools = forced_tools(body.tools, body.tool_choice, body.parallel_tool_calls, auto=parser is not None)
         except ToolRequestError as err:
             raise APIError(400, str(err), param=err.field) from None
+        auto = parser if body.tools and body.tool_choice in (None, "auto") else None  # the model decides
+        if auto is not None and "tools" not in (llm.codec.info.chat_template or ""):
+            raise APIError(400, "this engine's chat template does not show tools to the model, so it cannot decide to "
+                           "call one: use tool_choice \"required\" or a named function", param="tool_choice")
         # vLLM's echo: an answer that goes on with a final assistant message (continue_final_message) starts with it
         last = body.messages[-1]
         echo = _message_text(last.content) if body.echo and last.role == "assistant" else ""
-        if echo and tools is not None:
-            raise APIError(400, "echo cannot be combined with a forced tool call", param="echo")
+        if echo and (tools is not None or auto is not None):
+            raise APIError(400, "echo cannot be combined with tool calls", param="echo")
         params = _sampling(body, limit, logprobs, tools=tools)
         groups = await asyncio.to_thread(
             lambda: [make_requests(chat_prompt(body, tools=body.tools, documents=body.documents), None, params, body)])
         as_ids = body.return_tokens_as_token_ids
-        choice = functools.partial(_chat_choice, tools=tools, echo=echo, as_ids=as_ids)
-        chunk = functools.partial(_chat_chunk, tools=tools, echo=echo, as_ids=as_ids)
+        choice = functools.partial(_chat_choice, tools=tools, echo=echo, as_ids=as_ids, parser=auto)
+        chunk = functools.partial(_chat_chunk, tools=tools, echo=echo, as_ids=as_ids,
+                                  auto=None if auto is None else AutoToolStream(auto))
         return await _respond(engine, http, body, groups, "chat.completion", choice, chunk)
 
     return app
@@ -441,12 +451,17 @@ def _completion_choice(codec, index: int, request: EngineRequest, echo: bool = F
 
 
 def _chat_choice(codec, index: int, request: EngineRequest, tools: ForcedTools | None = None, echo: str = "",
-                 as_ids: bool = False) -> dict:
+                 as_ids: bool = False, parser: ToolCallParser | None = None) -> dict:
     message, finish_reason = {"role": "assistant", "content": echo + request.text}, request.finish_reason
     calls = tools.tool_calls(request.text) if tools is not None and finish_reason == "stop" else None
     if calls:  # (an answer cut by max_tokens is no call: it stays text, finish_reason "length")
         message = {"role": "assistant", "content": None, "tool_calls": calls}
         finish_reason = _tool_finish_reason(tools)
+    parsed = _auto_calls(parser, request.text, finish_reason)
+    if parsed.calls:  # calls the model made by itself (tool_choice "auto"), after the text before them, if any
+        message = {"role": "assistant", "content": request.text[:parsed.content_end].strip() or None,
+                   "tool_calls": [tool_call(name, arguments) for name, arguments in parsed.calls]}
+        finish_reason = "tool_calls"
     choice = {"index": index, "message": message, "finish_reason": finish_reason, "stop_reason": request.stop_reason,
               "logprobs": None}
     if request.params.logprobs is not None:
@@ -482,12 +497,33 @@ def _tool_finish_reason(tools: ForcedTools) -> str:
     return "stop" if tools.name is not None else "tool_calls"  # OpenAI's and vLLM's for a named function; vLLM's
 
 
+def _auto_calls(parser: ToolCallParser | None, text: str, finish_reason: str | None) -> ParsedCalls:
+    """The calls a finished answer makes in the model's own syntax (none without a parser, or when it was cut)."""
+    if parser is None or finish_reason != "stop":
+        return ParsedCalls(len(text), [])
+    return parser.parse(text)
+
+
 def _chat_chunk(codec, index: int, event: TokenEvent, first: bool, logprob_from: int,
-                tools: ForcedTools | None = None, echo: str = "", as_ids: bool = False) -> dict | None:
+                tools: ForcedTools | None = None, echo: str = "", as_ids: bool = False,
+                auto: AutoToolStream | None = None) -> dict | None:
     """A stream's chunk for `event`, or None when there is nothing to send yet."""
     request = event.request
     finish_reason = request.finish_reason if event.finished else None
-    if tools is None:
+    if auto is not None:  # content while it surely is content; calls, whole, at the end
+        rid = request.request_id
+        text, content = auto.push(rid, event.delta)
+        parsed = _auto_calls(auto.parser, text, finish_reason) if event.finished else None
+        if parsed is not None:
+            content += auto.rest(rid, parsed.content_end)
+        if not content and parsed is None:
+            return None
+        delta = {"content": content} if rid in auto.text_started else {"role": "assistant", "content": content}
+        auto.text_started.add(rid)
+        if parsed is not None and parsed.calls:
+            delta["tool_calls"] = [{"index": i, **tool_call(name, arguments)} for i, (name, arguments) in enumerate(parsed.calls)]
+            finish_reason = "tool_calls"
+    elif tools is None:
         delta = {"role": "assistant", "content": echo + event.delta} if first else {"content": event.delta}
     elif tools.name is not None:  # one call: its arguments stream as they come
         call = {"index": 0, **tool_call(tools.name, event.delta)} if first else {"index": 0, "function": {"arguments": event.delta}}
@@ -612,9 +648,9 @@ async def _respond(engine, http: Request, body: SamplingFields, groups, kind: st
                 sent = logprobs_sent.get(rid, 0)
                 tokens_sent += 1 if event.request.output_token_ids else 0
                 piece = chunk(codec, index_of[rid], event, first, sent)
-                if piece is not None:
+                if piece is not None:  # (a chunk held back sends its logprobs with the next one)
                     yield frame([piece], _usage(groups, tokens_sent) if continuous_usage else None)
-                logprobs_sent[rid] = len(event.request.logprobs)
+                    logprobs_sent[rid] = len(event.request.logprobs)
                 event = await anext(events, None)
             if options.include_usage:
                 yield frame([], _usage(groups))

@@ -3,8 +3,8 @@ as vLLM makes them: the answer is constrained to the function's parameters schem
 {"name", "parameters"} objects, one of the tools each (required), and returned as `tool_calls`.
 
 That needs nothing of the model's own tool-call format. `tool_choice: "auto"` does: the model decides whether to
-call, in the syntax its chat template taught it, which needs a parser per model family (vLLM's --tool-call-parser);
-the server refuses it rather than guess.
+call, in the syntax its chat template taught it, which needs a parser per model family (runner/tool_parsers.py,
+`runner serve --tool-call-parser`); without one the server refuses it rather than guess.
 """
 
 from __future__ import annotations
@@ -53,9 +53,11 @@ def tool_call(name: str, arguments: str, call_id: str | None = None) -> dict:
             "function": {"name": name, "arguments": arguments}}
 
 
-def forced_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict | None, parallel: bool = True) -> ForcedTools | None:
-    """The tools a request forces, None when it forces none ("none", or no tools); ToolRequestError for what the
-    server cannot do ("auto" with tools) or malformed tools."""
+def forced_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict | None, parallel: bool = True,
+                 auto: bool = False) -> ForcedTools | None:
+    """The tools a request forces, None when it forces none ("none", no tools, or "auto" where the server parses
+    the model's own calls: `auto`); ToolRequestError for what the server cannot do ("auto" without a parser) or
+    malformed tools."""
     if not tools or tool_choice == "none":
         return None
     schemas = {}
@@ -66,10 +68,12 @@ def forced_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict | N
                                    "tools")
         schemas[function["name"]] = function.get("parameters") or {"type": "object", "properties": {}}
     if tool_choice in (None, "auto"):
+        if auto:
+            return None
         raise ToolRequestError(
-            "tool_choice \"auto\" (the default with tools) needs a parser for this model's own tool-call syntax, which "
-            "this server does not have; use tool_choice \"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}",
-            "tool_choice")
+            "tool_choice \"auto\" (the default with tools) needs a parser for this model's own tool-call syntax: start "
+            "the server with --tool-call-parser (hermes or llama3_json), or use tool_choice \"required\" or "
+            "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
     if tool_choice == "required":
         return ForcedTools(schemas, None, parallel)
     name = (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice, dict) else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import re
 import socket
@@ -15,6 +16,7 @@ import pytest
 
 from runner.async_engine import AsyncEngine, EngineOverloaded
 from runner.llm_engine import LLMEngine
+from runner.tokenizer import TextCodec
 
 MODEL = "tiny"
 
@@ -27,7 +29,7 @@ def free_port() -> int:
 
 class LiveServer:
     def __init__(self, engine_dir, max_batch=None, max_waiting=64, enable_prefix_caching=False, api_key=None,
-                 speculative_max_rows=1) -> None:
+                 speculative_max_rows=1, tool_call_parser=None) -> None:
         import uvicorn
 
         from runner.server import create_app
@@ -36,7 +38,7 @@ class LiveServer:
                            speculative_max_rows=speculative_max_rows)
         self.engine = AsyncEngine(engine, max_waiting=max_waiting)
         self.port = free_port()
-        app = create_app(self.engine, MODEL, shutdown_grace=2.0, api_key=api_key)
+        app = create_app(self.engine, MODEL, shutdown_grace=2.0, api_key=api_key, tool_call_parser=tool_call_parser)
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -228,6 +230,34 @@ def test_forced_tool_calls_streamed_and_not(server):
                             ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "structured output")):
         with pytest.raises(openai.BadRequestError, match=message):
             chat(server, **kwargs)
+
+
+def test_auto_tool_calls_are_read_in_the_models_own_syntax(engine_factory):
+    """With a tool-call parser, tool_choice "auto" lets the model decide: a call it writes in its family's syntax
+    (forced by a regex here: a random model would not write one) comes back as tool_calls, streamed or not, after
+    the text before it; an answer without one stays text; a chat template that does not show the model its tools
+    is refused."""
+    pytest.importorskip("xgrammar", reason="the regex that writes the call is a structured output")
+    live = LiveServer(engine_factory("gqa"), tool_call_parser="hermes")
+    try:
+        with pytest.raises(openai.BadRequestError, match="does not show tools"):
+            chat(live, tools=TOOLS)
+        llm = live.engine.engine
+        template = llm.manifest.tokenizer.chat_template + "{% if tools %}{{ tools | length }} tools{% endif %}"
+        llm.codec = TextCodec(llm.artifact.path(llm.manifest.tokenizer.file),
+                              dataclasses.replace(llm.manifest.tokenizer, chat_template=template))
+        regex = r'Let me check\. <tool_call>\{"name": "roll", "arguments": \{"sides": 6\}\}</tool_call>'
+        answer = chat(live, max_tokens=80, tools=TOOLS, extra_body={"guided_regex": regex}).choices[0]
+        call, = answer.message.tool_calls
+        assert answer.finish_reason == "tool_calls" and answer.message.content == "Let me check."
+        assert call.id and call.function.name == "roll" and json.loads(call.function.arguments) == {"sides": 6}
+        chunks = [c.choices[0] for c in chat(live, max_tokens=80, tools=TOOLS, stream=True, extra_body={"guided_regex": regex})]
+        assert "".join(c.delta.content or "" for c in chunks) == "Let me check. " and chunks[0].delta.role == "assistant"
+        assert chunks[-1].finish_reason == "tool_calls" and chunks[-1].delta.tool_calls[0].function.name == "roll"
+        text = chat(live, max_tokens=6, tools=TOOLS, extra_body={"ignore_eos": True}).choices[0]
+        assert text.message.tool_calls is None and text.message.content and text.finish_reason == "length"
+    finally:
+        live.stop()
 
 
 def test_tokenize_and_detokenize_count_what_the_endpoints_send(server):
