@@ -156,12 +156,16 @@ class AsyncEngine:
             else:
                 self.metrics.inter_token.observe(now - stream.last_token)
             stream.last_token = now
+        if event.finished:
+            reason = event.request.finish_reason
+            self.metrics.request_finished(reason, now - stream.submitted if reason != "abort" else None)
         stream.loop.call_soon_threadsafe(stream.events.put_nowait, event)
 
     def _abort(self, request: Request, error: BaseException | None = None) -> None:
         if request.finished:
             return
         self.engine.abort(request)
+        self.metrics.request_finished("abort", None)
         stream = self._streams.get(request.request_id)
         if stream is not None:
             payload = error if error is not None else TokenEvent(request, "", True)

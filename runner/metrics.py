@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from runner.speculative import SpeculationStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 _THROUGHPUT_WINDOW_S = 10.0
 
 
@@ -26,6 +27,10 @@ class EngineMetrics:
         self.prefix_cache_hits = Counter("engine_prefix_cache_hit_tokens", "Prompt tokens whose K/V came from the prefix cache", registry=r)
         self.generation_tokens = Counter("engine_generation_tokens", "Tokens generated", registry=r)
         self.rejected = Counter("engine_requests_rejected", "Requests refused because the queue was full", registry=r)
+        self.request_latency = Histogram("engine_request_latency_seconds", "Submission to the last token of a request "
+                                         "that ended by itself (stop or length)", buckets=_REQUEST_BUCKETS, registry=r)
+        self.finished = Counter("engine_requests_finished", "Requests that ended, by finish_reason (stop, length, abort: "
+                                "cancelled, disconnected or failed)", ["finish_reason"], registry=r)
         self.tokens_per_second = Gauge("engine_generation_tokens_per_second", f"Generated tokens/s over the last {_THROUGHPUT_WINDOW_S:.0f} s", registry=r)
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
 
@@ -56,6 +61,12 @@ class EngineMetrics:
             self._recent.popleft()
         span = max(now - self._recent[0][0], 1e-3) if len(self._recent) > 1 else _THROUGHPUT_WINDOW_S
         self.tokens_per_second.set(sum(t for _, t in self._recent) / span)
+
+    def request_finished(self, finish_reason: str, seconds: float | None) -> None:
+        """`seconds`: submission to the end (None for an abort: its length says nothing of the engine)."""
+        self.finished.labels(finish_reason=finish_reason).inc()
+        if seconds is not None:
+            self.request_latency.observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -17,6 +17,7 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from runner.async_engine import AsyncEngine, EngineOverloaded, EngineStopped
@@ -250,7 +251,7 @@ def _message_text(content: str | list[dict[str, Any]] | None) -> str:
     return "".join(parts)
 
 
-OPEN_PATHS = ("/health", "/metrics")  # probes and scrapers need no API key
+OPEN_PATHS = ("/health", "/metrics", "/version")  # probes and scrapers need no API key
 
 
 def create_app(engine: AsyncEngine, model_name: str, shutdown_grace: float = 10.0, api_key: str | None = None,
@@ -299,9 +300,27 @@ def create_app(engine: AsyncEngine, model_name: str, shutdown_grace: float = 10.
     async def metrics() -> Response:
         return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4")
 
+    model_card = {"id": model_name, "object": "model", "created": created, "owned_by": "local", "max_model_len": llm.max_seq_len}
+
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "local", "max_model_len": llm.max_seq_len}]}
+        return {"object": "list", "data": [model_card]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str) -> dict:
+        """OpenAI's retrieve-a-model (client.models.retrieve)."""
+        if name != model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {model_name!r}", "not_found_error", "model")
+        return model_card
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": app.version}
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
+        """Unknown routes and methods get OpenAI error objects too (not FastAPI's {"detail": ...})."""
+        return error_response(err.status_code, f"{err.detail}", "invalid_request_error" if err.status_code < 500 else "server_error")
 
     def check_model(body: BaseModel) -> None:
         if body.model != model_name:

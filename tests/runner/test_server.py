@@ -70,13 +70,20 @@ def chat(server, content="hello", **kwargs):
 
 def test_models_health_and_metrics(server):
     assert [m.id for m in server.client.models.list().data] == [MODEL]
+    assert server.client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        server.client.models.retrieve("gpt-9")
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{server.url}/version").json()["version"]
+    for response, status in ((httpx.get(f"{server.url}/v1/no-such-route"), 404), (httpx.get(f"{server.url}/v1/chat/completions"), 405)):
+        assert response.status_code == status and response.json()["error"]["code"] == status  # OpenAI error objects
     chat(server)
     metrics = httpx.get(f"{server.url}/metrics").text
     for name in ("engine_requests_waiting", "engine_requests_running", "engine_time_to_first_token_seconds_bucket",
                  "engine_inter_token_latency_seconds_bucket", "engine_generation_tokens_total", "engine_generation_tokens_per_second",
-                 "engine_kv_cache_resident_bytes"):
+                 "engine_kv_cache_resident_bytes", "engine_request_latency_seconds_bucket"):
         assert name in metrics
+    assert re.search(r'engine_requests_finished_total\{finish_reason="length"\} [1-9]', metrics)
 
 
 def test_chat_streaming_equals_non_streaming_with_usage(server):
@@ -410,6 +417,7 @@ def test_a_disconnected_stream_frees_its_row(engine_factory):
         assert freed()
         assert live.engine.engine.executor.cache.resident_bytes() == 0  # its pages are handed back
         assert chat(live, max_tokens=3).choices[0].finish_reason in ("length", "stop")
+        assert 'engine_requests_finished_total{finish_reason="abort"} 1.0' in httpx.get(f"{live.url}/metrics").text
     finally:
         live.stop()
 
