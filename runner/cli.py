@@ -32,6 +32,12 @@ def sampling_options(command):
         click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy."),
         click.option("--top-k", type=int, default=-1, show_default=True),
         click.option("--top-p", type=float, default=1.0, show_default=True),
+        click.option("--min-p", type=float, default=0.0, show_default=True),
+        click.option("--repetition-penalty", type=float, default=1.0, show_default=True, help="> 1 discourages repeats."),
+        click.option("--presence-penalty", type=float, default=0.0, show_default=True),
+        click.option("--frequency-penalty", type=float, default=0.0, show_default=True),
+        click.option("--stop", multiple=True, help="End the answer before this text (repeat the option)."),
+        click.option("--ignore-eos", is_flag=True, help="Go on past the end-of-sequence token (up to --max-tokens)."),
         click.option("--seed", type=int, default=None),
         click.option("--json-schema", default=None, help="Answer in JSON following this schema (a file, or the JSON itself)."),
         click.option("--regex", default=None, help="Answer with text matching this regular expression."),
@@ -44,8 +50,9 @@ def sampling_options(command):
     return command
 
 
-def sampling_params(max_tokens, temperature, top_k, top_p, seed, json_schema, regex, choice) -> SamplingParams:
-    """SamplingParams from the shared options; --json-schema / --regex / --choice become structured outputs."""
+def sampling_params(json_schema, regex, choice, stop, **sampling) -> SamplingParams:
+    """SamplingParams from the shared options (the others are SamplingParams' fields by name); --json-schema /
+    --regex / --choice become structured outputs."""
     structured = None
     if json_schema is not None:
         path = Path(json_schema)
@@ -54,8 +61,7 @@ def sampling_params(max_tokens, temperature, top_k, top_p, seed, json_schema, re
         if structured is not None or (regex is not None and choice):
             raise ValueError("give one of --json-schema, --regex, --choice")
         structured = StructuredOutputs(regex=regex) if regex is not None else StructuredOutputs(choice=list(choice))
-    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                          structured_outputs=structured)
+    return SamplingParams(**sampling, stop=list(stop), structured_outputs=structured)
 
 
 @main.command()

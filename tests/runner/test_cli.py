@@ -30,6 +30,19 @@ def test_build_then_generate(checkpoint_factory, tmp_path):
     assert again.returncode == 2 and "--overwrite" in again.stderr
 
 
+def test_generate_takes_stops_penalties_and_refuses_bad_values_in_one_line(engine_factory):
+    engine = str(engine_factory("gqa"))
+    full = run(RUNNER + ["generate", engine, "hello", "--max-tokens", "16", "--ignore-eos", "--no-stats"]).stdout
+    at = next(i for i in range(2, len(full) - 2) if full[i:i + 2].strip() and full.find(full[i:i + 2]) == i)
+    stopped = run(RUNNER + ["generate", engine, "hello", "--max-tokens", "16", "--ignore-eos", "--stop", full[at:at + 2], "--no-stats"])
+    assert stopped.returncode == 0 and stopped.stdout.rstrip("\n") == full[:at]
+    penalised = run(RUNNER + ["generate", engine, "hello", "--max-tokens", "16", "--ignore-eos", "--repetition-penalty", "1.5",
+                              "--presence-penalty", "1", "--frequency-penalty", "1", "--min-p", "0.1", "--no-stats"])
+    assert penalised.returncode == 0 and penalised.stdout != full
+    refused = run(RUNNER + ["generate", engine, "hello", "--min-p", "2"])
+    assert refused.returncode == 2 and "min_p" in refused.stderr and "Traceback" not in refused.stderr
+
+
 def test_generate_and_chat_hold_answers_to_a_choice_a_regex_or_a_schema(engine_factory, tmp_path):
     pytest.importorskip("xgrammar", reason="structured outputs need xgrammar (scripts/test.sh installs it)")
     engine = str(engine_factory("gqa"))
