@@ -4,7 +4,9 @@ family's chat template teaches it, as vLLM's `--tool-call-parser` does:
 - `hermes` (Hermes, Qwen2.5 and later, SmolLM3, ...): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
   one block per call, possibly after some text (the message's content);
 - `llama3_json` (Llama 3.1 / 3.2 / 3.3): the whole answer is `{"name": ..., "parameters": {...}}`, or several such
-  objects separated by `;`, possibly after the `<|python_tag|>` token.
+  objects separated by `;`, possibly after the `<|python_tag|>` token;
+- `pythonic` (Llama 3.2 and 4 with their pythonic templates, and other small models): the whole answer is a Python
+  list of calls with literal keyword arguments, `[get_weather(city="Paris"), now()]`.
 
 An answer that is not well-formed in that syntax stays text: a parser never guesses. While streaming, text that
 surely is content is sent as it comes; from where a call may begin it is held back, and the calls are sent whole
@@ -13,6 +15,7 @@ with the last chunk (their arguments are not streamed piece by piece, unlike a f
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 from dataclasses import dataclass, field
@@ -80,8 +83,37 @@ class Llama3JsonParser:
         return len(text)
 
 
-ToolCallParser = HermesParser | Llama3JsonParser
-PARSERS: dict[str, ToolCallParser] = {parser.name: parser for parser in (HermesParser(), Llama3JsonParser())}
+class PythonicParser:
+    name = "pythonic"
+
+    def parse(self, text: str) -> ParsedCalls:
+        try:
+            tree = ast.parse(text.strip(), mode="eval").body
+        except SyntaxError:
+            return ParsedCalls(len(text), [])
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return ParsedCalls(len(text), [])
+        calls = []
+        for call in tree.elts:
+            if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name) or call.args:
+                return ParsedCalls(len(text), [])
+            try:  # literal values only: the answer is read, never run
+                arguments = {keyword.arg: ast.literal_eval(keyword.value) for keyword in call.keywords}
+            except ValueError:
+                return ParsedCalls(len(text), [])
+            if None in arguments:  # a **mapping
+                return ParsedCalls(len(text), [])
+            calls.append((call.func.id, json.dumps(arguments, ensure_ascii=False)))
+        return ParsedCalls(0, calls)
+
+    def streamable(self, text: str) -> int:
+        """An answer that starts with "[" may be calls and is held back whole; any other is content."""
+        start = text.lstrip()
+        return 0 if not start or start.startswith("[") else len(text)
+
+
+ToolCallParser = HermesParser | Llama3JsonParser | PythonicParser
+PARSERS: dict[str, ToolCallParser] = {parser.name: parser for parser in (HermesParser(), Llama3JsonParser(), PythonicParser())}
 
 
 def _call(value, arguments_key: str) -> tuple[str, str] | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from runner.tool_parsers import AutoToolStream, HermesParser, Llama3JsonParser
+from runner.tool_parsers import AutoToolStream, HermesParser, Llama3JsonParser, PythonicParser
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
 
@@ -28,6 +28,17 @@ def test_llama3_json_calls_are_the_whole_answer():
     assert [name for name, _ in parser.parse(f"<|python_tag|>{one}; {one}").calls] == ["get_weather"] * 2
     for text in ('{"city": "Paris"}', f"{one} and then some words", "The answer is {}", f"{one[:-3]}"):
         assert parser.parse(text).calls == []  # a JSON answer, trailing text, prose, a cut call: text
+
+
+def test_pythonic_calls_are_a_list_of_calls_with_literal_arguments():
+    parser = PythonicParser()
+    parsed = parser.parse('[get_weather(city="Paris", days=[1, 2]), now()]')
+    assert parsed.content_end == 0
+    assert [(name, json.loads(arguments)) for name, arguments in parsed.calls] == [
+        ("get_weather", {"city": "Paris", "days": [1, 2]}), ("now", {})]
+    for text in ("[1, 2, 3]", "[f(x)]", "[f(x=y)]", "[f(**kw)]", "[os.system(c='ls')]", "[]", "Sure: [f(x=1)]", "[f(x=1"):
+        assert parser.parse(text).calls == []  # a plain list, positional or non-literal arguments, prose, a cut call
+    assert parser.streamable(" [f(") == 0 and parser.streamable("Hello") == 5
 
 
 def test_streams_send_content_until_a_call_may_begin():
