@@ -5,8 +5,9 @@ it imports torch and transformers).
 Before each token the request's grammar matcher says which tokens may come next; the others get -inf in the
 sampler graph's `logit_bias` row, so every sampling parameter keeps its meaning over the tokens the grammar allows
 (vLLM applies its bitmask to the logits the same way), and the chosen token advances the matcher. The grammar ends
-the request when it is complete (its end is the stop token). A constrained request is never drafted for: a draft
-tree would need the grammar's mask at every node, so on a speculative engine it decodes one token per step.
+the request when it is complete (its end is the stop token). On a speculative engine a draft ends where the grammar
+stops allowing it (`draft_prefix`) and every node of the verified tree gets the mask of the grammar's state there
+(`tree_masks`, a walk of the matcher with rollback), put on that node's logits (runner/llm_engine.py `_verify`).
 """
 
 from __future__ import annotations
