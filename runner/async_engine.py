@@ -156,9 +156,8 @@ class AsyncEngine:
             else:
                 self.metrics.inter_token.observe(now - stream.last_token)
             stream.last_token = now
-        if event.finished:
-            reason = event.request.finish_reason
-            self.metrics.request_finished(reason, now - stream.submitted if reason != "abort" else None)
+        if event.finished:  # (stop or length: aborts finish in `_abort`, not in a step)
+            self.metrics.request_finished(event.request.finish_reason, now - stream.submitted)
         stream.loop.call_soon_threadsafe(stream.events.put_nowait, event)
 
     def _abort(self, request: Request, error: BaseException | None = None) -> None:

@@ -34,6 +34,12 @@ class BadWords:
                 banned.append(sequence[-1])
         return banned
 
+    def allowed(self, output_token_ids: list[int], vocab_size: int) -> np.ndarray:
+        """[vocab_size] bool: every token but those `banned` after `output_token_ids`."""
+        allowed = np.ones(vocab_size, bool)
+        allowed[self.banned(output_token_ids)] = False
+        return allowed
+
     def draft_prefix(self, output_token_ids: list[int], tokens: list[int]) -> list[int]:
         """The longest prefix of a draft that completes no bad word after `output_token_ids`."""
         taken: list[int] = []
@@ -46,10 +52,7 @@ class BadWords:
     def tree_masks(self, output_token_ids: list[int], tokens: list[int], parents: list[int], vocab_size: int) -> np.ndarray:
         """[nodes, vocab_size] bool: the tokens allowed after each node of a draft tree whose root is the last
         output token."""
-        masks = np.ones((len(tokens), vocab_size), bool)
         paths: list[list[int]] = [[]]  # each node's tokens after the root
-        for node in range(len(tokens)):
-            if node:
-                paths.append(paths[parents[node]] + [int(tokens[node])])
-            masks[node, self.banned(output_token_ids + paths[node])] = False
-        return masks
+        for node in range(1, len(tokens)):
+            paths.append(paths[parents[node]] + [int(tokens[node])])
+        return np.stack([self.allowed(output_token_ids + path, vocab_size) for path in paths])

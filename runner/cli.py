@@ -17,6 +17,7 @@ from runner.request import Request
 from runner.sampling import SamplingParams
 from runner.structured import StructuredOutputs
 from runner.tokenizer import ChatTemplateError
+from runner.tool_parsers import PARSERS
 
 
 @click.group()
@@ -166,7 +167,7 @@ PADDED_ROWS_NOTE = ("note: a lone request runs as two rows: this engine's quanti
 @click.option("--speculative-max-rows", type=click.IntRange(min=0), default=DEFAULT_SPECULATIVE_MAX_ROWS, show_default=True,
               help="A speculative engine verifies drafts only in steps with at most this many generating rows "
                    "(0: in every step); busier steps decode plain, which is faster under load.")
-@click.option("--tool-call-parser", type=click.Choice(["hermes", "llama3_json", "pythonic"]), default=None,
+@click.option("--tool-call-parser", type=click.Choice(list(PARSERS)), default=None,
               help="Read the tool calls the model makes in its family's syntax, which serves tool_choice \"auto\" "
                    "(hermes: <tool_call> blocks, Qwen2.5 / Hermes; llama3_json: Llama 3.1+; pythonic: [f(x=1)], "
                    "Llama 3.2 / 4 pythonic templates).")
@@ -180,7 +181,7 @@ def serve(engine, host, port, max_batch, max_waiting, threads, model_name, shutd
     from runner.server import create_app
 
     if enable_auto_tool_choice and tool_call_parser is None:
-        raise click.UsageError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json or pythonic)")
+        raise click.UsageError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(PARSERS)})")
     with exit_on(ArtifactError, ValueError):
         llm_engine = LLMEngine(engine, threads=threads, max_batch=max_batch, enable_prefix_caching=enable_prefix_caching,
                                speculative_max_rows=speculative_max_rows or None)

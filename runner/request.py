@@ -116,9 +116,7 @@ class Request:
         if self.constraint is not None:
             return self.constraint.allowed()
         if self.bad_words is not None:
-            allowed = np.ones(vocab_size, bool)
-            allowed[self.bad_words.banned(self.output_token_ids)] = False
-            return allowed
+            return self.bad_words.allowed(self.output_token_ids, vocab_size)
         return None
 
     def allowed_after(self, drafted: list[int], vocab_size: int) -> np.ndarray | None:
@@ -126,9 +124,7 @@ class Request:
         None where the drafts already break the masks or end the grammar."""
         if self.constraint is not None:
             return self.constraint.allowed_after(drafted)
-        allowed = np.ones(vocab_size, bool)
-        allowed[self.bad_words.banned(self.output_token_ids + drafted)] = False
-        return allowed
+        return self.bad_words.allowed(self.output_token_ids + drafted, vocab_size)
 
     def draft_prefix(self, draft: list[int]) -> list[int]:
         """The part of a draft the masks allow (a masked request): the rest could never be accepted."""

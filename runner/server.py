@@ -331,10 +331,7 @@ def create_app(engine: AsyncEngine, model_name: str, shutdown_grace: float = 10.
         """A text prompt is tokenized here, with or without the BOS token as the body asks (the completions
         endpoint's default adds it, the chat endpoint's, whose template writes it, does not: vLLM's defaults)."""
         if ids is None and isinstance(prompt, str):
-            add_special_tokens = body.add_special_tokens
-            if add_special_tokens is None:
-                add_special_tokens = not isinstance(body, ChatBody)
-            ids = llm.codec.encode(prompt, add_special_tokens=add_special_tokens)
+            ids = llm.codec.encode(prompt, add_special_tokens=_adds_bos(body.add_special_tokens, isinstance(body, ChatBody)))
         try:
             return llm.new_requests(prompt, ids, params, cache_salt=body.cache_salt)
         except PromptError as err:
@@ -359,8 +356,7 @@ def create_app(engine: AsyncEngine, model_name: str, shutdown_grace: float = 10.
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give either prompt or messages", param="prompt")
         text = body.prompt if body.messages is None else chat_prompt(body)
-        add_special_tokens = body.add_special_tokens if body.add_special_tokens is not None else body.messages is None
-        tokens = llm.codec.encode(text, add_special_tokens=add_special_tokens)
+        tokens = llm.codec.encode(text, add_special_tokens=_adds_bos(body.add_special_tokens, body.messages is not None))
         return {"count": len(tokens), "max_model_len": llm.max_seq_len, "tokens": tokens}
 
     @app.post("/detokenize")
@@ -434,15 +430,22 @@ def _completion_prompts(prompt) -> list[tuple[str | None, list[int] | None]]:
     raise APIError(400, "prompt must be a string, a list of strings, a list of token ids or a list of lists", param="prompt")
 
 
-def _logprobs_content(codec, logprobs: list[TokenLogprob], top: int | None = None, as_ids: bool = False) -> list[dict]:
-    """`as_ids`: tokens named "token_id:<id>" (vLLM's return_tokens_as_token_ids: a token that is part of a UTF-8
-    character has no text of its own)."""
-    def name(token: int) -> str:
-        return f"token_id:{token}" if as_ids else codec.decode([token])
+def _adds_bos(given: bool | None, chat: bool) -> bool:
+    """vLLM's add_special_tokens: as given, else the completions endpoint adds the BOS token (where the tokenizer
+    does) and the chat endpoint, whose template writes it, does not."""
+    return given if given is not None else not chat
 
+
+def _token_name(codec, token: int, as_ids: bool) -> str:
+    """A token as logprobs name it: its text, or "token_id:<id>" (vLLM's return_tokens_as_token_ids: a token that is
+    part of a UTF-8 character has no text of its own)."""
+    return f"token_id:{token}" if as_ids else codec.decode([token])
+
+
+def _logprobs_content(codec, logprobs: list[TokenLogprob], top: int | None = None, as_ids: bool = False) -> list[dict]:
     return [
-        {"token": name(lp.token_id), "logprob": lp.logprob,
-         "top_logprobs": [{"token": name(t), "logprob": v} for t, v in lp.top[:top]]}
+        {"token": _token_name(codec, lp.token_id, as_ids), "logprob": lp.logprob,
+         "top_logprobs": [{"token": _token_name(codec, t, as_ids), "logprob": v} for t, v in lp.top[:top]]}
         for lp in logprobs
     ]
 
@@ -500,8 +503,7 @@ def _completion_chunk(codec, index: int, event: TokenEvent, first: bool, logprob
     if request.params.logprobs is not None:
         content = _logprobs_content(codec, request.logprobs[logprob_from:], as_ids=as_ids)
         if echo and first:  # the first prompt token has no logprob: null, as OpenAI's echo gives it
-            first_token = request.prompt_token_ids[0]
-            content = [{"token": f"token_id:{first_token}" if as_ids else codec.decode([first_token]), "logprob": None,
+            content = [{"token": _token_name(codec, request.prompt_token_ids[0], as_ids), "logprob": None,
                         "top_logprobs": None}] + \
                 _logprobs_content(codec, request.prompt_logprobs[1:], request.params.logprobs, as_ids) + content
         chunk["logprobs"] = {

@@ -111,26 +111,31 @@ class TokenConstraint:
         """The grammar has taken its stop token: nothing more may come."""
         return self._matcher.is_terminated()
 
-    def draft_prefix(self, tokens: list[int]) -> list[int]:
-        """The longest prefix of a draft the grammar allows from here (the matcher is left where it was)."""
+    def _advance(self, tokens: list[int]) -> int:
+        """Take `tokens` while the grammar allows them; how many it took (`_rollback` them after)."""
         taken = 0
         for token in tokens:
             if self._matcher.is_terminated() or not self._matcher.accept_token(int(token)):
                 break
             taken += 1
+        return taken
+
+    def _rollback(self, taken: int) -> None:
         if taken:
             self._matcher.rollback(taken)
+
+    def draft_prefix(self, tokens: list[int]) -> list[int]:
+        """The longest prefix of a draft the grammar allows from here (the matcher is left where it was)."""
+        taken = self._advance(tokens)
+        self._rollback(taken)
         return list(tokens[:taken])
 
     def allowed_after(self, tokens: list[int]) -> np.ndarray | None:
         """[vocab] bool: the tokens allowed after `tokens` (the matcher is left where it was); None where the grammar
         does not allow them or ends within them."""
-        taken = len(self.draft_prefix(tokens))
-        for token in tokens[:taken]:
-            self._matcher.accept_token(int(token))
+        taken = self._advance(tokens)
         allowed = None if taken < len(tokens) or self._matcher.is_terminated() else self.allowed()
-        if taken:
-            self._matcher.rollback(taken)
+        self._rollback(taken)
         return allowed
 
     def tree_masks(self, tokens: list[int], parents: list[int]) -> np.ndarray:

@@ -14,6 +14,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from runner.tool_parsers import PARSERS
+
 
 class ToolRequestError(ValueError):
     def __init__(self, message: str, field: str) -> None:
@@ -72,7 +74,7 @@ def forced_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict | N
             return None
         raise ToolRequestError(
             "tool_choice \"auto\" (the default with tools) needs a parser for this model's own tool-call syntax: start "
-            "the server with --tool-call-parser (hermes, llama3_json or pythonic), or use tool_choice \"required\" or "
+            f"the server with --tool-call-parser ({', '.join(PARSERS)}), or use tool_choice \"required\" or "
             "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
     if tool_choice == "required":
         return ForcedTools(schemas, None, parallel)
