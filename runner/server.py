@@ -1,5 +1,5 @@
-"""OpenAI-compatible HTTP API over an AsyncEngine: /v1/models, /v1/completions, /v1/chat/completions (JSON or
-Server-Sent Events), /health and /metrics. Errors are OpenAI error objects with a 4xx/5xx status; a request that
+"""OpenAI-compatible HTTP API over an AsyncEngine: /v1/models, /v1/completions, /v1/chat/completions, /v1/responses
+(JSON or Server-Sent Events), /health and /metrics. Errors are OpenAI error objects with a 4xx/5xx status; a request that
 fails never disturbs the others."""
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ from runner.async_engine import AsyncEngine, EngineOverloaded, EngineStopped
 from runner.llm_engine import PromptError, TokenEvent
 from runner.request import Request as EngineRequest
 from runner.request import TokenLogprob
+from runner.responses import (LOGPROBS_INCLUDE, ResponseOutput, ResponsesError, ResponseStore, chat_tool_choice,
+                              chat_tools, chat_turns, output_turns, response_format)
+from runner.responses import usage as responses_usage
 from runner.sampling import SamplingParams
 from runner.structured import GrammarError, StructuredOutputs
 from runner.tool_calls import ForcedTools, ToolRequestError, forced_tools, tool_call
@@ -160,6 +163,34 @@ class ChatBody(SamplingFields):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None
+
+
+class ResponsesBody(SamplingFields):
+    """OpenAI's Responses API request (runner/responses.py), with the sampling extras the other endpoints take."""
+
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    text: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    previous_response_id: str | None = None
+    store: bool = True
+    metadata: dict[str, str] | None = None
+    include: list[str] | None = None
+    top_logprobs: int | None = None
+    truncation: Literal["disabled"] = "disabled"  # "auto" (drop the oldest turns to fit) is not implemented
+
+
+# Responses API fields this server does not implement, each with the test of a value that asks for nothing
+UNSUPPORTED_RESPONSES_FIELDS = {
+    "background": lambda value: not value,
+    "conversation": lambda value: value is None,
+    "prompt": lambda value: value is None,  # stored prompt templates
+    "reasoning": lambda value: not value or (isinstance(value, dict) and not any(value.values())),  # no reasoning models
+    "max_tool_calls": lambda value: value is None,
+}
 
 
 def _refuse_unsupported(body: SamplingFields) -> None:
@@ -331,7 +362,8 @@ def create_app(engine: AsyncEngine, model_name: str, shutdown_grace: float = 10.
         """A text prompt is tokenized here, with or without the BOS token as the body asks (the completions
         endpoint's default adds it, the chat endpoint's, whose template writes it, does not: vLLM's defaults)."""
         if ids is None and isinstance(prompt, str):
-            ids = llm.codec.encode(prompt, add_special_tokens=_adds_bos(body.add_special_tokens, isinstance(body, ChatBody)))
+            chat_like = not isinstance(body, CompletionBody)
+            ids = llm.codec.encode(prompt, add_special_tokens=_adds_bos(body.add_special_tokens, chat_like))
         try:
             return llm.new_requests(prompt, ids, params, cache_salt=body.cache_salt)
         except PromptError as err:
@@ -342,12 +374,24 @@ def create_app(engine: AsyncEngine, model_name: str, shutdown_grace: float = 10.
     def chat_prompt(body: ChatBody | TokenizeBody, tools: list | None = None, documents: list | None = None) -> str:
         # a message's other fields (an assistant's tool_calls, a tool result's tool_call_id) go to the template too
         turns = [{**(m.model_extra or {}), "role": m.role, "content": _message_text(m.content)} for m in body.messages]
+        return apply_template(turns, "messages", add_generation_prompt=body.add_generation_prompt, tools=tools,
+                              documents=documents, continue_final_message=body.continue_final_message,
+                              template_kwargs=body.chat_template_kwargs)
+
+    def apply_template(turns: list[dict], param: str, **options) -> str:
         try:
-            return llm.codec.apply_chat_template(
-                turns, add_generation_prompt=body.add_generation_prompt, tools=tools, documents=documents,
-                continue_final_message=body.continue_final_message, template_kwargs=body.chat_template_kwargs)
+            return llm.codec.apply_chat_template(turns, **options)
         except Exception as err:  # ChatTemplateError, or anything else a jinja template raises
-            raise APIError(400, f"cannot apply the chat template: {err}", param="messages") from None
+            raise APIError(400, f"cannot apply the chat template: {err}", param=param) from None
+
+    def auto_tool_parser(tools: list | None, tool_choice) -> ToolCallParser | None:
+        """The parser that reads the model's own calls where the model decides (tool_choice "auto")."""
+        if parser is None or not tools or tool_choice not in (None, "auto"):
+            return None
+        if "tools" not in (llm.codec.info.chat_template or ""):
+            raise APIError(400, "this engine's chat template does not show tools to the model, so it cannot decide to "
+                           "call one: use tool_choice \"required\" or a named function", param="tool_choice")
+        return parser
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeBody) -> dict:
@@ -395,10 +439,7 @@ def create_app(engine: AsyncEngine, model_name: str, shutdown_grace: float = 10.
             tools = forced_tools(body.tools, body.tool_choice, body.parallel_tool_calls, auto=parser is not None)
         except ToolRequestError as err:
             raise APIError(400, str(err), param=err.field) from None
-        auto = parser if body.tools and body.tool_choice in (None, "auto") else None  # the model decides
-        if auto is not None and "tools" not in (llm.codec.info.chat_template or ""):
-            raise APIError(400, "this engine's chat template does not show tools to the model, so it cannot decide to "
-                           "call one: use tool_choice \"required\" or a named function", param="tool_choice")
+        auto = auto_tool_parser(body.tools, body.tool_choice)
         # vLLM's echo: an answer that goes on with a final assistant message (continue_final_message) starts with it
         last = body.messages[-1]
         echo = _message_text(last.content) if body.echo and last.role == "assistant" else ""
@@ -413,7 +454,147 @@ def create_app(engine: AsyncEngine, model_name: str, shutdown_grace: float = 10.
                                   auto=None if auto is None else AutoToolStream(auto))
         return await _respond(engine, http, body, groups, "chat.completion", choice, chunk)
 
+    stored = ResponseStore()
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesBody, http: Request):
+        """OpenAI's Responses API (runner/responses.py), answered like a chat."""
+        check_model(body)
+        _refuse_unsupported_responses(body)
+        include = body.include or []
+        logprobs = (body.top_logprobs or 0) if LOGPROBS_INCLUDE in include else None
+        try:
+            earlier = [] if body.previous_response_id is None else stored.get(body.previous_response_id).conversation
+            turns, added = chat_turns(body.input, body.instructions, earlier)
+            tools_asked, tool_choice = chat_tools(body.tools), chat_tool_choice(body.tool_choice)
+            if body.text is not None and body.response_format is not None:
+                raise ResponsesError("give text.format, not response_format", "response_format")
+            body.response_format = response_format(body.text) if body.text is not None else body.response_format
+            tools = forced_tools(tools_asked, tool_choice, body.parallel_tool_calls, auto=parser is not None)
+        except ResponsesError as err:
+            raise _responses_api_error(err) from None
+        except ToolRequestError as err:
+            raise APIError(400, str(err), param=err.field) from None
+        auto = auto_tool_parser(tools_asked, tool_choice)
+        limit = next((v for v in (body.max_output_tokens, body.max_tokens) if v is not None), llm.max_seq_len)
+        params = _sampling(body, limit, logprobs, tools=tools)
+        groups = await asyncio.to_thread(
+            lambda: [make_requests(apply_template(turns, "input", tools=tools_asked), None, params, body)])
+        request = groups[0][0]
+        head = _response_head(body, tool_choice)
+        output = ResponseOutput(tools, auto)
+
+        def api_logprobs(start: int) -> list[dict]:
+            return [] if logprobs is None else _responses_logprobs(llm.codec, request.logprobs[start:], logprobs)
+
+        def finished() -> dict:
+            complete = request.finish_reason != "length"
+            response = {**head, "status": "completed" if complete else "incomplete", "output": output.items,
+                        "incomplete_details": None if complete else {"reason": "max_output_tokens"},
+                        "usage": responses_usage(len(request.prompt_token_ids), len(request.output_token_ids),
+                                                 request.num_cached_tokens)}
+            if body.store:
+                stored.put(response, earlier + added + output_turns(output.items))
+            return response
+
+        if not body.stream:
+            if not await _run_to_end(engine, http, groups):
+                return Response(status_code=499)  # the client left
+            output.feed(request.text, api_logprobs(0))
+            output.finish(request.text, request.finish_reason)
+            return finished()
+
+        events = _events(engine, groups)
+        first_event = await _first_event(events)
+
+        async def sse() -> AsyncIterator[str]:
+            def frame(event: dict) -> str:
+                return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+
+            yield frame(output.event("response.created", response=head))
+            yield frame(output.event("response.in_progress", response=head))
+            logprobs_sent = 0
+            try:
+                event = first_event
+                while event is not None:
+                    new_logprobs = api_logprobs(logprobs_sent)
+                    logprobs_sent += len(new_logprobs)
+                    for piece in output.feed(event.delta, new_logprobs):
+                        yield frame(piece)
+                    event = await anext(events, None)
+                for piece in output.finish(request.text, request.finish_reason):
+                    yield frame(piece)
+                response = finished()
+                yield frame(output.event(f"response.{response['status']}", response=response))
+            except Exception as err:  # after the 200: the response fails in-band, as OpenAI reports it
+                error = _engine_error(err)
+                failed = {**head, "status": "failed", "output": output.items,
+                          "error": {"code": error.kind, "message": error.message}}
+                yield frame(output.event("response.failed", response=failed))
+            finally:
+                await events.aclose()
+
+        return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> dict:
+        try:
+            return stored.get(response_id).response
+        except ResponsesError as err:
+            raise _responses_api_error(err) from None
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict:
+        try:
+            stored.delete(response_id)
+        except ResponsesError as err:
+            raise _responses_api_error(err) from None
+        return {"id": response_id, "object": "response", "deleted": True}
+
     return app
+
+
+def _refuse_unsupported_responses(body: ResponsesBody) -> None:
+    extra = body.model_extra or {}
+    for name, asks_nothing in UNSUPPORTED_RESPONSES_FIELDS.items():
+        if name in extra and not asks_nothing(extra[name]):
+            raise APIError(400, f"{name} is not supported by this server", param=name)
+    if body.n != 1:
+        raise APIError(400, "a response is one answer: n is not part of the Responses API", param="n")
+    if set(body.include or []) - {LOGPROBS_INCLUDE}:
+        raise APIError(400, f"include supports {LOGPROBS_INCLUDE!r} only", param="include")
+    if body.top_logprobs is not None and LOGPROBS_INCLUDE not in (body.include or []):
+        raise APIError(400, f"top_logprobs come with include [{LOGPROBS_INCLUDE!r}]", param="top_logprobs")
+    if body.max_output_tokens == 0:
+        raise APIError(400, "max_output_tokens must be >= 1", param="max_output_tokens")
+
+
+def _responses_api_error(err: ResponsesError) -> APIError:
+    return APIError(err.status, str(err), "not_found_error" if err.status == 404 else "invalid_request_error", err.param)
+
+
+def _response_head(body: ResponsesBody, tool_choice) -> dict:
+    """A response's fields that do not depend on its answer (as in response.created)."""
+    return {
+        "id": f"resp_{body.request_id or uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()),
+        "model": body.model, "status": "in_progress", "output": [], "error": None, "incomplete_details": None,
+        "instructions": body.instructions, "max_output_tokens": body.max_output_tokens, "metadata": body.metadata or {},
+        "parallel_tool_calls": body.parallel_tool_calls, "previous_response_id": body.previous_response_id,
+        "reasoning": None, "store": body.store, "temperature": body.temperature, "top_p": body.top_p,
+        "top_logprobs": body.top_logprobs, "text": {"format": (body.text or {}).get("format") or {"type": "text"}},
+        "tool_choice": body.tool_choice or "auto", "tools": body.tools or [], "truncation": body.truncation,
+        "user": body.user, "usage": None,
+    }
+
+
+def _responses_logprobs(codec, logprobs: list[TokenLogprob], top: int) -> list[dict]:
+    """The Responses API's logprobs: each token's text, its UTF-8 bytes, its logprob and the `top` likeliest."""
+    def entry(token: int, logprob: float) -> dict:
+        text = codec.decode([token])
+        return {"token": text, "bytes": list(text.encode()), "logprob": logprob}
+
+    return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top[:top]]}
+            for lp in logprobs]
 
 
 def _completion_prompts(prompt) -> list[tuple[str | None, list[int] | None]]:
@@ -603,6 +784,39 @@ async def _events(engine: AsyncEngine, groups: list[list[EngineRequest]]) -> Asy
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def _engine_error(err: BaseException) -> APIError:
+    if isinstance(err, EngineOverloaded):
+        return APIError(503, str(err), "server_overloaded")
+    if isinstance(err, EngineStopped):
+        return APIError(503, str(err), "server_shutting_down")
+    return APIError(500, f"generation failed: {err}", "server_error")
+
+
+async def _run_to_end(engine: AsyncEngine, http: Request, groups: list[list[EngineRequest]]) -> bool:
+    """Generate the requests to their end; False when the client left first (generation then stops)."""
+    watcher = asyncio.create_task(_watch_disconnect(http))
+    collector = asyncio.create_task(_collect(_events(engine, groups)))
+    done, _ = await asyncio.wait({watcher, collector}, return_when=asyncio.FIRST_COMPLETED)
+    if collector not in done:
+        collector.cancel()
+        await asyncio.gather(collector, return_exceptions=True)
+        return False
+    watcher.cancel()
+    if collector.exception() is not None:
+        raise _engine_error(collector.exception())
+    return True
+
+
+async def _first_event(events: AsyncIterator[TokenEvent]) -> TokenEvent | None:
+    """A stream's first event, awaited before its 200 is sent, so that capacity errors are still HTTP errors."""
+    try:
+        return await events.__anext__()
+    except StopAsyncIteration:
+        return None
+    except Exception as err:
+        raise _engine_error(err) from None
+
+
 async def _respond(engine, http: Request, body: SamplingFields, groups, kind: str, choice, chunk):
     codec = engine.engine.codec
     response_id = f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{body.request_id or uuid.uuid4().hex}"
@@ -610,24 +824,9 @@ async def _respond(engine, http: Request, body: SamplingFields, groups, kind: st
     flat = [r for g in groups for r in g]
     index_of = {r.request_id: i for i, r in enumerate(flat)}
 
-    def engine_error(err: BaseException) -> APIError:
-        if isinstance(err, EngineOverloaded):
-            return APIError(503, str(err), "server_overloaded")
-        if isinstance(err, EngineStopped):
-            return APIError(503, str(err), "server_shutting_down")
-        return APIError(500, f"generation failed: {err}", "server_error")
-
     if not body.stream:
-        watcher = asyncio.create_task(_watch_disconnect(http))
-        collector = asyncio.create_task(_collect(_events(engine, groups)))
-        done, _ = await asyncio.wait({watcher, collector}, return_when=asyncio.FIRST_COMPLETED)
-        if collector not in done:  # the client left: stop generating for it
-            collector.cancel()
-            await asyncio.gather(collector, return_exceptions=True)
-            return Response(status_code=499)
-        watcher.cancel()
-        if collector.exception() is not None:
-            raise engine_error(collector.exception())
+        if not await _run_to_end(engine, http, groups):
+            return Response(status_code=499)  # the client left
         response = {
             "id": response_id, "object": kind, "created": created, "model": body.model,
             "choices": [choice(codec, index_of[r.request_id], r) for r in flat], "usage": _usage(groups),
@@ -636,14 +835,8 @@ async def _respond(engine, http: Request, body: SamplingFields, groups, kind: st
             response["prompt_logprobs"] = _vllm_prompt_logprobs(codec, flat[0], body.prompt_logprobs)
         return response
 
-    # Streaming: capacity errors must become an HTTP error before the 200 of the stream is sent.
     events = _events(engine, groups)
-    try:
-        first_event = await events.__anext__()
-    except StopAsyncIteration:
-        first_event = None
-    except Exception as err:
-        raise engine_error(err) from None
+    first_event = await _first_event(events)
 
     options = body.stream_options or StreamOptions()
     continuous_usage = options.include_usage and options.continuous_usage_stats
@@ -677,7 +870,7 @@ async def _respond(engine, http: Request, body: SamplingFields, groups, kind: st
                 yield frame([], _usage(groups))
             yield "data: [DONE]\n\n"
         except Exception as err:  # after the 200: report in-band, as OpenAI does
-            error = engine_error(err)
+            error = _engine_error(err)
             yield f"data: {json.dumps({'error': {'message': error.message, 'type': error.kind, 'code': error.status}})}\n\n"
         finally:
             await events.aclose()

@@ -261,10 +261,125 @@ def test_auto_tool_calls_are_read_in_the_models_own_syntax(engine_factory):
         chunks = [c.choices[0] for c in chat(live, max_tokens=80, tools=TOOLS, stream=True, extra_body={"guided_regex": regex})]
         assert "".join(c.delta.content or "" for c in chunks) == "Let me check. " and chunks[0].delta.role == "assistant"
         assert chunks[-1].finish_reason == "tool_calls" and chunks[-1].delta.tool_calls[0].function.name == "roll"
+        response = live.client.responses.create(
+            model=MODEL, input="hello", temperature=0.0, max_output_tokens=80, extra_body={"guided_regex": regex},
+            tools=[{"type": "function", **tool["function"]} for tool in TOOLS])  # the Responses API's tool shape
+        message, call = response.output
+        assert message.content[0].text == "Let me check. " and (call.type, call.name) == ("function_call", "roll")
+        assert json.loads(call.arguments) == {"sides": 6} and response.status == "completed"
         text = chat(live, max_tokens=6, tools=TOOLS, extra_body={"ignore_eos": True}).choices[0]
         assert text.message.tool_calls is None and text.message.content and text.finish_reason == "length"
     finally:
         live.stop()
+
+
+def respond(server, text="hello", **kwargs):
+    kwargs.setdefault("temperature", 0.0)
+    kwargs.setdefault("max_output_tokens", 12)
+    return server.client.responses.create(model=MODEL, input=text, **kwargs)
+
+
+def test_responses_api_answers_as_chat_does_streamed_or_not(server):
+    """/v1/responses is the chat endpoint under OpenAI's newer API: the same greedy answer, as an output message;
+    the stream (read by the openai client's own accumulating helper, which checks the events' order and ids) ends
+    with the same response; a cut answer is "incomplete"."""
+    eos = {"ignore_eos": True}
+    answer = chat(server, extra_body=eos)
+    response = respond(server, extra_body=eos)
+    assert response.output_text == answer.choices[0].message.content and response.object == "response"
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    assert (response.usage.input_tokens, response.usage.output_tokens) == (answer.usage.prompt_tokens, 12)
+    message, = response.output
+    assert message.type == "message" and message.role == "assistant" and message.id.startswith("msg_")
+    with server.client.responses.stream(model=MODEL, input="hello", temperature=0.0, max_output_tokens=12,
+                                        extra_body=eos) as stream:
+        events = list(stream)
+    final = events[-1].response  # (the helper's get_final_response wants response.completed: see the tools test)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [events[0].type, events[1].type, events[-1].type] == ["response.created", "response.in_progress", "response.incomplete"]
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == response.output_text
+    assert final.output_text == response.output_text and final.id == events[0].response.id
+    assert final.output[0].id == next(e.item.id for e in events if e.type == "response.output_item.added")
+
+    system = server.client.chat.completions.create(
+        model=MODEL, temperature=0.0, max_tokens=12, extra_body=eos,
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}])
+    assert respond(server, instructions="Be brief.", extra_body=eos).output_text == system.choices[0].message.content
+    parts = [{"role": "user", "content": [{"type": "input_text", "text": "hel"}, {"type": "input_text", "text": "lo"}]}]
+    assert respond(server, parts, extra_body=eos).output_text == response.output_text
+
+    with_logprobs = respond(server, max_output_tokens=4, include=["message.output_text.logprobs"], top_logprobs=2,
+                            extra_body=eos)
+    logprobs = with_logprobs.output[0].content[0].logprobs
+    assert len(logprobs) == 4 and all(len(lp.top_logprobs) == 2 and lp.logprob <= 0 for lp in logprobs)
+    assert all(lp.logprob == pytest.approx(lp.top_logprobs[0].logprob) for lp in logprobs)  # greedy takes the top
+    assert all(bytes(lp.bytes).decode() == lp.token for lp in logprobs if "\ufffd" not in lp.token)
+
+
+def test_responses_chain_by_previous_response_id_and_are_stored(server):
+    """previous_response_id continues the stored conversation (its instructions are not carried over, as OpenAI
+    has it): the same greedy answer as the whole chat sent to /v1/chat/completions; stored responses can be read
+    back and deleted; store false keeps nothing."""
+    eos = {"ignore_eos": True}
+    first = respond(server, "hello", instructions="Be brief.", extra_body=eos)
+    second = respond(server, "tell me more", previous_response_id=first.id, extra_body=eos)
+    whole = server.client.chat.completions.create(model=MODEL, temperature=0.0, max_tokens=12, extra_body=eos, messages=[
+        {"role": "user", "content": "hello"}, {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "tell me more"}])
+    assert second.output_text == whole.choices[0].message.content and second.previous_response_id == first.id
+    assert server.client.responses.retrieve(first.id).output_text == first.output_text
+    server.client.responses.delete(first.id)
+    for gone in (first.id, respond(server, store=False).id):
+        with pytest.raises(openai.NotFoundError):
+            server.client.responses.retrieve(gone)
+    with pytest.raises(openai.NotFoundError, match="no stored response"):
+        respond(server, "again", previous_response_id=first.id)
+    assert chat(server).choices[0].message.content  # still serving
+
+
+def test_responses_api_tools_and_bad_requests(server):
+    """Function tools in the Responses shape: a named function's call streams its arguments and matches the
+    non-streamed one; a call's result (function_call + function_call_output items) reads as the chat API's tool
+    turns; what the server does not do is a 400 naming the field."""
+    pytest.importorskip("xgrammar", reason="forced tool calls are structured outputs (scripts/test.sh installs xgrammar)")
+    tools = [{"type": "function", **tool["function"]} for tool in TOOLS]
+    named = {"type": "function", "name": "roll"}
+    response = respond(server, tools=tools, tool_choice=named, max_output_tokens=60)
+    call, = response.output
+    assert call.type == "function_call" and call.name == "roll" and call.call_id and response.status == "completed"
+    assert json.loads(call.arguments)["sides"] in (6, 20)
+    with server.client.responses.stream(model=MODEL, input="hello", temperature=0.0, max_output_tokens=60, tools=tools,
+                                        tool_choice=named) as stream:
+        events = list(stream)
+        final = stream.get_final_response()  # a response.completed the helper accepts
+    assert "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta") == call.arguments
+    assert final.output[0].arguments == call.arguments and final.output[0].name == "roll"
+    required = respond(server, tools=tools, tool_choice="required", parallel_tool_calls=False, max_output_tokens=200,
+                       temperature=1.0, extra_body={"seed": 3})
+    assert [item.type for item in required.output] == ["function_call"] and required.output[0].name in ("roll", "get_time")
+
+    result = [{"role": "user", "content": "roll a die"},
+              {"type": "function_call", "call_id": "call_1", "name": "roll", "arguments": '{"sides": 6}'},
+              {"type": "function_call_output", "call_id": "call_1", "output": "4"}]
+    as_chat = server.client.chat.completions.create(model=MODEL, temperature=0.0, max_tokens=12, messages=[
+        {"role": "user", "content": "roll a die"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "roll", "arguments": '{"sides": 6}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "4"}])
+    assert respond(server, result).output_text == as_chat.choices[0].message.content
+
+    for kwargs, field in (({"background": True}, "background"), ({"tools": [{"type": "web_search"}]}, "tools"),
+                          ({"include": ["reasoning.encrypted_content"]}, "include"), ({"top_logprobs": 2}, "top_logprobs"),
+                          ({"reasoning": {"effort": "high"}}, "reasoning"), ({"truncation": "auto"}, "truncation"),
+                          ({"extra_body": {"n": 2}}, "n"), ({"max_output_tokens": 0}, "max_output_tokens"),
+                          ({"tools": tools}, "tool_choice")):
+        with pytest.raises(openai.BadRequestError) as err:
+            respond(server, **kwargs)
+        assert err.value.body["param"] == field
+    with pytest.raises(openai.BadRequestError, match="text only"):
+        respond(server, [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}])
+    with pytest.raises(openai.NotFoundError):
+        server.client.responses.create(model="gpt-9", input="hello")
 
 
 def test_tokenize_and_detokenize_count_what_the_endpoints_send(server):
