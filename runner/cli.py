@@ -16,7 +16,7 @@ from runner.llm_engine import DEFAULT_SPECULATIVE_MAX_ROWS, LLMEngine, PromptErr
 from runner.request import Request
 from runner.sampling import SamplingParams
 from runner.structured import StructuredOutputs
-from runner.tokenizer import ChatTemplateError
+from runner.tokenizer import ChatTemplateError, read_chat_template
 from runner.tool_parsers import PARSERS
 
 
@@ -65,16 +65,21 @@ def sampling_params(json_schema, regex, choice, stop, **sampling) -> SamplingPar
     return SamplingParams(**sampling, stop=list(stop), structured_outputs=structured)
 
 
+CHAT_TEMPLATE_HELP = "A Jinja chat template (a file, or the template itself) instead of the engine's."
+
+
 @main.command()
 @click.argument("engine", type=click.Path())
 @click.argument("prompt")
 @click.option("--chat/--no-chat", default=False, help="Wrap the prompt as a user message in the chat template.")
+@click.option("--chat-template", default=None, help=CHAT_TEMPLATE_HELP)
 @sampling_options
-def generate(engine, prompt, chat, threads, stats, **sampling) -> None:
+def generate(engine, prompt, chat, chat_template, threads, stats, **sampling) -> None:
     """Generate a completion of PROMPT with ENGINE, streamed to stdout."""
     with exit_on(ArtifactError, PromptError, ChatTemplateError, ValueError):
         params = sampling_params(**sampling)
-        llm = LLM(engine, threads=threads, max_batch=1)  # one request: no padding for batch invariance
+        template = None if chat_template is None else read_chat_template(chat_template)
+        llm = LLM(engine, threads=threads, max_batch=1, chat_template=template)  # one request: no padding for batch invariance
         if chat:
             prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
         stream_reply(llm, llm.tokenizer.encode(prompt), params, stats)
@@ -83,8 +88,9 @@ def generate(engine, prompt, chat, threads, stats, **sampling) -> None:
 @main.command()
 @click.argument("engine", type=click.Path())
 @click.option("--system", default=None, help="A system message that opens the conversation.")
+@click.option("--chat-template", default=None, help=CHAT_TEMPLATE_HELP)
 @sampling_options
-def chat(engine, system, threads, stats, **sampling) -> None:
+def chat(engine, system, chat_template, threads, stats, **sampling) -> None:
     """Chat with ENGINE: one user message per line on stdin, each reply streamed to stdout.
 
     The conversation is kept, and its earlier turns are not computed again (prefix caching): a turn costs its new
@@ -92,7 +98,8 @@ def chat(engine, system, threads, stats, **sampling) -> None:
     dropped (the system message stays). `/reset` starts a new conversation; an empty line or end of input ends."""
     with exit_on(ArtifactError, ChatTemplateError, ValueError):
         params = sampling_params(**sampling)
-        llm = LLM(engine, threads=threads, max_batch=1, enable_prefix_caching=True)
+        template = None if chat_template is None else read_chat_template(chat_template)
+        llm = LLM(engine, threads=threads, max_batch=1, enable_prefix_caching=True, chat_template=template)
         opening = [{"role": "system", "content": system}] if system else []
         llm.tokenizer.apply_chat_template(opening)  # an engine without a chat template fails here, not mid-conversation
         llm.engine.new_requests("", [0], params)  # and so does a schema or regex that does not compile (not run)
@@ -172,8 +179,9 @@ PADDED_ROWS_NOTE = ("note: a lone request runs as two rows: this engine's quanti
                    "(hermes: <tool_call> blocks, Qwen2.5 / Hermes; llama3_json: Llama 3.1+; pythonic: [f(x=1)], "
                    "Llama 3.2 / 4 pythonic templates).")
 @click.option("--enable-auto-tool-choice", is_flag=True, help="vLLM's flag for the same; needs --tool-call-parser.")
+@click.option("--chat-template", default=None, help=CHAT_TEMPLATE_HELP + " (e.g. one that shows the model its tools)")
 def serve(engine, host, port, max_batch, max_waiting, threads, model_name, shutdown_grace, enable_prefix_caching,
-          api_key, speculative_max_rows, tool_call_parser, enable_auto_tool_choice) -> None:
+          api_key, speculative_max_rows, tool_call_parser, enable_auto_tool_choice, chat_template) -> None:
     """Serve ENGINE with an OpenAI-compatible HTTP API."""
     import uvicorn
 
@@ -183,8 +191,9 @@ def serve(engine, host, port, max_batch, max_waiting, threads, model_name, shutd
     if enable_auto_tool_choice and tool_call_parser is None:
         raise click.UsageError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(PARSERS)})")
     with exit_on(ArtifactError, ValueError):
+        template = None if chat_template is None else read_chat_template(chat_template)
         llm_engine = LLMEngine(engine, threads=threads, max_batch=max_batch, enable_prefix_caching=enable_prefix_caching,
-                               speculative_max_rows=speculative_max_rows or None)
+                               speculative_max_rows=speculative_max_rows or None, chat_template=template)
     async_engine = AsyncEngine(llm_engine, max_waiting=max_waiting)
     name = model_name or Path(engine).resolve().name
     app = create_app(async_engine, name, shutdown_grace, api_key, tool_call_parser)

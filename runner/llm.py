@@ -23,13 +23,16 @@ class LLM:
     def __init__(
         self, model: str | Path, threads: int | None = None, verify_checksums: bool = True, max_batch: int | None = None,
         enable_prefix_caching: bool = False, speculative_max_rows: int | None = DEFAULT_SPECULATIVE_MAX_ROWS,
+        chat_template: str | None = None,
     ) -> None:
         """`model`: the engine directory (vLLM's name for what to load). `enable_prefix_caching`: a prompt starts
         after the longest prefix whose K/V a cache row holds from an earlier or running request
         (runner/prefix_cache.py). `speculative_max_rows`: a speculative engine verifies drafts only in steps with at
-        most this many generating rows (None: in every step)."""
+        most this many generating rows (None: in every step). `chat_template`: a Jinja template for `chat` instead
+        of the engine's."""
         self.engine = LLMEngine(model, threads=threads, verify_checksums=verify_checksums, max_batch=max_batch,
-                                enable_prefix_caching=enable_prefix_caching, speculative_max_rows=speculative_max_rows)
+                                enable_prefix_caching=enable_prefix_caching, speculative_max_rows=speculative_max_rows,
+                                chat_template=chat_template)
 
     @property
     def tokenizer(self):
@@ -92,15 +95,17 @@ class LLM:
         chat_template_kwargs: dict | None = None,
         tools: list[dict] | None = None,
         use_tqdm: bool = False,
+        chat_template: str | None = None,
     ) -> list[RequestOutput]:
-        """Apply the engine's chat template to one conversation (or several) and generate the replies.
-        `continue_final_message` (with add_generation_prompt=False): go on with the last (assistant) message instead
-        of answering it; `chat_template_kwargs`: more template variables; `tools`: for templates that describe them.
-        vLLM's LLM.chat arguments."""
+        """Apply the engine's chat template (or `chat_template`) to one conversation (or several) and generate the
+        replies. `continue_final_message` (with add_generation_prompt=False): go on with the last (assistant) message
+        instead of answering it; `chat_template_kwargs`: more template variables; `tools`: for templates that
+        describe them. vLLM's LLM.chat arguments."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.engine.codec.apply_chat_template(
             list(c), add_generation_prompt=add_generation_prompt, tools=tools,
-            continue_final_message=continue_final_message, template_kwargs=chat_template_kwargs)
+            continue_final_message=continue_final_message, template_kwargs=chat_template_kwargs,
+            chat_template=chat_template)
             for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -60,12 +60,14 @@ class LLMEngine:
     def __init__(
         self, engine_dir: str | Path, threads: int | None = None, verify_checksums: bool = True, max_batch: int | None = None,
         profile_prefix: str | None = None, enable_prefix_caching: bool = False,
-        speculative_max_rows: int | None = DEFAULT_SPECULATIVE_MAX_ROWS,
+        speculative_max_rows: int | None = DEFAULT_SPECULATIVE_MAX_ROWS, chat_template: str | None = None,
     ) -> None:
+        """`chat_template`: a Jinja chat template used instead of the artifact's (vLLM's --chat-template)."""
         self.artifact = open_artifact(engine_dir, verify_checksums=verify_checksums)
         manifest = self.artifact.manifest
         self.manifest = manifest
-        self.codec = TextCodec(self.artifact.path(manifest.tokenizer.file), manifest.tokenizer)
+        tokenizer = manifest.tokenizer if chat_template is None else replace(manifest.tokenizer, chat_template=chat_template)
+        self.codec = TextCodec(self.artifact.path(manifest.tokenizer.file), tokenizer)
         backend = open_backend(self.artifact, threads=threads, profile_prefix=profile_prefix)
         self.executor = Executor(self.artifact, backend)
         rows = self.executor.max_rows if max_batch is None else max_batch

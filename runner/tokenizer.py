@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from engines.format import TokenizerInfo
@@ -11,6 +12,35 @@ class ChatTemplateError(ValueError):
     pass
 
 
+def read_chat_template(value: str) -> str:
+    """vLLM's --chat-template: the path of a file that holds the template, or the template itself."""
+    try:
+        if Path(value).is_file():
+            return Path(value).read_text()
+    except OSError:  # a template too long to be a file name
+        pass
+    if "{" not in value:
+        raise ChatTemplateError(f"chat template {value!r} is neither a file nor a Jinja template")
+    return value
+
+
+@functools.lru_cache(maxsize=16)
+def compile_chat_template(template: str):
+    """A Jinja chat template, compiled in the sandbox transformers uses (templates come with checkpoints)."""
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise ChatTemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(template)
+    except TemplateSyntaxError as err:
+        raise ChatTemplateError(f"the chat template does not parse: {err} (line {err.lineno})") from None
+
+
 class TextCodec:
     def __init__(self, tokenizer_file: Path, info: TokenizerInfo) -> None:
         from tokenizers import Tokenizer
@@ -18,16 +48,7 @@ class TextCodec:
         self._tokenizer = Tokenizer.from_file(str(tokenizer_file))
         self.info = info
         self.bos_id = self._tokenizer.token_to_id(info.bos_token) if info.bos_token else None
-        self._template = None
-        if info.chat_template:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-            def raise_exception(message: str) -> None:
-                raise ChatTemplateError(message)
-
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = raise_exception
-            self._template = env.from_string(info.chat_template)
+        self._template = compile_chat_template(info.chat_template) if info.chat_template else None
 
     @property
     def vocab_size(self) -> int:
@@ -46,12 +67,14 @@ class TextCodec:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None,
                             documents: list | None = None, continue_final_message: bool = False,
-                            template_kwargs: dict | None = None) -> str:
+                            template_kwargs: dict | None = None, chat_template: str | None = None) -> str:
         """The chat as the model reads it. `continue_final_message`: the text ends inside the last message (an
         assistant answer the model goes on with), not after its end-of-turn; `template_kwargs`: more variables for
-        the template (e.g. a model's `enable_thinking`), as transformers' apply_chat_template takes them."""
-        if self._template is None:
-            raise ChatTemplateError("this engine's tokenizer has no chat template")
+        the template (e.g. a model's `enable_thinking`), as transformers' apply_chat_template takes them;
+        `chat_template`: this template instead of the engine's."""
+        template = self._template if chat_template is None else compile_chat_template(chat_template)
+        if template is None:
+            raise ChatTemplateError("this engine's tokenizer has no chat template (give one: --chat-template)")
         for message in messages:
             if not isinstance(message, dict) or "role" not in message or "content" not in message:
                 raise ChatTemplateError("each chat message needs a 'role' and a 'content'")
@@ -69,7 +92,7 @@ class TextCodec:
         clashes = sorted(set(template_kwargs or {}) & set(variables))
         if clashes:
             raise ChatTemplateError(f"chat_template_kwargs cannot set {', '.join(clashes)}")
-        text = self._template.render(**(template_kwargs or {}), **variables)
+        text = template.render(**(template_kwargs or {}), **variables)
         if continue_final_message:
             text = _cut_after_final_message(text, messages[-1]["content"])
         return text

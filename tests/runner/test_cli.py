@@ -41,6 +41,12 @@ def test_generate_takes_stops_penalties_and_refuses_bad_values_in_one_line(engin
     assert penalised.returncode == 0 and penalised.stdout != full
     refused = run(RUNNER + ["generate", engine, "hello", "--min-p", "2"])
     assert refused.returncode == 2 and "min_p" in refused.stderr and "Traceback" not in refused.stderr
+    templated = run(RUNNER + ["generate", engine, "hello", "--chat", "--chat-template", "{{ messages[0]['content'] }}!",
+                              "--max-tokens", "16", "--ignore-eos", "--no-stats"])
+    plain = run(RUNNER + ["generate", engine, "hello!", "--max-tokens", "16", "--ignore-eos", "--no-stats"])
+    assert templated.returncode == 0 and templated.stdout == plain.stdout
+    broken = run(RUNNER + ["generate", engine, "hello", "--chat", "--chat-template", "{% if %}"])
+    assert broken.returncode == 2 and "does not parse" in broken.stderr and "Traceback" not in broken.stderr
 
 
 def test_generate_and_chat_hold_answers_to_a_choice_a_regex_or_a_schema(engine_factory, tmp_path):

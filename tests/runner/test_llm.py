@@ -6,7 +6,7 @@ import pytest
 
 from runner import LLM, SamplingParams
 from runner.llm_engine import PromptError
-from runner.tokenizer import IncrementalDetokenizer
+from runner.tokenizer import ChatTemplateError, IncrementalDetokenizer, read_chat_template
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
@@ -49,6 +49,23 @@ def test_chat_applies_the_template(llm):
     out = llm.chat([{"role": "user", "content": "hello"}], GREEDY)[0]
     assert out.prompt == "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
     assert len(out.token_ids) == 16
+
+
+def test_a_chat_template_of_ones_own_per_call_or_per_engine(llm, engine_factory):
+    """vLLM's chat_template: LLM.chat(chat_template=...) for one call, LLM(chat_template=...) for every chat; a
+    template that does not parse is a ChatTemplateError naming the line."""
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    turns = [{"role": "user", "content": "hello"}]
+    assert llm.chat(turns, GREEDY, chat_template=template)[0].prompt == "[user] hello\n"
+    assert llm.chat(turns, GREEDY)[0].prompt.startswith("<|im_start|>")  # the engine's own otherwise
+    own = LLM(engine_factory("gqa"), chat_template=template)
+    out = own.chat(turns, GREEDY)[0]
+    assert out.prompt == "[user] hello\n" and out.token_ids == llm.generate("[user] hello\n", GREEDY)[0].token_ids
+    with pytest.raises(ChatTemplateError, match="line 1"):
+        llm.chat(turns, GREEDY, chat_template="{% for m in messages %}")
+    assert read_chat_template(template) == template
+    with pytest.raises(ChatTemplateError, match="neither a file nor"):
+        read_chat_template("no/such/template.jinja")
 
 
 def test_stop_string_cuts_the_text(llm):

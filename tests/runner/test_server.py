@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import json
 import re
 import socket
@@ -16,7 +15,6 @@ import pytest
 
 from runner.async_engine import AsyncEngine, EngineOverloaded
 from runner.llm_engine import LLMEngine
-from runner.tokenizer import TextCodec
 
 MODEL = "tiny"
 
@@ -29,13 +27,13 @@ def free_port() -> int:
 
 class LiveServer:
     def __init__(self, engine_dir, max_batch=None, max_waiting=64, enable_prefix_caching=False, api_key=None,
-                 speculative_max_rows=1, tool_call_parser=None) -> None:
+                 speculative_max_rows=1, tool_call_parser=None, chat_template=None) -> None:
         import uvicorn
 
         from runner.server import create_app
 
         engine = LLMEngine(engine_dir, max_batch=max_batch, enable_prefix_caching=enable_prefix_caching,
-                           speculative_max_rows=speculative_max_rows)
+                           speculative_max_rows=speculative_max_rows, chat_template=chat_template)
         self.engine = AsyncEngine(engine, max_waiting=max_waiting)
         self.port = free_port()
         app = create_app(self.engine, MODEL, shutdown_grace=2.0, api_key=api_key, tool_call_parser=tool_call_parser)
@@ -249,10 +247,9 @@ def test_auto_tool_calls_are_read_in_the_models_own_syntax(engine_factory):
     try:
         with pytest.raises(openai.BadRequestError, match="does not show tools"):
             chat(live, tools=TOOLS)
-        llm = live.engine.engine
-        template = llm.manifest.tokenizer.chat_template + "{% if tools %}{{ tools | length }} tools{% endif %}"
-        llm.codec = TextCodec(llm.artifact.path(llm.manifest.tokenizer.file),
-                              dataclasses.replace(llm.manifest.tokenizer, chat_template=template))
+        live.stop()
+        template = live.engine.engine.manifest.tokenizer.chat_template + "{% if tools %}{{ tools | length }} tools{% endif %}"
+        live = LiveServer(engine_factory("gqa"), tool_call_parser="hermes", chat_template=template)  # --chat-template
         regex = r'Let me check\. <tool_call>\{"name": "roll", "arguments": \{"sides": 6\}\}</tool_call>'
         answer = chat(live, max_tokens=80, tools=TOOLS, extra_body={"guided_regex": regex}).choices[0]
         call, = answer.message.tool_calls
