@@ -223,6 +223,8 @@ def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> B
         f"      {checkpoint.format} checkpoint: {config.num_layers} layers, hidden {config.hidden_size}, "
         f"{config.num_heads} heads / {config.num_kv_heads} KV heads, vocab {config.vocab_size}"
     )
+    if checkpoint.sampling_defaults:
+        log(f"      recommended sampling (the runner's defaults): {_key_values(checkpoint.sampling_defaults)}")
 
     quant = options.quant_spec()
     gptq = options.quant == "gptq"
@@ -307,6 +309,7 @@ def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> B
             sampler=SamplerSpec(SAMPLER_GRAPH, options.tree_depth, TOP_LOGPROBS),
             quantization=quantization,
             speculation=speculation,
+            sampling_defaults=checkpoint.sampling_defaults,
         )
         write_manifest(staging, manifest)
         open_artifact(staging)  # what we wrote must pass the runner's own validation
@@ -388,3 +391,7 @@ def _load_drafter(path: Path, config, options: BuildOptions) -> tuple[BeamSearch
         "head": facts,
     }
     return drafter, speculation
+
+
+def _key_values(values: dict) -> str:
+    return ", ".join(f"{key}={value}" for key, value in values.items())

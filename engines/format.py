@@ -111,6 +111,9 @@ class Manifest:
     speculation: dict[str, Any] | None = None
     tensor_parallel: int = 1
     files: dict[str, FileEntry] = field(default_factory=dict)
+    # SamplingParams defaults the model's makers recommend (generation_config.json / GGUF general.sampling.*): the
+    # runner's defaults for what a request leaves unset, unless it is told to use vLLM's own (--generation-config vllm)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -142,6 +145,7 @@ class Manifest:
             speculation=data.get("speculation"),
             tensor_parallel=data.get("tensor_parallel", 1),
             files={name: FileEntry(**entry) for name, entry in data.get("files", {}).items()},
+            sampling_defaults=data.get("sampling_defaults", {}),
         )
 
 

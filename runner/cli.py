@@ -180,8 +180,12 @@ PADDED_ROWS_NOTE = ("note: a lone request runs as two rows: this engine's quanti
                    "Llama 3.2 / 4 pythonic templates).")
 @click.option("--enable-auto-tool-choice", is_flag=True, help="vLLM's flag for the same; needs --tool-call-parser.")
 @click.option("--chat-template", default=None, help=CHAT_TEMPLATE_HELP + " (e.g. one that shows the model its tools)")
+@click.option("--generation-config", type=click.Choice(["auto", "vllm"]), default="auto", show_default=True,
+              help="auto: sampling fields a request leaves unset take the values the model recommends (its "
+                   "generation_config.json or GGUF sampling keys, see `runner info`); vllm: vLLM's own defaults.")
 def serve(engine, host, port, max_batch, max_waiting, threads, model_name, shutdown_grace, enable_prefix_caching,
-          api_key, speculative_max_rows, tool_call_parser, enable_auto_tool_choice, chat_template) -> None:
+          api_key, speculative_max_rows, tool_call_parser, enable_auto_tool_choice, chat_template,
+          generation_config) -> None:
     """Serve ENGINE with an OpenAI-compatible HTTP API."""
     import uvicorn
 
@@ -193,13 +197,18 @@ def serve(engine, host, port, max_batch, max_waiting, threads, model_name, shutd
     with exit_on(ArtifactError, ValueError):
         template = None if chat_template is None else read_chat_template(chat_template)
         llm_engine = LLMEngine(engine, threads=threads, max_batch=max_batch, enable_prefix_caching=enable_prefix_caching,
-                               speculative_max_rows=speculative_max_rows or None, chat_template=template)
+                               speculative_max_rows=speculative_max_rows or None, chat_template=template,
+                               generation_config=generation_config)
     async_engine = AsyncEngine(llm_engine, max_waiting=max_waiting)
     name = model_name or Path(engine).resolve().name
     app = create_app(async_engine, name, shutdown_grace, api_key, tool_call_parser)
     click.echo(f"serving {name!r} ({llm_engine.scheduler.max_rows} rows, max_seq_len {llm_engine.max_seq_len}) on http://{host}:{port}/v1", err=True)
     if llm_engine.executor.min_rows > 1:
         click.echo(PADDED_ROWS_NOTE, err=True)
+    if llm_engine.sampling_defaults:
+        recommended = ", ".join(f"{k}={v}" for k, v in llm_engine.sampling_defaults.items())
+        click.echo(f"note: requests that leave them unset sample with the model's recommended {recommended} "
+                   "(--generation-config vllm: vLLM's own defaults)", err=True)
     uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=shutdown_grace)
 
 

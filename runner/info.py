@@ -21,6 +21,8 @@ def describe(artifact: Artifact) -> list[str]:
         f"max_seq_len: {manifest.max_seq_len}; KV cache: {cache.dtype}, updated {cache.update.replace('_', ' ')}; "
         f"tensor parallel ranks: {manifest.tensor_parallel}",
         f"speculation: {_settings(manifest.speculation) if manifest.speculation else 'none'}",
+        f"sampling defaults the model recommends: "
+        f"{', '.join(f'{k}={v}' for k, v in manifest.sampling_defaults.items()) or 'none'}",
         f"sampler: trees up to {manifest.sampler.max_depth} accepted drafts, top {manifest.sampler.top_logprobs} "
         f"logprobs{'' if 'logit_bias' in sampler_inputs else ', no logit_bias (built before it)'}",
         "phases:",

@@ -23,20 +23,26 @@ class LLM:
     def __init__(
         self, model: str | Path, threads: int | None = None, verify_checksums: bool = True, max_batch: int | None = None,
         enable_prefix_caching: bool = False, speculative_max_rows: int | None = DEFAULT_SPECULATIVE_MAX_ROWS,
-        chat_template: str | None = None,
+        chat_template: str | None = None, generation_config: str = "auto",
     ) -> None:
         """`model`: the engine directory (vLLM's name for what to load). `enable_prefix_caching`: a prompt starts
         after the longest prefix whose K/V a cache row holds from an earlier or running request
         (runner/prefix_cache.py). `speculative_max_rows`: a speculative engine verifies drafts only in steps with at
         most this many generating rows (None: in every step). `chat_template`: a Jinja template for `chat` instead
-        of the engine's."""
+        of the engine's. `generation_config`: "auto" (vLLM's default): `generate` and `chat` without sampling params
+        use the ones the model recommends (get_default_sampling_params); "vllm": SamplingParams()."""
         self.engine = LLMEngine(model, threads=threads, verify_checksums=verify_checksums, max_batch=max_batch,
                                 enable_prefix_caching=enable_prefix_caching, speculative_max_rows=speculative_max_rows,
-                                chat_template=chat_template)
+                                chat_template=chat_template, generation_config=generation_config)
 
     @property
     def tokenizer(self):
         return self.engine.codec
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: SamplingParams with the model's recommended values (temperature, top_k, top_p, min_p,
+        repetition_penalty, max_tokens) where it has them; what `generate` and `chat` use when given none."""
+        return SamplingParams(**self.engine.sampling_defaults)
 
     def generate(
         self,
@@ -55,7 +61,7 @@ class LLM:
         if (prompts is None) == (prompt_token_ids is None):
             raise PromptError("give either prompts or prompt_token_ids")
         items = [_prompt(p) for p in prompts] if prompts is not None else [(None, list(ids), None) for ids in prompt_token_ids]
-        params = _per_prompt(sampling_params, len(items))
+        params = _per_prompt(self.get_default_sampling_params() if sampling_params is None else sampling_params, len(items))
         per_prompt = []
         requests = []
         try:
@@ -78,7 +84,7 @@ class LLM:
     def stream(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield the text increments of one prompt as they are generated."""
         text, ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
-        request = self.engine.add_request(text, ids, sampling_params or SamplingParams())
+        request = self.engine.add_request(text, ids, self.get_default_sampling_params() if sampling_params is None else sampling_params)
         try:
             for event in self.engine.run([request]):
                 if event.request is request and event.delta:
@@ -110,9 +116,7 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
 
-def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams()] * count
+def _per_prompt(params: SamplingParams | Sequence[SamplingParams], count: int) -> list[SamplingParams]:
     if isinstance(params, SamplingParams):
         return [params] * count
     params = list(params)

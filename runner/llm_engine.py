@@ -61,11 +61,17 @@ class LLMEngine:
         self, engine_dir: str | Path, threads: int | None = None, verify_checksums: bool = True, max_batch: int | None = None,
         profile_prefix: str | None = None, enable_prefix_caching: bool = False,
         speculative_max_rows: int | None = DEFAULT_SPECULATIVE_MAX_ROWS, chat_template: str | None = None,
+        generation_config: str = "auto",
     ) -> None:
-        """`chat_template`: a Jinja chat template used instead of the artifact's (vLLM's --chat-template)."""
+        """`chat_template`: a Jinja chat template used instead of the artifact's (vLLM's --chat-template).
+        `generation_config`: "auto", the sampling parameters the model recommends (the manifest's sampling_defaults)
+        are the defaults of what a request leaves unset; "vllm": vLLM's own defaults (vLLM's --generation-config)."""
+        if generation_config not in ("auto", "vllm"):
+            raise ValueError(f"generation_config must be 'auto' or 'vllm', not {generation_config!r}")
         self.artifact = open_artifact(engine_dir, verify_checksums=verify_checksums)
         manifest = self.artifact.manifest
         self.manifest = manifest
+        self.sampling_defaults = dict(manifest.sampling_defaults) if generation_config == "auto" else {}
         tokenizer = manifest.tokenizer if chat_template is None else replace(manifest.tokenizer, chat_template=chat_template)
         self.codec = TextCodec(self.artifact.path(manifest.tokenizer.file), tokenizer)
         backend = open_backend(self.artifact, threads=threads, profile_prefix=profile_prefix)

@@ -203,10 +203,15 @@ def _refuse_unsupported(body: SamplingFields) -> None:
         raise APIError(400, "best_of other than n is not supported by this server", param="best_of")
 
 
-def _sampling(body: SamplingFields, max_tokens: int | None, logprobs: int | None,
+# the fields a model's generation config gives defaults for (vLLM's --generation-config auto), max_tokens aside
+MODEL_DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def _sampling(body: SamplingFields, max_tokens: int | None, logprobs: int | None, defaults: dict[str, Any],
               echo_logprobs: int | None = None, tools: ForcedTools | None = None) -> SamplingParams:
-    """`echo_logprobs`: how many top prompt logprobs the completions API's echo shows (None: no echo); `tools`: the
-    tool calls the answer must be."""
+    """`defaults`: the model's recommended sampling, for the fields the body leaves unset (max_tokens: for a None
+    `max_tokens`); `echo_logprobs`: how many top prompt logprobs the completions API's echo shows (None: no echo);
+    `tools`: the tool calls the answer must be."""
     _refuse_unsupported(body)
     structured = _structured_outputs(body)
     if tools is not None:
@@ -218,14 +223,15 @@ def _sampling(body: SamplingFields, max_tokens: int | None, logprobs: int | None
         raise APIError(400, "prompt_logprobs are not available when streaming", param="prompt_logprobs")
     wanted = [k for k in (body.prompt_logprobs, echo_logprobs) if isinstance(k, int)]
     prompt_logprobs = max(wanted) if wanted else body.prompt_logprobs  # a bad value is SamplingParams' to refuse
+    defaulted = {name: getattr(body, name) if name in body.model_fields_set else defaults.get(name, getattr(body, name))
+                 for name in MODEL_DEFAULTED}
     try:
         return SamplingParams(
-            structured_outputs=structured,
-            max_tokens=max_tokens if max_tokens is not None else 16,
-            temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p, n=body.n,
+            **defaulted, structured_outputs=structured,
+            max_tokens=max_tokens if max_tokens is not None else defaults.get("max_tokens", 16), n=body.n,
             seed=body.seed, stop=body.stop or [], stop_token_ids=body.stop_token_ids or [],
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-            repetition_penalty=body.repetition_penalty, ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
+            ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=body.logit_bias or {},
             allowed_token_ids=body.allowed_token_ids, bad_words=body.bad_words or [],
             include_stop_str_in_output=body.include_stop_str_in_output, skip_special_tokens=body.skip_special_tokens,
@@ -300,6 +306,9 @@ def create_app(engine: AsyncEngine, model_name: str, shutdown_grace: float = 10.
     app = FastAPI(title="llm-engine-builder runner", version="0.1.0", lifespan=lifespan)
     llm = engine.engine
     created = int(time.time())
+    defaults = llm.sampling_defaults  # the model's recommended sampling, for what a request leaves unset
+    # a chat answer without a limit may use the rest of the context (OpenAI's and vLLM's default), or the model's own
+    default_limit = defaults.get("max_tokens", llm.max_seq_len)
 
     if api_key is not None:
         expected = f"Bearer {api_key}".encode()
@@ -418,7 +427,7 @@ def create_app(engine: AsyncEngine, model_name: str, shutdown_grace: float = 10.
         # max_tokens 0 with echo returns the prompt alone (OpenAI's legacy way to score a text)
         if body.max_tokens == 0 and not body.echo:
             raise APIError(400, "max_tokens must be >= 1 (0 only with echo: the prompt alone)", param="max_tokens")
-        params = _sampling(body, body.max_tokens, body.logprobs, body.logprobs if body.echo else None)
+        params = _sampling(body, body.max_tokens, body.logprobs, defaults, body.logprobs if body.echo else None)
         prompts = _completion_prompts(body.prompt)
         # off the event loop: a first structured-output request imports xgrammar (~1.5 s, torch and transformers)
         groups = await asyncio.to_thread(lambda: [make_requests(text, ids, params, body) for text, ids in prompts])
@@ -431,8 +440,7 @@ def create_app(engine: AsyncEngine, model_name: str, shutdown_grace: float = 10.
     async def chat(body: ChatBody, http: Request):
         check_model(body)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        # without a limit a chat answer may use the rest of the context (OpenAI's and vLLM's chat default), not 16
-        limit = next((v for v in (body.max_completion_tokens, body.max_tokens) if v is not None), llm.max_seq_len)
+        limit = next((v for v in (body.max_completion_tokens, body.max_tokens) if v is not None), default_limit)
         if limit == 0:
             raise APIError(400, "max_tokens must be >= 1", param="max_tokens")
         try:
@@ -445,7 +453,7 @@ def create_app(engine: AsyncEngine, model_name: str, shutdown_grace: float = 10.
         echo = _message_text(last.content) if body.echo and last.role == "assistant" else ""
         if echo and (tools is not None or auto is not None):
             raise APIError(400, "echo cannot be combined with tool calls", param="echo")
-        params = _sampling(body, limit, logprobs, tools=tools)
+        params = _sampling(body, limit, logprobs, defaults, tools=tools)
         groups = await asyncio.to_thread(
             lambda: [make_requests(chat_prompt(body, tools=body.tools, documents=body.documents), None, params, body)])
         as_ids = body.return_tokens_as_token_ids
@@ -476,8 +484,8 @@ def create_app(engine: AsyncEngine, model_name: str, shutdown_grace: float = 10.
         except ToolRequestError as err:
             raise APIError(400, str(err), param=err.field) from None
         auto = auto_tool_parser(tools_asked, tool_choice)
-        limit = next((v for v in (body.max_output_tokens, body.max_tokens) if v is not None), llm.max_seq_len)
-        params = _sampling(body, limit, logprobs, tools=tools)
+        limit = next((v for v in (body.max_output_tokens, body.max_tokens) if v is not None), default_limit)
+        params = _sampling(body, limit, logprobs, defaults, tools=tools)
         groups = await asyncio.to_thread(
             lambda: [make_requests(apply_template(turns, "input", tools=tools_asked), None, params, body)])
         request = groups[0][0]

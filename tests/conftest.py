@@ -94,3 +94,24 @@ def tiny_draft_head(tmp_path_factory, engine_factory):
     )
     facts = train_drafter(options, log=lambda line: None)
     return out, facts
+
+
+RECOMMENDED_SAMPLING = {"top_k": 1, "repetition_penalty": 1.3, "max_new_tokens": 5}  # (top_k 1: deterministic)
+
+
+@pytest.fixture(scope="session")
+def recommending_engine(tmp_path_factory, checkpoint_factory):
+    """The tiny gqa engine built from a checkpoint whose generation_config.json recommends RECOMMENDED_SAMPLING."""
+    import json
+    import shutil
+
+    from builder.build import BuildOptions, build_engine
+
+    source = tmp_path_factory.mktemp("recommending") / "ckpt"
+    shutil.copytree(checkpoint_factory("gqa"), source)
+    generation = json.loads((source / "generation_config.json").read_text())
+    (source / "generation_config.json").write_text(json.dumps({**generation, **RECOMMENDED_SAMPLING}))
+    out = source.parent / "engine"
+    build_engine(BuildOptions(str(source), out, "fp32", 256, 4, 32), log=lambda line: None)
+    return out
+

@@ -78,9 +78,11 @@ def make_checkpoint(directory: Path, name: str = "gqa", seed: int = 0, shards: i
     return directory
 
 
-def make_gguf(path: Path, checkpoint: Path, linear_type: str = "Q4_1", embedding_type: str = "Q8_0") -> Path:
+def make_gguf(path: Path, checkpoint: Path, linear_type: str = "Q4_1", embedding_type: str = "Q8_0",
+              sampling: dict[str, float] | None = None) -> Path:
     """The tiny HF checkpoint written as llama.cpp would: GGUF names, Q/K rows permuted, linears and the (tied)
-    embedding block-quantized by gguf-py's own quantizer, tokenizer and chat template in the metadata."""
+    embedding block-quantized by gguf-py's own quantizer, tokenizer and chat template in the metadata; `sampling`:
+    general.sampling.* keys (float32 values; top_k int32)."""
     import gguf
     import numpy as np
     import torch
@@ -112,6 +114,8 @@ def make_gguf(path: Path, checkpoint: Path, linear_type: str = "Q4_1", embedding
     writer.add_bos_token_id(config.bos_token_id)
     writer.add_eos_token_id(config.eos_token_ids[0])
     writer.add_chat_template(CHAT_TEMPLATE)
+    for key, value in (sampling or {}).items():
+        (writer.add_int32 if isinstance(value, int) else writer.add_float32)(f"general.sampling.{key}", value)
 
     def permute(weight: np.ndarray, n_heads: int) -> np.ndarray:  # llama.cpp's convert_hf_to_gguf.py
         return weight.reshape(n_heads, 2, weight.shape[0] // n_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)

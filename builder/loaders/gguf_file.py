@@ -185,5 +185,14 @@ def load_gguf(path: Path) -> Checkpoint:
         name: t.tensor_type.name for t in reader.tensors
         if (name := hf_tensor_name(t.name)) is not None and t.tensor_type.name in EXACT_FORMS and len(t.shape) == 2
     }
-    return Checkpoint(str(path), "gguf", config, tokenizer, read_tensors, block_formats)
+    defaults = {name: meta.get(f"general.sampling.{key}") for key, name in GGUF_SAMPLING.items()}
+    return Checkpoint(str(path), "gguf", config, tokenizer, read_tensors, block_formats,
+                      {name: float(f"{value:.6g}") if isinstance(value, float) else value  # (stored as float32)
+                       for name, value in defaults.items() if value is not None})
+
+
+# a GGUF's recommended sampling (llama.cpp's general.sampling.* keys) by SamplingParams' names; penalty_last_n (the
+# window llama.cpp's repeat penalty looks back over) has no counterpart: vLLM's penalty covers prompt and output
+GGUF_SAMPLING = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+                 "penalty_repeat": "repetition_penalty"}
 

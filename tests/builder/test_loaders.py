@@ -38,6 +38,22 @@ def test_llama3_rope_scaling_is_read(checkpoint_factory):
     assert scaling is not None and scaling.factor == 8.0
 
 
+def test_recommended_sampling_from_generation_config_and_gguf(checkpoint_factory, tmp_path):
+    """generation_config.json's sampling fields as vLLM's --generation-config auto reads them (a field at
+    transformers' own default is no recommendation; max_new_tokens is max_tokens), and a GGUF's general.sampling.*."""
+    source = tmp_path / "ckpt"
+    shutil.copytree(checkpoint_factory("gqa"), source)
+    assert load_checkpoint(source).sampling_defaults == {}  # transformers writes bos / eos ids only
+    generation = json.loads((source / "generation_config.json").read_text())
+    generation.update(temperature=0.6, top_p=0.9, top_k=50, repetition_penalty=1.0, min_p=0.05, max_new_tokens=64)
+    (source / "generation_config.json").write_text(json.dumps(generation))
+    assert load_checkpoint(source).sampling_defaults == {"temperature": 0.6, "top_p": 0.9, "min_p": 0.05, "max_tokens": 64}
+    from tests.tiny_checkpoint import make_gguf
+
+    gguf = make_gguf(tmp_path / "tiny.gguf", source, sampling={"temp": 0.7, "top_k": 20, "penalty_repeat": 1.1})
+    assert load_checkpoint(gguf).sampling_defaults == {"temperature": 0.7, "top_k": 20, "repetition_penalty": 1.1}
+
+
 def test_missing_path():
     with pytest.raises(CheckpointError, match="not found"):
         load_checkpoint("/nonexistent/model")

@@ -68,6 +68,21 @@ def test_a_chat_template_of_ones_own_per_call_or_per_engine(llm, engine_factory)
         read_chat_template("no/such/template.jinja")
 
 
+def test_the_models_recommended_sampling_is_the_default(recommending_engine):
+    """generation_config "auto" (vLLM's default): without SamplingParams, generate / stream / chat sample as the
+    model's generation_config.json recommends (here top_k 1, repetition_penalty 1.3, max_new_tokens 5); "vllm":
+    SamplingParams()."""
+    llm = LLM(recommending_engine)
+    assert llm.get_default_sampling_params() == SamplingParams(top_k=1, repetition_penalty=1.3, max_tokens=5)
+    out = llm.generate("hello")[0]
+    assert len(out.token_ids) <= 5
+    assert out.token_ids == llm.generate("hello", SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=5))[0].token_ids
+    assert "".join(llm.stream("hello")) == out.text
+    assert LLM(recommending_engine, generation_config="vllm").get_default_sampling_params() == SamplingParams()
+    with pytest.raises(ValueError, match="generation_config"):
+        LLM(recommending_engine, generation_config="hf")
+
+
 def test_stop_string_cuts_the_text(llm):
     full = llm.generate("hello", SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0]
     at = next(i for i in range(3, len(full.text) - 3) if full.text.find(full.text[i:i + 3]) == i)

@@ -27,13 +27,14 @@ def free_port() -> int:
 
 class LiveServer:
     def __init__(self, engine_dir, max_batch=None, max_waiting=64, enable_prefix_caching=False, api_key=None,
-                 speculative_max_rows=1, tool_call_parser=None, chat_template=None) -> None:
+                 speculative_max_rows=1, tool_call_parser=None, chat_template=None, generation_config="auto") -> None:
         import uvicorn
 
         from runner.server import create_app
 
         engine = LLMEngine(engine_dir, max_batch=max_batch, enable_prefix_caching=enable_prefix_caching,
-                           speculative_max_rows=speculative_max_rows, chat_template=chat_template)
+                           speculative_max_rows=speculative_max_rows, chat_template=chat_template,
+                           generation_config=generation_config)
         self.engine = AsyncEngine(engine, max_waiting=max_waiting)
         self.port = free_port()
         app = create_app(self.engine, MODEL, shutdown_grace=2.0, api_key=api_key, tool_call_parser=tool_call_parser)
@@ -377,6 +378,32 @@ def test_responses_api_tools_and_bad_requests(server):
         respond(server, [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}])
     with pytest.raises(openai.NotFoundError):
         server.client.responses.create(model="gpt-9", input="hello")
+
+
+def test_fields_a_request_leaves_unset_take_the_models_recommended_values(recommending_engine):
+    """As vLLM's --generation-config auto: the model recommends top_k 1, repetition_penalty 1.3 and at most 5 new
+    tokens, so a request that sets none of them gets the greedy answer under that penalty; what a request sets wins;
+    --generation-config vllm restores vLLM's defaults."""
+    live = LiveServer(recommending_engine)
+    try:
+        eos = {"ignore_eos": True}
+        unset = live.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello"}], extra_body=eos)
+        explicit = chat(live, max_tokens=5, extra_body={**eos, "repetition_penalty": 1.3})
+        assert unset.choices[0].message.content == explicit.choices[0].message.content
+        assert unset.usage.completion_tokens == 5
+        assert chat(live, max_tokens=9, extra_body=eos).usage.completion_tokens == 9
+        responses = live.client.responses.create(model=MODEL, input="hello", extra_body=eos)
+        assert responses.output_text == explicit.choices[0].message.content
+        completion = live.client.completions.create(model=MODEL, prompt="hello", extra_body=eos)
+        assert completion.usage.completion_tokens == 5  # (not the completions API's 16)
+    finally:
+        live.stop()
+    live = LiveServer(recommending_engine, generation_config="vllm")
+    try:
+        answer = live.client.completions.create(model=MODEL, prompt="hello", extra_body={"ignore_eos": True})
+        assert answer.usage.completion_tokens == 16
+    finally:
+        live.stop()
 
 
 def test_tokenize_and_detokenize_count_what_the_endpoints_send(server):
