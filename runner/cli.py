@@ -151,6 +151,23 @@ def stream_reply(llm: LLM, prompt_ids: list[int], params: SamplingParams, stats:
     return request
 
 
+def origin_list(values: tuple[str, ...]) -> list[str]:
+    """--allowed-origins, repeated or as a JSON list (vLLM's form)."""
+    import json
+
+    origins = []
+    for value in values:
+        if value.lstrip().startswith("["):
+            try:
+                listed = json.loads(value)
+            except json.JSONDecodeError as err:
+                raise click.BadParameter(f"not a JSON list: {err}", param_hint="--allowed-origins") from None
+            origins += [str(v) for v in listed]
+        else:
+            origins.append(value)
+    return origins
+
+
 PADDED_ROWS_NOTE = ("note: a lone request runs as two rows: this engine's quantized matmuls round one row differently "
                     "from several on this machine, and padding keeps greedy answers the same alone or batched "
                     "(--max-batch 1 turns it off)")
@@ -183,9 +200,19 @@ PADDED_ROWS_NOTE = ("note: a lone request runs as two rows: this engine's quanti
 @click.option("--generation-config", type=click.Choice(["auto", "vllm"]), default="auto", show_default=True,
               help="auto: sampling fields a request leaves unset take the values the model recommends (its "
                    "generation_config.json or GGUF sampling keys, see `runner info`); vllm: vLLM's own defaults.")
+@click.option("--max-model-len", type=int, default=None,
+              help="Serve sequences (prompt + output) up to this length, below the engine's --max-seq-len.")
+@click.option("--allowed-origins", multiple=True, help="Browser origins allowed to call the API (CORS), repeated or as "
+              "a JSON list (vLLM's form); '*' for any. Default: none (no cross-origin browser calls).")
+@click.option("--root-path", default="", help="The path prefix a proxy serves the API under.")
+@click.option("--ssl-keyfile", type=click.Path(exists=True, dir_okay=False), default=None, help="Serve HTTPS with this key...")
+@click.option("--ssl-certfile", type=click.Path(exists=True, dir_okay=False), default=None, help="...and this certificate.")
+@click.option("--uvicorn-log-level", type=click.Choice(["critical", "error", "warning", "info", "debug", "trace"]),
+              default="warning", show_default=True, help="info: a line per request.")
 def serve(engine, host, port, max_batch, max_waiting, threads, model_name, shutdown_grace, enable_prefix_caching,
           api_key, speculative_max_rows, tool_call_parser, enable_auto_tool_choice, chat_template,
-          generation_config) -> None:
+          generation_config, max_model_len, allowed_origins, root_path, ssl_keyfile, ssl_certfile,
+          uvicorn_log_level) -> None:
     """Serve ENGINE with an OpenAI-compatible HTTP API."""
     import uvicorn
 
@@ -194,22 +221,28 @@ def serve(engine, host, port, max_batch, max_waiting, threads, model_name, shutd
 
     if enable_auto_tool_choice and tool_call_parser is None:
         raise click.UsageError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(PARSERS)})")
+    if (ssl_keyfile is None) != (ssl_certfile is None):
+        raise click.UsageError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
+    origins = origin_list(allowed_origins)
     with exit_on(ArtifactError, ValueError):
         template = None if chat_template is None else read_chat_template(chat_template)
         llm_engine = LLMEngine(engine, threads=threads, max_batch=max_batch, enable_prefix_caching=enable_prefix_caching,
                                speculative_max_rows=speculative_max_rows or None, chat_template=template,
-                               generation_config=generation_config)
+                               generation_config=generation_config, max_model_len=max_model_len)
     async_engine = AsyncEngine(llm_engine, max_waiting=max_waiting)
     name = model_name or Path(engine).resolve().name
-    app = create_app(async_engine, name, shutdown_grace, api_key, tool_call_parser)
-    click.echo(f"serving {name!r} ({llm_engine.scheduler.max_rows} rows, max_seq_len {llm_engine.max_seq_len}) on http://{host}:{port}/v1", err=True)
+    app = create_app(async_engine, name, shutdown_grace, api_key, tool_call_parser, origins)
+    scheme = "https" if ssl_certfile else "http"
+    click.echo(f"serving {name!r} ({llm_engine.scheduler.max_rows} rows, max_seq_len {llm_engine.max_seq_len}) on "
+               f"{scheme}://{host}:{port}/v1", err=True)
     if llm_engine.executor.min_rows > 1:
         click.echo(PADDED_ROWS_NOTE, err=True)
     if llm_engine.sampling_defaults:
         recommended = ", ".join(f"{k}={v}" for k, v in llm_engine.sampling_defaults.items())
         click.echo(f"note: requests that leave them unset sample with the model's recommended {recommended} "
                    "(--generation-config vllm: vLLM's own defaults)", err=True)
-    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=shutdown_grace)
+    uvicorn.run(app, host=host, port=port, log_level=uvicorn_log_level, timeout_graceful_shutdown=shutdown_grace,
+                root_path=root_path, ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile)
 
 
 @main.command()

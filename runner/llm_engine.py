@@ -61,17 +61,22 @@ class LLMEngine:
         self, engine_dir: str | Path, threads: int | None = None, verify_checksums: bool = True, max_batch: int | None = None,
         profile_prefix: str | None = None, enable_prefix_caching: bool = False,
         speculative_max_rows: int | None = DEFAULT_SPECULATIVE_MAX_ROWS, chat_template: str | None = None,
-        generation_config: str = "auto",
+        generation_config: str = "auto", max_model_len: int | None = None,
     ) -> None:
         """`chat_template`: a Jinja chat template used instead of the artifact's (vLLM's --chat-template).
         `generation_config`: "auto", the sampling parameters the model recommends (the manifest's sampling_defaults)
-        are the defaults of what a request leaves unset; "vllm": vLLM's own defaults (vLLM's --generation-config)."""
+        are the defaults of what a request leaves unset; "vllm": vLLM's own defaults (vLLM's --generation-config).
+        `max_model_len`: serve shorter sequences (prompt + output) than the engine was built for (vLLM's flag)."""
         if generation_config not in ("auto", "vllm"):
             raise ValueError(f"generation_config must be 'auto' or 'vllm', not {generation_config!r}")
         self.artifact = open_artifact(engine_dir, verify_checksums=verify_checksums)
         manifest = self.artifact.manifest
         self.manifest = manifest
         self.sampling_defaults = dict(manifest.sampling_defaults) if generation_config == "auto" else {}
+        if max_model_len is not None and not 2 <= max_model_len <= manifest.max_seq_len:
+            raise ValueError(f"max_model_len must be in [2, {manifest.max_seq_len}] for this engine (built with --max-seq-len "
+                             f"{manifest.max_seq_len}); got {max_model_len}")
+        self._max_model_len = max_model_len or manifest.max_seq_len
         tokenizer = manifest.tokenizer if chat_template is None else replace(manifest.tokenizer, chat_template=chat_template)
         self.codec = TextCodec(self.artifact.path(manifest.tokenizer.file), tokenizer)
         backend = open_backend(self.artifact, threads=threads, profile_prefix=profile_prefix)
@@ -101,7 +106,8 @@ class LLMEngine:
 
     @property
     def max_seq_len(self) -> int:
-        return self.manifest.max_seq_len
+        """The longest sequence (prompt + output) a request may reach."""
+        return self._max_model_len
 
     def add_request(self, prompt: str | None, prompt_token_ids: list[int] | None, params: SamplingParams) -> Request:
         request = self.new_request(prompt, prompt_token_ids, params)

@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -292,10 +293,10 @@ OPEN_PATHS = ("/health", "/metrics", "/version")  # probes and scrapers need no 
 
 
 def create_app(engine: AsyncEngine, model_name: str, shutdown_grace: float = 10.0, api_key: str | None = None,
-               tool_call_parser: str | None = None) -> FastAPI:
+               tool_call_parser: str | None = None, allowed_origins: list[str] | None = None) -> FastAPI:
     """`api_key`: when set, every route but OPEN_PATHS wants `Authorization: Bearer <api_key>` (401 otherwise).
     `tool_call_parser` (a name in runner/tool_parsers.PARSERS): read the calls the model makes by itself, which
-    serves tool_choice "auto"."""
+    serves tool_choice "auto". `allowed_origins`: the browser origins (CORS) that may call the API ("*": any)."""
     parser = None if tool_call_parser is None else PARSERS[tool_call_parser]
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -319,6 +320,9 @@ def create_app(engine: AsyncEngine, model_name: str, shutdown_grace: float = 10.
             if http.url.path not in OPEN_PATHS and not hmac.compare_digest(given, expected):
                 return error_response(401, "invalid or missing API key (Authorization: Bearer ...)", "invalid_request_error")
             return await call_next(http)
+
+    if allowed_origins:  # added last, so outermost: a browser's preflight is answered before the API key check
+        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"], allow_headers=["*"])
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, err: APIError) -> JSONResponse:

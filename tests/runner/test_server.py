@@ -27,17 +27,19 @@ def free_port() -> int:
 
 class LiveServer:
     def __init__(self, engine_dir, max_batch=None, max_waiting=64, enable_prefix_caching=False, api_key=None,
-                 speculative_max_rows=1, tool_call_parser=None, chat_template=None, generation_config="auto") -> None:
+                 speculative_max_rows=1, tool_call_parser=None, chat_template=None, generation_config="auto",
+                 allowed_origins=None, max_model_len=None) -> None:
         import uvicorn
 
         from runner.server import create_app
 
         engine = LLMEngine(engine_dir, max_batch=max_batch, enable_prefix_caching=enable_prefix_caching,
                            speculative_max_rows=speculative_max_rows, chat_template=chat_template,
-                           generation_config=generation_config)
+                           generation_config=generation_config, max_model_len=max_model_len)
         self.engine = AsyncEngine(engine, max_waiting=max_waiting)
         self.port = free_port()
-        app = create_app(self.engine, MODEL, shutdown_grace=2.0, api_key=api_key, tool_call_parser=tool_call_parser)
+        app = create_app(self.engine, MODEL, shutdown_grace=2.0, api_key=api_key, tool_call_parser=tool_call_parser,
+                         allowed_origins=allowed_origins)
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -96,12 +98,23 @@ def test_chat_streaming_equals_non_streaming_with_usage(server):
     assert chunks[-2].choices[0].finish_reason == "length"
 
 
-def test_chat_without_max_tokens_may_use_the_rest_of_the_context(server):
+def test_chat_without_max_tokens_may_use_the_rest_of_the_context(server, engine_factory):
     answer = server.client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "hello"}], temperature=0.0, extra_body={"ignore_eos": True},
     )
     assert answer.choices[0].finish_reason == "length"
     assert answer.usage.prompt_tokens + answer.usage.completion_tokens == server.engine.engine.max_seq_len
+    live = LiveServer(engine_factory("gqa"), max_model_len=40)  # vLLM's --max-model-len: shorter than the build's
+    try:
+        assert live.client.models.retrieve(MODEL).max_model_len == 40
+        answer = chat(live, max_tokens=None, extra_body={"ignore_eos": True})
+        assert answer.usage.prompt_tokens + answer.usage.completion_tokens == 40
+        with pytest.raises(openai.BadRequestError, match="40"):
+            chat(live, "hello " * 40)
+    finally:
+        live.stop()
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLMEngine(engine_factory("gqa"), max_model_len=10_000)
 
 
 def test_completions_streaming_and_not(server):
@@ -580,8 +593,17 @@ def test_prefix_caching_reports_cached_prompt_tokens_in_usage_and_metrics(engine
 
 
 def test_an_api_key_guards_every_route_but_health_and_metrics(engine_factory):
-    live = LiveServer(engine_factory("gqa"), api_key="s3cret")
+    """And browsers: an allowed origin's preflight is answered (without the key, which browsers do not send on
+    one), other origins get no CORS grant."""
+    live = LiveServer(engine_factory("gqa"), api_key="s3cret", allowed_origins=["http://ui.example"])
     try:
+        preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+        allowed = httpx.options(f"{live.url}/v1/chat/completions", headers={"Origin": "http://ui.example", **preflight})
+        assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == "http://ui.example"
+        other = httpx.options(f"{live.url}/v1/chat/completions", headers={"Origin": "http://evil.example", **preflight})
+        assert "access-control-allow-origin" not in other.headers
+        keyed = httpx.get(f"{live.url}/v1/models", headers={"Origin": "http://ui.example", "Authorization": "Bearer s3cret"})
+        assert keyed.status_code == 200 and keyed.headers["access-control-allow-origin"] == "http://ui.example"
         assert chat(live).choices[0].message.content is not None  # the client sends it
         wrong = openai.OpenAI(base_url=f"{live.url}/v1", api_key="guess", max_retries=0)
         with pytest.raises(openai.AuthenticationError, match="API key"):
