@@ -493,7 +493,7 @@ def create_app(engine: AsyncEngine, model_name: str, shutdown_grace: float = 10.
         groups = await asyncio.to_thread(
             lambda: [make_requests(apply_template(turns, "input", tools=tools_asked), None, params, body)])
         request = groups[0][0]
-        head = _response_head(body, tool_choice)
+        head = _response_head(body, params)
         output = ResponseOutput(tools, auto)
 
         def api_logprobs(start: int) -> list[dict]:
@@ -585,14 +585,15 @@ def _responses_api_error(err: ResponsesError) -> APIError:
     return APIError(err.status, str(err), "not_found_error" if err.status == 404 else "invalid_request_error", err.param)
 
 
-def _response_head(body: ResponsesBody, tool_choice) -> dict:
-    """A response's fields that do not depend on its answer (as in response.created)."""
+def _response_head(body: ResponsesBody, params: SamplingParams) -> dict:
+    """A response's fields that do not depend on its answer (as in response.created); temperature and top_p as
+    sampled (the model's recommended values where the request set none)."""
     return {
         "id": f"resp_{body.request_id or uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()),
         "model": body.model, "status": "in_progress", "output": [], "error": None, "incomplete_details": None,
         "instructions": body.instructions, "max_output_tokens": body.max_output_tokens, "metadata": body.metadata or {},
         "parallel_tool_calls": body.parallel_tool_calls, "previous_response_id": body.previous_response_id,
-        "reasoning": None, "store": body.store, "temperature": body.temperature, "top_p": body.top_p,
+        "reasoning": None, "store": body.store, "temperature": params.temperature, "top_p": params.top_p,
         "top_logprobs": body.top_logprobs, "text": {"format": (body.text or {}).get("format") or {"type": "text"}},
         "tool_choice": body.tool_choice or "auto", "tools": body.tools or [], "truncation": body.truncation,
         "user": body.user, "usage": None,
