@@ -42,6 +42,8 @@ def chat_turns(input_items: str | list, instructions: str | None, earlier: list[
     """-> (the turns the chat template reads, the turns this request adds to the conversation): `earlier` is the
     stored conversation of `previous_response_id` (empty without one)."""
     items = [{"role": "user", "content": input_items}] if isinstance(input_items, str) else input_items
+    if not items:
+        raise ResponsesError("input is empty", "input")
     added: list[dict] = []
     for item in items:
         if not isinstance(item, dict):
@@ -77,7 +79,8 @@ def _text(content) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
-        raise ResponsesError("a message's content must be a string or a list of parts", "input")
+        raise ResponsesError("a message's content (a function_call_output's output) must be a string or a list of "
+                             "text parts", "input")
     parts = []
     for part in content:
         if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):

@@ -30,7 +30,8 @@ def test_input_items_become_chat_turns():
     assert chat_turns("hello", None, []) == ([{"role": "user", "content": "hello"}],) * 2
     for items, message in (([{"type": "reasoning"}], "not supported"), ([{"role": "robot", "content": "x"}], "role"),
                            ([{"role": "user", "content": [{"type": "input_file"}]}], "text only"),
-                           ([{"type": "function_call", "name": "f"}], "call_id"), (["text"], "object")):
+                           ([{"type": "function_call", "name": "f"}], "call_id"), (["text"], "object"), ([], "empty"),
+                           ([{"type": "function_call_output", "call_id": "c", "output": 5}], "output")):
         with pytest.raises(ResponsesError, match=message):
             chat_turns(items, None, [])
 
