@@ -553,23 +553,27 @@ def test_a_disconnected_stream_frees_its_row(engine_factory):
     live = LiveServer(engine_factory("gqa"), max_batch=1)
     try:
         scheduler = live.engine.engine.scheduler
-        with httpx.stream("POST", f"{live.url}/v1/completions", json={
-            "model": MODEL, "prompt": "hello", "max_tokens": 200, "stream": True, "ignore_eos": True, "temperature": 0,
-        }) as response:
-            lines = response.iter_lines()
-            assert next(lines).startswith("data: ")
-        # the one row was taken by the abandoned stream; the next request is served only if it was freed
-        def freed() -> bool:
-            metrics = httpx.get(f"{live.url}/metrics").text
-            return not scheduler.running and "engine_requests_running 0.0" in metrics
+        streams = (("/v1/completions", {"prompt": "hello", "max_tokens": 200}, "data: "),
+                   ("/v1/responses", {"input": "hello", "max_output_tokens": 200}, "event: "))
+        for aborted, (path, fields, first_line) in enumerate(streams, start=1):
+            with httpx.stream("POST", f"{live.url}{path}", json={
+                "model": MODEL, **fields, "stream": True, "ignore_eos": True, "temperature": 0,
+            }) as response:
+                lines = response.iter_lines()
+                assert next(lines).startswith(first_line)
+            # the one row was taken by the abandoned stream; the next request is served only if it was freed
+            def freed() -> bool:
+                metrics = httpx.get(f"{live.url}/metrics").text
+                return not scheduler.running and "engine_requests_running 0.0" in metrics
 
-        deadline = time.monotonic() + 10
-        while not freed() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert freed()
-        assert live.engine.engine.executor.cache.resident_bytes() == 0  # its pages are handed back
-        assert chat(live, max_tokens=3).choices[0].finish_reason in ("length", "stop")
-        assert 'engine_requests_finished_total{finish_reason="abort"} 1.0' in httpx.get(f"{live.url}/metrics").text
+            deadline = time.monotonic() + 10
+            while not freed() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert freed()
+            assert live.engine.engine.executor.cache.resident_bytes() == 0  # its pages are handed back
+            assert chat(live, max_tokens=3).choices[0].finish_reason in ("length", "stop")
+            metrics = httpx.get(f"{live.url}/metrics").text
+            assert f'engine_requests_finished_total{{finish_reason="abort"}} {aborted}.0' in metrics
     finally:
         live.stop()
 
