@@ -173,35 +173,65 @@ PADDED_ROWS_NOTE = ("note: a lone request runs as two rows: this engine's quanti
                     "(--max-batch 1 turns it off)")
 
 
+def served_engine_options(command):
+    """The options `serve` and `run-batch` share: how the engine runs and reads requests."""
+    options = [
+        click.option("--max-batch", "--max-num-seqs", "max_batch", type=int, default=None,
+                     help="Requests decoded together (default: the engine's largest bucket; --max-num-seqs is vLLM's name)."),
+        click.option("--threads", type=int, default=None, help="CPU threads (default: onnxruntime's choice)."),
+        click.option("--model-name", "--served-model-name", "model_name", default=None,
+                     help="Name requests give in `model` (default: the engine directory's name; --served-model-name is vLLM's)."),
+        click.option("--enable-prefix-caching", is_flag=True, help="Start a prompt after the longest prefix a cache row "
+                     "holds from an earlier or running request (a chat's earlier turns, a shared system prompt); greedy "
+                     "tokens may then differ at near-ties."),
+        click.option("--speculative-max-rows", type=click.IntRange(min=0), default=DEFAULT_SPECULATIVE_MAX_ROWS,
+                     show_default=True, help="A speculative engine verifies drafts only in steps with at most this many "
+                     "generating rows (0: in every step); busier steps decode plain, which is faster under load."),
+        click.option("--tool-call-parser", type=click.Choice(list(PARSERS)), default=None,
+                     help="Read the tool calls the model makes in its family's syntax, which serves tool_choice \"auto\" "
+                          "(hermes: <tool_call> blocks, Qwen2.5 / Hermes; llama3_json: Llama 3.1+; pythonic: [f(x=1)], "
+                          "Llama 3.2 / 4 pythonic templates)."),
+        click.option("--enable-auto-tool-choice", is_flag=True, help="vLLM's flag for the same; needs --tool-call-parser."),
+        click.option("--chat-template", default=None, help=CHAT_TEMPLATE_HELP + " (e.g. one that shows the model its tools)"),
+        click.option("--generation-config", type=click.Choice(["auto", "vllm"]), default="auto", show_default=True,
+                     help="auto: sampling fields a request leaves unset take the values the model recommends (its "
+                          "generation_config.json or GGUF sampling keys, see `runner info`); vllm: vLLM's own defaults."),
+        click.option("--max-model-len", type=int, default=None,
+                     help="Serve sequences (prompt + output) up to this length, below the engine's --max-seq-len."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def open_served_engine(engine, max_batch, threads, model_name, enable_prefix_caching, speculative_max_rows,
+                       tool_call_parser, enable_auto_tool_choice, chat_template, generation_config, max_model_len):
+    """-> (LLMEngine, the name requests use) from the served_engine_options, with what the engine says at start
+    on stderr."""
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise click.UsageError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(PARSERS)})")
+    with exit_on(ArtifactError, ValueError):
+        template = None if chat_template is None else read_chat_template(chat_template)
+        llm_engine = LLMEngine(engine, threads=threads, max_batch=max_batch, enable_prefix_caching=enable_prefix_caching,
+                               speculative_max_rows=speculative_max_rows or None, chat_template=template,
+                               generation_config=generation_config, max_model_len=max_model_len)
+    if llm_engine.executor.min_rows > 1:
+        click.echo(PADDED_ROWS_NOTE, err=True)
+    if llm_engine.sampling_defaults:
+        recommended = ", ".join(f"{k}={v}" for k, v in llm_engine.sampling_defaults.items())
+        click.echo(f"note: requests that leave them unset sample with the model's recommended {recommended} "
+                   "(--generation-config vllm: vLLM's own defaults)", err=True)
+    return llm_engine, model_name or Path(engine).resolve().name
+
+
 @main.command()
 @click.argument("engine", type=click.Path())
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=int, default=8000, show_default=True)
-@click.option("--max-batch", "--max-num-seqs", "max_batch", type=int, default=None,
-              help="Requests decoded together (default: the engine's largest bucket; --max-num-seqs is vLLM's name).")
 @click.option("--max-waiting", type=int, default=64, show_default=True, help="Queued requests before answering 503.")
-@click.option("--threads", type=int, default=None, help="CPU threads (default: onnxruntime's choice).")
-@click.option("--model-name", "--served-model-name", "model_name", default=None,
-              help="Name clients use in `model` (default: the engine directory's name; --served-model-name is vLLM's).")
 @click.option("--shutdown-grace", type=float, default=10.0, show_default=True, help="Seconds running requests get to finish on shutdown.")
-@click.option("--enable-prefix-caching", is_flag=True, help="Start a prompt after the longest prefix a cache row holds "
-              "from an earlier or running request (a chat's earlier turns); greedy tokens may then differ at near-ties.")
 @click.option("--api-key", envvar="RUNNER_API_KEY", default=None,
               help="Require `Authorization: Bearer KEY` on every route but /health and /metrics (or set RUNNER_API_KEY).")
-@click.option("--speculative-max-rows", type=click.IntRange(min=0), default=DEFAULT_SPECULATIVE_MAX_ROWS, show_default=True,
-              help="A speculative engine verifies drafts only in steps with at most this many generating rows "
-                   "(0: in every step); busier steps decode plain, which is faster under load.")
-@click.option("--tool-call-parser", type=click.Choice(list(PARSERS)), default=None,
-              help="Read the tool calls the model makes in its family's syntax, which serves tool_choice \"auto\" "
-                   "(hermes: <tool_call> blocks, Qwen2.5 / Hermes; llama3_json: Llama 3.1+; pythonic: [f(x=1)], "
-                   "Llama 3.2 / 4 pythonic templates).")
-@click.option("--enable-auto-tool-choice", is_flag=True, help="vLLM's flag for the same; needs --tool-call-parser.")
-@click.option("--chat-template", default=None, help=CHAT_TEMPLATE_HELP + " (e.g. one that shows the model its tools)")
-@click.option("--generation-config", type=click.Choice(["auto", "vllm"]), default="auto", show_default=True,
-              help="auto: sampling fields a request leaves unset take the values the model recommends (its "
-                   "generation_config.json or GGUF sampling keys, see `runner info`); vllm: vLLM's own defaults.")
-@click.option("--max-model-len", type=int, default=None,
-              help="Serve sequences (prompt + output) up to this length, below the engine's --max-seq-len.")
 @click.option("--allowed-origins", multiple=True, help="Browser origins allowed to call the API (CORS), repeated or as "
               "a JSON list (vLLM's form); '*' for any. Default: none (no cross-origin browser calls).")
 @click.option("--root-path", default="", help="The path prefix a proxy serves the API under.")
@@ -209,40 +239,62 @@ PADDED_ROWS_NOTE = ("note: a lone request runs as two rows: this engine's quanti
 @click.option("--ssl-certfile", type=click.Path(exists=True, dir_okay=False), default=None, help="...and this certificate.")
 @click.option("--uvicorn-log-level", type=click.Choice(["critical", "error", "warning", "info", "debug", "trace"]),
               default="warning", show_default=True, help="info: a line per request.")
-def serve(engine, host, port, max_batch, max_waiting, threads, model_name, shutdown_grace, enable_prefix_caching,
-          api_key, speculative_max_rows, tool_call_parser, enable_auto_tool_choice, chat_template,
-          generation_config, max_model_len, allowed_origins, root_path, ssl_keyfile, ssl_certfile,
-          uvicorn_log_level) -> None:
+@served_engine_options
+def serve(engine, host, port, max_waiting, shutdown_grace, api_key, allowed_origins, root_path, ssl_keyfile,
+          ssl_certfile, uvicorn_log_level, tool_call_parser, **engine_options) -> None:
     """Serve ENGINE with an OpenAI-compatible HTTP API."""
     import uvicorn
 
     from runner.async_engine import AsyncEngine
     from runner.server import create_app
 
-    if enable_auto_tool_choice and tool_call_parser is None:
-        raise click.UsageError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(PARSERS)})")
     if (ssl_keyfile is None) != (ssl_certfile is None):
         raise click.UsageError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
     origins = origin_list(allowed_origins)
-    with exit_on(ArtifactError, ValueError):
-        template = None if chat_template is None else read_chat_template(chat_template)
-        llm_engine = LLMEngine(engine, threads=threads, max_batch=max_batch, enable_prefix_caching=enable_prefix_caching,
-                               speculative_max_rows=speculative_max_rows or None, chat_template=template,
-                               generation_config=generation_config, max_model_len=max_model_len)
-    async_engine = AsyncEngine(llm_engine, max_waiting=max_waiting)
-    name = model_name or Path(engine).resolve().name
-    app = create_app(async_engine, name, shutdown_grace, api_key, tool_call_parser, origins)
+    llm_engine, name = open_served_engine(engine, tool_call_parser=tool_call_parser, **engine_options)
+    app = create_app(AsyncEngine(llm_engine, max_waiting=max_waiting), name, shutdown_grace, api_key, tool_call_parser,
+                     origins)
     scheme = "https" if ssl_certfile else "http"
     click.echo(f"serving {name!r} ({llm_engine.scheduler.max_rows} rows, max_seq_len {llm_engine.max_seq_len}) on "
                f"{scheme}://{host}:{port}/v1", err=True)
-    if llm_engine.executor.min_rows > 1:
-        click.echo(PADDED_ROWS_NOTE, err=True)
-    if llm_engine.sampling_defaults:
-        recommended = ", ".join(f"{k}={v}" for k, v in llm_engine.sampling_defaults.items())
-        click.echo(f"note: requests that leave them unset sample with the model's recommended {recommended} "
-                   "(--generation-config vllm: vLLM's own defaults)", err=True)
     uvicorn.run(app, host=host, port=port, log_level=uvicorn_log_level, timeout_graceful_shutdown=shutdown_grace,
                 root_path=root_path, ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile)
+
+
+@main.command("run-batch")
+@click.argument("engine", type=click.Path())
+@click.option("-i", "--input-file", type=click.File("r"), required=True,
+              help="OpenAI batch requests, one JSON per line ('-': stdin).")
+@click.option("-o", "--output-file", type=click.File("w"), required=True, help="Their results, one per line ('-': stdout).")
+@click.option("--max-in-flight", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Requests handed to the engine at once (it decodes --max-batch of them together).")
+@served_engine_options
+def run_batch(engine, input_file, output_file, max_in_flight, tool_call_parser, **engine_options) -> None:
+    """Answer a file of OpenAI Batch API requests (chat completions, completions, responses) with ENGINE, as
+    vLLM's run-batch: each result line holds what `runner serve` would have answered."""
+    import asyncio
+
+    from runner.async_engine import AsyncEngine
+    from runner.batch import run_batch as answer_batch
+    from runner.server import create_app
+
+    llm_engine, name = open_served_engine(engine, tool_call_parser=tool_call_parser, **engine_options)
+    async_engine = AsyncEngine(llm_engine, max_waiting=max_in_flight)
+    app = create_app(async_engine, name, tool_call_parser=tool_call_parser)
+    start = time.perf_counter()
+
+    def write(line: str) -> None:
+        output_file.write(line + "\n")
+        output_file.flush()
+
+    try:
+        counts = asyncio.run(answer_batch(app, input_file, write, max_in_flight))
+    finally:
+        async_engine.shutdown(0)
+    seconds = time.perf_counter() - start
+    click.echo(f"[{counts.lines} requests: {counts.answered} answered, {counts.failed} failed; "
+               f"{counts.completion_tokens} tokens generated in {seconds:.1f} s, "
+               f"{counts.completion_tokens / max(seconds, 1e-9):.1f} tok/s]", err=True)
 
 
 @main.command()
