@@ -75,6 +75,23 @@ def chat_turns(input_items: str | list, instructions: str | None, earlier: list[
     return system + earlier + added, added
 
 
+def input_items(input_items: str | list) -> list[dict]:
+    """The request's input as the API lists it back (GET /v1/responses/{id}/input_items): items with ids, message
+    content as parts (a string input is a user message with one input_text part). Read after chat_turns accepted
+    them."""
+    if isinstance(input_items, str):
+        input_items = [{"role": "user", "content": input_items}]
+    prefixes = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+    listed = []
+    for item in input_items:
+        kind = item.get("type", "message")
+        listed.append({**item, "id": item.get("id") or new_id(prefixes[kind]), "type": kind})
+        if kind == "message" and not isinstance(item.get("content"), list):
+            part = "output_text" if item["role"] == "assistant" else "input_text"
+            listed[-1]["content"] = [{"type": part, "text": item.get("content") or ""}]
+    return listed
+
+
 def _text(content) -> str:
     if content is None or isinstance(content, str):
         return content or ""
@@ -274,6 +291,21 @@ def _function_call(name: str) -> dict:
 class StoredResponse:
     response: dict
     conversation: list[dict]  # its turns and its answer's, without its instructions (previous_response_id's context)
+    input_items: list[dict]  # its request's own input, as listed back
+
+
+def page(items: list[dict], order: str, limit: int, after: str | None, before: str | None) -> dict:
+    """A list endpoint's page (OpenAI's cursor pagination: `after` / `before` an item id, `order` asc or desc)."""
+    ordered = items if order == "asc" else items[::-1]
+    ids = [item["id"] for item in ordered]
+    for cursor, name in ((after, "after"), (before, "before")):
+        if cursor is not None and cursor not in ids:
+            raise ResponsesError(f"{name}: no input item {cursor!r} in this response", name)
+    start = ids.index(after) + 1 if after is not None else 0
+    end = ids.index(before) if before is not None else len(ordered)
+    data = ordered[start:end][:limit]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": start + len(data) < end}
 
 
 class ResponseStore:
@@ -283,8 +315,8 @@ class ResponseStore:
         self.capacity = capacity
         self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
 
-    def put(self, response: dict, conversation: list[dict]) -> None:
-        self._responses[response["id"]] = StoredResponse(response, conversation)
+    def put(self, response: dict, conversation: list[dict], inputs: list[dict]) -> None:
+        self._responses[response["id"]] = StoredResponse(response, conversation, inputs)
         while len(self._responses) > self.capacity:
             self._responses.popitem(last=False)
 

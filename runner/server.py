@@ -26,7 +26,7 @@ from runner.llm_engine import PromptError, TokenEvent
 from runner.request import Request as EngineRequest
 from runner.request import TokenLogprob
 from runner.responses import (LOGPROBS_INCLUDE, ResponseOutput, ResponsesError, ResponseStore, chat_tool_choice,
-                              chat_tools, chat_turns, output_turns, response_format)
+                              chat_tools, chat_turns, input_items, output_turns, page, response_format)
 from runner.responses import usage as responses_usage
 from runner.sampling import SamplingParams
 from runner.structured import GrammarError, StructuredOutputs
@@ -506,7 +506,7 @@ def create_app(engine: AsyncEngine, model_name: str, shutdown_grace: float = 10.
                         "usage": responses_usage(len(request.prompt_token_ids), len(request.output_token_ids),
                                                  request.num_cached_tokens)}
             if body.store:
-                stored.put(response, earlier + added + output_turns(output.items))
+                stored.put(response, earlier + added + output_turns(output.items), input_items(body.input))
             return response
 
         if not body.stream:
@@ -552,6 +552,17 @@ def create_app(engine: AsyncEngine, model_name: str, shutdown_grace: float = 10.
     async def get_response(response_id: str) -> dict:
         try:
             return stored.get(response_id).response
+        except ResponsesError as err:
+            raise _responses_api_error(err) from None
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items(response_id: str, order: Literal["asc", "desc"] = "desc", limit: int = 20,
+                               after: str | None = None, before: str | None = None) -> dict:
+        """A stored response's own input items (client.responses.input_items.list)."""
+        if not 1 <= limit <= 100:
+            raise APIError(400, "limit must be in [1, 100]", param="limit")
+        try:
+            return page(stored.get(response_id).input_items, order, limit, after, before)
         except ResponsesError as err:
             raise _responses_api_error(err) from None
 

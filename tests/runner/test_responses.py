@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from runner.responses import (ResponseOutput, ResponsesError, ResponseStore, chat_tool_choice, chat_tools, chat_turns,
-                              output_turns, response_format)
+                              input_items, output_turns, page, response_format)
 from runner.tool_calls import ForcedTools
 from runner.tool_parsers import PARSERS
 
@@ -94,7 +94,7 @@ def test_a_streamed_answer_and_the_same_answer_at_once_give_the_same_items():
 def test_the_store_keeps_the_last_responses():
     store = ResponseStore(capacity=2)
     for name in "abc":
-        store.put({"id": name}, [])
+        store.put({"id": name}, [], [])
     with pytest.raises(ResponsesError) as err:
         store.get("a")
     assert err.value.status == 404
@@ -102,3 +102,21 @@ def test_the_store_keeps_the_last_responses():
     store.delete("c")
     with pytest.raises(ResponsesError):
         store.delete("c")
+
+
+def test_input_items_are_listed_back_with_ids_a_page_at_a_time():
+    listed = input_items([{"role": "user", "content": "hi"}, {"type": "function_call", "call_id": "c", "name": "f",
+                                                            "arguments": "{}"},
+                          {"type": "function_call_output", "call_id": "c", "output": "4", "id": "mine"}])
+    assert [i["type"] for i in listed] == ["message", "function_call", "function_call_output"]
+    assert listed[0]["id"].startswith("msg_") and listed[1]["id"].startswith("fc_") and listed[2]["id"] == "mine"
+    assert input_items("hi")[0]["content"] == listed[0]["content"] == [{"type": "input_text", "text": "hi"}]
+    ids = [i["id"] for i in listed]
+    first = page(listed, "desc", 2, None, None)
+    assert [i["id"] for i in first["data"]] == ids[::-1][:2] and first["has_more"]
+    rest = page(listed, "desc", 2, first["last_id"], None)
+    assert [i["id"] for i in rest["data"]] == [ids[0]] and not rest["has_more"]
+    assert [i["id"] for i in page(listed, "asc", 20, None, ids[2])["data"]] == ids[:2]
+    with pytest.raises(ResponsesError, match="after"):
+        page(listed, "asc", 20, "nope", None)
+

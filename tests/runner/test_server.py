@@ -339,6 +339,8 @@ def test_responses_chain_by_previous_response_id_and_are_stored(server):
         {"role": "user", "content": "tell me more"}])
     assert second.output_text == whole.choices[0].message.content and second.previous_response_id == first.id
     assert server.client.responses.retrieve(first.id).output_text == first.output_text
+    listed = server.client.responses.input_items.list(second.id)
+    assert [(i.type, i.content[0].text) for i in listed.data] == [("message", "tell me more")]
     server.client.responses.delete(first.id)
     for gone in (first.id, respond(server, store=False).id):
         with pytest.raises(openai.NotFoundError):
