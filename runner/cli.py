@@ -65,21 +65,32 @@ def sampling_params(json_schema, regex, choice, stop, **sampling) -> SamplingPar
     return SamplingParams(**sampling, stop=list(stop), structured_outputs=structured)
 
 
+def _chat_template(ctx, param, value: str | None) -> str | None:
+    """--chat-template's value read as vLLM reads it: a file's path, or the template itself."""
+    try:
+        return None if value is None else read_chat_template(value)
+    except ChatTemplateError as err:
+        raise click.BadParameter(str(err)) from None
+
+
 CHAT_TEMPLATE_HELP = "A Jinja chat template (a file, or the template itself) instead of the engine's."
+
+
+def chat_template_option(help_text: str = CHAT_TEMPLATE_HELP):
+    return click.option("--chat-template", default=None, callback=_chat_template, help=help_text)
 
 
 @main.command()
 @click.argument("engine", type=click.Path())
 @click.argument("prompt")
 @click.option("--chat/--no-chat", default=False, help="Wrap the prompt as a user message in the chat template.")
-@click.option("--chat-template", default=None, help=CHAT_TEMPLATE_HELP)
+@chat_template_option()
 @sampling_options
 def generate(engine, prompt, chat, chat_template, threads, stats, **sampling) -> None:
     """Generate a completion of PROMPT with ENGINE, streamed to stdout."""
     with exit_on(ArtifactError, PromptError, ChatTemplateError, ValueError):
         params = sampling_params(**sampling)
-        template = None if chat_template is None else read_chat_template(chat_template)
-        llm = LLM(engine, threads=threads, max_batch=1, chat_template=template)  # one request: no padding for batch invariance
+        llm = LLM(engine, threads=threads, max_batch=1, chat_template=chat_template)  # one request: no padding for batch invariance
         if chat:
             prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
         stream_reply(llm, llm.tokenizer.encode(prompt), params, stats)
@@ -88,7 +99,7 @@ def generate(engine, prompt, chat, chat_template, threads, stats, **sampling) ->
 @main.command()
 @click.argument("engine", type=click.Path())
 @click.option("--system", default=None, help="A system message that opens the conversation.")
-@click.option("--chat-template", default=None, help=CHAT_TEMPLATE_HELP)
+@chat_template_option()
 @sampling_options
 def chat(engine, system, chat_template, threads, stats, **sampling) -> None:
     """Chat with ENGINE: one user message per line on stdin, each reply streamed to stdout.
@@ -98,8 +109,7 @@ def chat(engine, system, chat_template, threads, stats, **sampling) -> None:
     dropped (the system message stays). `/reset` starts a new conversation; an empty line or end of input ends."""
     with exit_on(ArtifactError, ChatTemplateError, ValueError):
         params = sampling_params(**sampling)
-        template = None if chat_template is None else read_chat_template(chat_template)
-        llm = LLM(engine, threads=threads, max_batch=1, enable_prefix_caching=True, chat_template=template)
+        llm = LLM(engine, threads=threads, max_batch=1, enable_prefix_caching=True, chat_template=chat_template)
         opening = [{"role": "system", "content": system}] if system else []
         llm.tokenizer.apply_chat_template(opening)  # an engine without a chat template fails here, not mid-conversation
         llm.engine.new_requests("", [0], params)  # and so does a schema or regex that does not compile (not run)
@@ -192,7 +202,7 @@ def served_engine_options(command):
                           "(hermes: <tool_call> blocks, Qwen2.5 / Hermes; llama3_json: Llama 3.1+; pythonic: [f(x=1)], "
                           "Llama 3.2 / 4 pythonic templates)."),
         click.option("--enable-auto-tool-choice", is_flag=True, help="vLLM's flag for the same; needs --tool-call-parser."),
-        click.option("--chat-template", default=None, help=CHAT_TEMPLATE_HELP + " (e.g. one that shows the model its tools)"),
+        chat_template_option(CHAT_TEMPLATE_HELP + " (e.g. one that shows the model its tools)"),
         click.option("--generation-config", type=click.Choice(["auto", "vllm"]), default="auto", show_default=True,
                      help="auto: sampling fields a request leaves unset take the values the model recommends (its "
                           "generation_config.json or GGUF sampling keys, see `runner info`); vllm: vLLM's own defaults."),
@@ -211,9 +221,8 @@ def open_served_engine(engine, max_batch, threads, model_name, enable_prefix_cac
     if enable_auto_tool_choice and tool_call_parser is None:
         raise click.UsageError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(PARSERS)})")
     with exit_on(ArtifactError, ValueError):
-        template = None if chat_template is None else read_chat_template(chat_template)
         llm_engine = LLMEngine(engine, threads=threads, max_batch=max_batch, enable_prefix_caching=enable_prefix_caching,
-                               speculative_max_rows=speculative_max_rows or None, chat_template=template,
+                               speculative_max_rows=speculative_max_rows or None, chat_template=chat_template,
                                generation_config=generation_config, max_model_len=max_model_len)
     if llm_engine.executor.min_rows > 1:
         click.echo(PADDED_ROWS_NOTE, err=True)
