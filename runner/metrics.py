@@ -1,12 +1,15 @@
 """Prometheus metrics of one engine: queue, running requests, latencies, token throughput.
 
-Each server owns its registry (no process-global state), exported at /metrics."""
+Each server owns its registry (no process-global state), exported at /metrics, where the series vLLM also has are
+repeated under vLLM's names (`vllm:num_requests_running`, ... with its `model_name` label), so dashboards and
+autoscalers written for vLLM read this server as they are."""
 
 from __future__ import annotations
 
 import collections
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
 
 from runner.speculative import SpeculationStats
 
@@ -68,5 +71,42 @@ class EngineMetrics:
         if seconds is not None:
             self.request_latency.observe(seconds)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, model_name: str) -> bytes:
+        """The text exposition: our series, then the same ones under vLLM's names."""
+        vllm = CollectorRegistry()
+        vllm.register(_VllmNames(self.registry, model_name))
+        return generate_latest(self.registry) + generate_latest(vllm)
+
+
+# our metric -> vLLM's name for the same series (vLLM v1's, as its Grafana dashboard reads them)
+VLLM_NAMES = {
+    "engine_requests_running": "vllm:num_requests_running",
+    "engine_requests_waiting": "vllm:num_requests_waiting",
+    "engine_prompt_tokens": "vllm:prompt_tokens",
+    "engine_generation_tokens": "vllm:generation_tokens",
+    "engine_prefix_cache_hit_tokens": "vllm:prefix_cache_hits",
+    "engine_requests_finished": "vllm:request_success",
+    "engine_time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
+    "engine_inter_token_latency_seconds": "vllm:inter_token_latency_seconds",
+    "engine_request_latency_seconds": "vllm:e2e_request_latency_seconds",
+}
+
+
+class _VllmNames:
+    """A collector that reads `source` at scrape time and yields the VLLM_NAMES series renamed, labelled with
+    model_name (and vLLM's `finished_reason` for our `finish_reason`)."""
+
+    def __init__(self, source: CollectorRegistry, model_name: str) -> None:
+        self.source, self.model_name = source, model_name
+
+    def collect(self):
+        for family in self.source.collect():
+            name = VLLM_NAMES.get(family.name)
+            if name is None:
+                continue
+            renamed = Metric(name, family.documentation, family.type)
+            for sample in family.samples:
+                labels = {("finished_reason" if k == "finish_reason" else k): v for k, v in sample.labels.items()}
+                renamed.add_sample(name + sample.name[len(family.name):], {**labels, "model_name": self.model_name},
+                                   sample.value, sample.timestamp)
+            yield renamed

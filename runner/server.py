@@ -342,7 +342,7 @@ def create_app(engine: AsyncEngine, model_name: str, shutdown_grace: float = 10.
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4")
+        return Response(engine.metrics.render(model_name), media_type="text/plain; version=0.0.4")
 
     model_card = {"id": model_name, "object": "model", "created": created, "owned_by": "local", "max_model_len": llm.max_seq_len}
 

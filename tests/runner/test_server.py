@@ -85,6 +85,11 @@ def test_models_health_and_metrics(server):
                  "engine_kv_cache_resident_bytes", "engine_request_latency_seconds_bucket"):
         assert name in metrics
     assert re.search(r'engine_requests_finished_total\{finish_reason="length"\} [1-9]', metrics)
+    for vllm in ('vllm:num_requests_running{model_name="tiny"} 0.0', 'vllm:time_to_first_token_seconds_bucket{le="+Inf",model_name="tiny"}',
+                 'vllm:inter_token_latency_seconds_count{model_name="tiny"}', 'vllm:e2e_request_latency_seconds_sum',
+                 'vllm:generation_tokens_total{model_name="tiny"}', 'vllm:prompt_tokens_total{model_name="tiny"}'):
+        assert vllm in metrics  # vLLM's names for the same series, for dashboards written for vLLM
+    assert re.search(r'vllm:request_success_total\{finished_reason="length",model_name="tiny"\} [1-9]', metrics)
 
 
 def test_chat_streaming_equals_non_streaming_with_usage(server):
