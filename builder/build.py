@@ -207,7 +207,11 @@ def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> B
     checkpoint = load_checkpoint(options.source)
     config = checkpoint.config
     check_head_dim(config.head_dim)
-    max_seq_len = options.max_seq_len or min(2048, config.max_position_embeddings)
+    window = config.sliding_window or config.max_position_embeddings
+    max_seq_len = options.max_seq_len or min(2048, config.max_position_embeddings, window)
+    if max_seq_len > window:  # beyond it the model would attend to fewer positions than the engine does
+        raise ValueError(f"this model attends over a sliding window of {window} positions, which the engine does not "
+                         f"implement: build with --max-seq-len {window} or less (it equals full attention there)")
     if max_seq_len > config.max_position_embeddings:
         log(f"warning: --max-seq-len {max_seq_len} exceeds the model's {config.max_position_embeddings} positions")
     shapes = BuildShapes(

@@ -91,7 +91,7 @@ class Attention(nn.Module):
         # output is the packed qkv the fused attention kernel takes as it is
         qkv_rows = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
         self.qkv_proj = make_linear(hidden, qkv_rows, bias, dtype, quant)
-        self.o_proj = make_linear(config.num_heads * config.head_dim, hidden, bias, dtype, quant)
+        self.o_proj = make_linear(config.num_heads * config.head_dim, hidden, config.o_proj_bias, dtype, quant)
         # an int8 cache's static per-channel scales [1, kv_heads, 1, head_dim] (builder/kv_quant.py); None: the
         # cache holds the model's dtype
         self.register_buffer("k_scale", None)

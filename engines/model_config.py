@@ -33,8 +33,12 @@ class ModelConfig:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool = False
+    attention_bias: bool = False  # q, k and v projections
     mlp_bias: bool = False
+    o_proj_bias: bool = False  # Llama's attention_bias covers o_proj too; Qwen2 biases q, k, v only
+    # attention sees at most this many positions back (Mistral, Qwen2 with use_sliding_window); None: all. The
+    # engine attends to every cached position, so the builder refuses a --max-seq-len beyond it
+    sliding_window: int | None = None
     rope_scaling: RopeScaling | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)

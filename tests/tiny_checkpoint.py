@@ -29,6 +29,10 @@ CONFIGS = {
     # head_dim is set apart from hidden / heads: onnxruntime's fused attention needs a multiple of 16
     "odd": {"hidden_size": 40, "num_attention_heads": 5, "num_key_value_heads": 5, "head_dim": 16,
             "intermediate_size": 72, "num_hidden_layers": 3},
+    # Llama-shaped families transformers has its own classes for: Qwen2 biases q/k/v (not o_proj), Mistral has a
+    # sliding window (here longer than any engine the tests build)
+    "qwen2": {"model_type": "qwen2", "rope_theta": 1000000.0},
+    "mistral": {"model_type": "mistral", "sliding_window": 4096, "tie_word_embeddings": False},
 }
 
 
@@ -59,14 +63,16 @@ def make_checkpoint(directory: Path, name: str = "gqa", seed: int = 0, shards: i
         num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0,
         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
     )
-    config = transformers.LlamaConfig(**{**base, **CONFIGS[name]})
+    overrides = dict(CONFIGS[name])
+    family = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}[overrides.pop("model_type", "llama")]
+    config = getattr(transformers, f"{family}Config")(**{**base, **overrides})
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = getattr(transformers, f"{family}ForCausalLM")(config).eval()
     with torch.no_grad():  # random init is too flat to tell positions apart: widen the weights
-        for param in model.parameters():
+        for name, param in model.named_parameters():
             if param.dim() == 2:
                 param.normal_(0.0, 0.25)
-            elif "bias" in str(param):
+            elif name.endswith(".bias"):  # (transformers starts them at zero, which would test nothing)
                 param.normal_(0.0, 0.1)
     directory.mkdir(parents=True, exist_ok=True)
     max_shard = None if shards == 1 else f"{max(1, sum(p.numel() * 4 for p in model.parameters()) // shards // 1000 + 1)}KB"

@@ -88,6 +88,7 @@ def _config(meta: _Metadata, tensor_names: set[str], path: Path) -> ModelConfig:
         max_position_embeddings=int(meta.get("llama.context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
+        o_proj_bias="blk.0.attn_output.bias" in tensor_names,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),),
     )

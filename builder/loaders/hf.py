@@ -13,7 +13,8 @@ from safetensors import SafetensorError, safe_open
 from builder.loaders.checkpoint import Checkpoint, CheckpointError, TokenizerSpec
 from engines.model_config import ModelConfig, RopeScaling
 
-SUPPORTED_MODEL_TYPES = ("llama",)
+# Llama and the models that are Llama but for biases and a sliding window (the layer names are the same)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -59,13 +60,17 @@ def config_from_hf(hf: dict[str, Any], source: Path, generation: dict[str, Any] 
     if model_type not in SUPPORTED_MODEL_TYPES:
         archs = ", ".join(hf.get("architectures") or []) or "unknown"
         raise CheckpointError(
-            f"unsupported architecture in {source}: model_type={model_type!r} ({archs}); supported: llama"
+            f"unsupported architecture in {source}: model_type={model_type!r} ({archs}); supported: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     try:
         heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
         theta, scaling = _rope(hf)
         eos = _eos_ids((generation or {}).get("eos_token_id", hf.get("eos_token_id")))
+        # Qwen2 always biases q, k and v (its config has no attention_bias), never o_proj; Llama's flag covers all four
+        qkv_bias = model_type == "qwen2" or bool(hf.get("attention_bias", False))
+        window = hf.get("sliding_window") if model_type == "mistral" or hf.get("use_sliding_window") else None
         return ModelConfig(
             vocab_size=int(hf["vocab_size"]),
             hidden_size=hidden,
@@ -78,8 +83,10 @@ def config_from_hf(hf: dict[str, Any], source: Path, generation: dict[str, Any] 
             rope_theta=theta,
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=bool(hf.get("attention_bias", False)),
+            attention_bias=qkv_bias,
             mlp_bias=bool(hf.get("mlp_bias", False)),
+            o_proj_bias=model_type == "llama" and qkv_bias,
+            sliding_window=None if window is None else int(window),
             rope_scaling=scaling,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos,

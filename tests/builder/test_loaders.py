@@ -75,6 +75,23 @@ def test_unsupported_architecture(checkpoint_factory, tmp_path):
         load_checkpoint(directory)
 
 
+def test_qwen2_and_mistral_read_as_llama_with_their_biases_and_window(checkpoint_factory, tmp_path):
+    """Qwen2: q/k/v biases, none on o_proj; Mistral: a sliding window, which the engine does not implement, so a
+    build longer than it is refused (up to it, attention is the same); Qwen2's window counts only when used."""
+    from builder.build import BuildOptions, build_engine
+
+    qwen = load_checkpoint(checkpoint_factory("qwen2")).config
+    assert (qwen.attention_bias, qwen.o_proj_bias, qwen.sliding_window) == (True, False, None)
+    llama = load_checkpoint(checkpoint_factory("untied_bias")).config
+    assert (llama.attention_bias, llama.o_proj_bias) == (True, True)
+    windowed = copy_with_config(checkpoint_factory("mistral"), tmp_path / "mistral", lambda c: c.update(sliding_window=64))
+    assert load_checkpoint(windowed).config.sliding_window == 64
+    with pytest.raises(ValueError, match="sliding window of 64"):
+        build_engine(BuildOptions(str(windowed), tmp_path / "engine", "fp32", 128, 1, 32), log=lambda line: None)
+    used = copy_with_config(checkpoint_factory("qwen2"), tmp_path / "qwen", lambda c: c.update(use_sliding_window=True, sliding_window=64))
+    assert load_checkpoint(used).config.sliding_window == 64
+
+
 def test_malformed_config(checkpoint_factory, tmp_path):
     directory = copy_with_config(checkpoint_factory("gqa"), tmp_path / "broken", lambda config: config.pop("hidden_size"))
     with pytest.raises(CheckpointError, match="missing 'hidden_size'"):
