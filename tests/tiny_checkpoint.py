@@ -85,10 +85,10 @@ def make_checkpoint(directory: Path, name: str = "gqa", seed: int = 0, shards: i
 
 
 def make_gguf(path: Path, checkpoint: Path, linear_type: str = "Q4_1", embedding_type: str = "Q8_0",
-              sampling: dict[str, float] | None = None) -> Path:
-    """The tiny HF checkpoint written as llama.cpp would: GGUF names, Q/K rows permuted, linears and the (tied)
-    embedding block-quantized by gguf-py's own quantizer, tokenizer and chat template in the metadata; `sampling`:
-    general.sampling.* keys (float32 values; top_k int32)."""
+              sampling: dict[str, float] | None = None, arch: str = "llama") -> Path:
+    """The tiny HF checkpoint written as llama.cpp would: GGUF names, Q/K rows permuted (for the llama architecture,
+    as llama.cpp's converter does), linears and the (tied) embedding block-quantized by gguf-py's own quantizer,
+    tokenizer and chat template in the metadata; `sampling`: general.sampling.* keys (float32 values; top_k int32)."""
     import gguf
     import numpy as np
     import torch
@@ -100,7 +100,7 @@ def make_gguf(path: Path, checkpoint: Path, linear_type: str = "Q4_1", embedding
     tokenizer = json.loads((checkpoint / "tokenizer.json").read_text())
     weights = load_file(str(checkpoint / "model.safetensors"))
     heads, kv_heads = config.num_heads, config.num_kv_heads
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(config.num_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -139,7 +139,7 @@ def make_gguf(path: Path, checkpoint: Path, linear_type: str = "Q4_1", embedding
             _, _, layer, *rest = name.split(".")
             module = ".".join(rest[:-1])
             gguf_name, kind = f"blk.{layer}.{names[module]}.{rest[-1]}", linear_type if data.ndim == 2 else "F32"
-            if module in ("self_attn.q_proj", "self_attn.k_proj"):
+            if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
                 data = permute(data, heads if module == "self_attn.q_proj" else kv_heads)
         qtype = gguf.GGMLQuantizationType[kind]
         writer.add_tensor(gguf_name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)

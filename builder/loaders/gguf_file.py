@@ -67,25 +67,30 @@ class _Metadata:
         return value
 
 
+# GGUF architectures with Llama's layers; llama.cpp's converter permutes Q/K rows for llama only (Mistral's GGUFs are
+# "llama" too), and keys its metadata by the architecture's name
+ARCHITECTURES = ("llama", "qwen2")
+
+
 def _config(meta: _Metadata, tensor_names: set[str], path: Path) -> ModelConfig:
     arch = meta.require("general.architecture")
-    if arch != "llama":
-        raise CheckpointError(f"unsupported architecture in {path}: {arch!r}; supported: llama")
-    heads = int(meta.require("llama.attention.head_count"))
-    hidden = int(meta.require("llama.embedding_length"))
+    if arch not in ARCHITECTURES:
+        raise CheckpointError(f"unsupported architecture in {path}: {arch!r}; supported: {', '.join(ARCHITECTURES)}")
+    heads = int(meta.require(f"{arch}.attention.head_count"))
+    hidden = int(meta.require(f"{arch}.embedding_length"))
     tokens = meta.require("tokenizer.ggml.tokens")
     eos = meta.get("tokenizer.ggml.eos_token_id")
     return ModelConfig(
-        vocab_size=int(meta.get("llama.vocab_size", len(tokens))),
+        vocab_size=int(meta.get(f"{arch}.vocab_size", len(tokens))),
         hidden_size=hidden,
-        intermediate_size=int(meta.require("llama.feed_forward_length")),
-        num_layers=int(meta.require("llama.block_count")),
+        intermediate_size=int(meta.require(f"{arch}.feed_forward_length")),
+        num_layers=int(meta.require(f"{arch}.block_count")),
         num_heads=heads,
-        num_kv_heads=int(meta.get("llama.attention.head_count_kv", heads)),
-        head_dim=int(meta.get("llama.rope.dimension_count", hidden // heads)),
-        rms_norm_eps=float(meta.require("llama.attention.layer_norm_rms_epsilon")),
-        rope_theta=float(meta.get("llama.rope.freq_base", 10000.0)),
-        max_position_embeddings=int(meta.get("llama.context_length", 2048)),
+        num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(meta.get(f"{arch}.rope.dimension_count", hidden // heads)),
+        rms_norm_eps=float(meta.require(f"{arch}.attention.layer_norm_rms_epsilon")),
+        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(meta.get(f"{arch}.context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         o_proj_bias="blk.0.attn_output.bias" in tensor_names,
@@ -98,6 +103,7 @@ _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")  # Qwen2 splits every digit off (its tokenizer.json's)
 
 
 def _pre_tokenizer(kind: str, path: Path):
@@ -111,14 +117,15 @@ def _pre_tokenizer(kind: str, path: Path):
         return pre_tokenizers.Sequence(
             [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
         )
-    if kind in ("llama3", "llama-v3", "llama-bpe"):
+    splits = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}
+    if kind in splits:
         return pre_tokenizers.Sequence(
             [
-                pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
+                pre_tokenizers.Split(Regex(splits[kind]), behavior="isolated"),
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ]
         )
-    raise CheckpointError(f"unsupported GGUF pre-tokenizer {kind!r} in {path}; supported: gpt2, smollm, llama3")
+    raise CheckpointError(f"unsupported GGUF pre-tokenizer {kind!r} in {path}; supported: gpt2, smollm, llama3, qwen2")
 
 
 def _tokenizer(meta: _Metadata, path: Path) -> TokenizerSpec:
@@ -161,6 +168,7 @@ def load_gguf(path: Path) -> Checkpoint:
     tensor_names = {t.name for t in reader.tensors}
     config = _config(meta, tensor_names, path)
     tokenizer = _tokenizer(meta, path)
+    permuted = meta.require("general.architecture") == "llama"
 
     def read_tensors(keep: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor | BlockQuantized]]:
         for tensor in reader.tensors:
@@ -173,9 +181,9 @@ def load_gguf(path: Path) -> Checkpoint:
                 data = np.asarray(tensor.data)
             else:
                 data = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
-            if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
+            if permuted and (name.endswith("q_proj.weight") or name.endswith("q_proj.bias")):
                 data = unpermute_rows(data, config.num_heads)
-            elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
+            elif permuted and (name.endswith("k_proj.weight") or name.endswith("k_proj.bias")):
                 data = unpermute_rows(data, config.num_kv_heads)
             if name in keep:
                 yield name, BlockQuantized(tensor.tensor_type.name, np.ascontiguousarray(data), shape[1])

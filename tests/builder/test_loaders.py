@@ -92,6 +92,29 @@ def test_qwen2_and_mistral_read_as_llama_with_their_biases_and_window(checkpoint
     assert load_checkpoint(used).config.sliding_window == 64
 
 
+def test_a_qwen2_gguf_is_the_same_model_as_its_hf_checkpoint(checkpoint_factory, tmp_path):
+    """llama.cpp writes Qwen2 under its own architecture (qwen2.* keys, Q/K rows not permuted): with float tensors
+    the GGUF's engine and the HF checkpoint's compute the same logits. Qwen2's pre-tokenizer splits every digit."""
+    from builder.build import BuildOptions, build_engine
+    from builder.loaders.gguf_file import _pre_tokenizer
+    from runner.llm_engine import LLMEngine
+    from tests.tiny_checkpoint import make_gguf
+
+    source = checkpoint_factory("qwen2")
+    gguf = make_gguf(tmp_path / "qwen2.gguf", source, linear_type="F32", embedding_type="F32", arch="qwen2")
+    config = load_checkpoint(gguf).config
+    assert (config.attention_bias, config.o_proj_bias, config.rope_theta) == (True, False, 1e6)
+    engines = []
+    for name, path in (("hf", source), ("gguf", gguf)):
+        build_engine(BuildOptions(str(path), tmp_path / name, "fp32", 64, 1, 32), log=lambda line: None)
+        engines.append(LLMEngine(tmp_path / name))
+    tokens = engines[0].codec.encode("The quick brown fox jumps over the lazy dog.")
+    hf, ours = (e.executor.prefill(0, tokens, 0).logits for e in engines)
+    np.testing.assert_allclose(ours, hf, rtol=0, atol=1e-4 * np.abs(hf).max())
+    pieces = lambda kind: [p for p, _ in _pre_tokenizer(kind, gguf).pre_tokenize_str("in 2024")]  # noqa: E731
+    assert pieces("qwen2")[-4:] == ["2", "0", "2", "4"] and pieces("llama3")[-2:] == ["202", "4"]
+
+
 def test_malformed_config(checkpoint_factory, tmp_path):
     directory = copy_with_config(checkpoint_factory("gqa"), tmp_path / "broken", lambda config: config.pop("hidden_size"))
     with pytest.raises(CheckpointError, match="missing 'hidden_size'"):
