@@ -132,13 +132,21 @@ def _tokenizer(meta: _Metadata, path: Path) -> TokenizerSpec:
     from tokenizers import AddedToken, Tokenizer, decoders, models
 
     kind = meta.require("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise CheckpointError(f"unsupported GGUF tokenizer {kind!r} in {path}; supported: gpt2 (byte-level BPE)")
     tokens = meta.require("tokenizer.ggml.tokens")
-    merges = [tuple(merge.split(" ", 1)) for merge in meta.require("tokenizer.ggml.merges")]
-    tokenizer = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
-    tokenizer.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"), path)
-    tokenizer.decoder = decoders.ByteLevel()
+    if kind == "gpt2":
+        merges = [tuple(merge.split(" ", 1)) for merge in meta.require("tokenizer.ggml.merges")]
+        tokenizer = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+        tokenizer.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"), path)
+        tokenizer.decoder = decoders.ByteLevel()
+        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
+    elif kind == "llama":
+        tokenizer = _sentencepiece_bpe(tokens, meta.require("tokenizer.ggml.scores"),
+                                       meta.get("tokenizer.ggml.unknown_token_id"),
+                                       bool(meta.get("tokenizer.ggml.add_space_prefix", True)))
+        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", True))  # llama.cpp's default for these
+    else:
+        raise CheckpointError(f"unsupported GGUF tokenizer {kind!r} in {path}; supported: gpt2 (byte-level BPE), "
+                              "llama (SentencePiece BPE)")
     types = meta.get("tokenizer.ggml.token_type") or []
     tokenizer.add_special_tokens(
         [AddedToken(t, special=True, normalized=False) for t, kind in zip(tokens, types) if kind == _CONTROL_TOKEN]
@@ -153,8 +161,30 @@ def _tokenizer(meta: _Metadata, path: Path) -> TokenizerSpec:
         chat_template=meta.get("tokenizer.chat_template"),
         bos_token=token("tokenizer.ggml.bos_token_id"),
         eos_token=token("tokenizer.ggml.eos_token_id"),
-        add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        add_bos_token=add_bos,
     )
+
+
+def _sentencepiece_bpe(tokens: list[str], scores: list[float], unknown: int | None, space_prefix: bool):
+    """A SentencePiece BPE vocabulary (Llama 2, Mistral, TinyLlama GGUFs: "▁" for spaces, <0xNN> byte tokens) as the
+    `tokenizers` library runs it, the way transformers' LlamaTokenizer does: BPE with byte fallback over merges
+    recovered from the scores (SentencePiece merges the pair whose merged piece scores highest first)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {token: index for index, token in enumerate(tokens)}
+    merges = []
+    for token, score in zip(tokens, scores):
+        pairs = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in vocab and token[i:] in vocab]
+        merges += [(score, left, right) for left, right in sorted(pairs, key=lambda p: (vocab[p[0]], vocab[p[1]]))]
+    merges.sort(key=lambda merge: -merge[0])  # stable: ties keep the vocabulary's order
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[(left, right) for _, left, right in merges],
+                                     unk_token=None if unknown is None else tokens[int(unknown)], fuse_unk=True,
+                                     byte_fallback=True))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", split=False,
+                                                       prepend_scheme="first" if space_prefix else "never")
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tokenizer.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if space_prefix else []))
+    return tokenizer
 
 
 def load_gguf(path: Path) -> Checkpoint:

@@ -115,6 +115,56 @@ def test_a_qwen2_gguf_is_the_same_model_as_its_hf_checkpoint(checkpoint_factory,
     assert pieces("qwen2")[-4:] == ["2", "0", "2", "4"] and pieces("llama3")[-2:] == ["202", "4"]
 
 
+def test_a_sentencepiece_gguf_tokenizes_as_transformers_reads_it(tmp_path):
+    """Llama 2 / Mistral / TinyLlama GGUFs carry a SentencePiece vocabulary (scores, "\u2581" spaces, <0xNN> byte
+    tokens, no merges): ours tokenizes and decodes as transformers' own GGUF reader (the reference) does."""
+    import gguf
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    pieces = ["\u2581", *"abcdefghijklmnopqrstuvwxyzHW,!", "bc", "ab", "\u2581t", "he", "\u2581the", "ll", "llo", "\u2581he",
+              "\u2581hello", "or", "\u2581w", "\u2581wor", "ld", "\u2581world", "\u2581a", "in", "\u2581in", "er"]
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *pieces]
+    types = [2, 3, 3, *[6] * 256, *[1] * len(pieces)]
+    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))]
+    path = tmp_path / "spm.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for add, value in ((writer.add_block_count, 1), (writer.add_context_length, 64), (writer.add_embedding_length, 64),
+                       (writer.add_feed_forward_length, 96), (writer.add_head_count, 4), (writer.add_layer_norm_rms_eps, 1e-5)):
+        add(value)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    spec = load_checkpoint(path).tokenizer
+    ours = Tokenizer.from_str(spec.tokenizer_json)
+    reference = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    assert (spec.bos_token, spec.eos_token, spec.add_bos_token) == ("<s>", "</s>", True)
+    for text in ("xabc cab", "the hello world", "Hello, world!", "in  the  inner", " leading space", "caf\u00e9 \u2603 x", "<s>hello</s>"):
+        ids = ours.encode(text, add_special_tokens=False).ids
+        assert ids == reference.encode(text, add_special_tokens=False), text
+        assert ours.decode(ids, skip_special_tokens=False) == reference.decode(ids), text
+    assert ours.encode("the hello world", add_special_tokens=False).tokens == ["\u2581the", "\u2581hello", "\u2581world"]
+    assert ours.encode("xabc", add_special_tokens=False).tokens == ["\u2581", "x", "a", "bc"]  # "bc" outranks "ab"
+    from engines.format import TokenizerInfo
+    from runner.tokenizer import IncrementalDetokenizer, TextCodec
+
+    (tmp_path / "tokenizer.json").write_text(spec.tokenizer_json)
+    codec = TextCodec(tmp_path / "tokenizer.json", TokenizerInfo("tokenizer.json", None, "<s>", "</s>", True))
+    ids = codec.encode("Hello, caf\u00e9 world!")
+    assert ids[0] == 1  # the BOS token llama.cpp adds to these vocabularies
+    streamed = IncrementalDetokenizer(codec)
+    assert "".join(streamed.push(i) for i in ids) == codec.decode(ids) == "Hello, caf\u00e9 world!"  # as the runner streams
+
+
 def test_malformed_config(checkpoint_factory, tmp_path):
     directory = copy_with_config(checkpoint_factory("gqa"), tmp_path / "broken", lambda config: config.pop("hidden_size"))
     with pytest.raises(CheckpointError, match="missing 'hidden_size'"):
