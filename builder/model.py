@@ -85,6 +85,7 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
         self.scale = 1.0 / math.sqrt(config.head_dim)
         hidden, bias = config.hidden_size, config.attention_bias
         # q, k and v in one matmul (the checkpoint's q_proj/k_proj/v_proj are stacked by row at load time); its
@@ -92,6 +93,9 @@ class Attention(nn.Module):
         qkv_rows = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
         self.qkv_proj = make_linear(hidden, qkv_rows, bias, dtype, quant)
         self.o_proj = make_linear(config.num_heads * config.head_dim, hidden, config.o_proj_bias, dtype, quant)
+        # Qwen3 normalises each head's q and k; the fused kernel applies the rotary embedding after them
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
         # an int8 cache's static per-channel scales [1, kv_heads, 1, head_dim] (builder/kv_quant.py); None: the
         # cache holds the model's dtype
         self.register_buffer("k_scale", None)
@@ -100,11 +104,23 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, step: StepAttention, past_key: torch.Tensor, past_value: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        qkv = self.qkv_proj(x)
+        if self.q_norm is not None:
+            qkv = self._normalise_heads(qkv)
         out, present_key, present_value = group_query_attention(
-            self.qkv_proj(x), past_key, past_value, step.seqlens_k, step.total_len, step.cos, step.sin, step.positions,
+            qkv, past_key, past_value, step.seqlens_k, step.total_len, step.cos, step.sin, step.positions,
             step.bias, step.query_lens, self.num_heads, self.num_kv_heads, self.scale, self.k_scale, self.v_scale,
         )
         return self.o_proj(out), present_key, present_value
+
+    def _normalise_heads(self, qkv: torch.Tensor) -> torch.Tensor:
+        """q and k of the packed q | k | v, each head RMS-normalised over head_dim."""
+        q_width, k_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_width, k_width, k_width], dim=-1)
+        heads = (*qkv.shape[:-1], -1, self.head_dim)
+        q = self.q_norm(q.reshape(heads))[0].reshape(q.shape)
+        k = self.k_norm(k.reshape(heads))[0].reshape(k.shape)
+        return torch.cat([q, k, v], dim=-1)
 
 
 class MLP(nn.Module):

@@ -39,6 +39,7 @@ class ModelConfig:
     # attention sees at most this many positions back (Mistral, Qwen2 with use_sliding_window); None: all. The
     # engine attends to every cached position, so the builder refuses a --max-seq-len beyond it
     sliding_window: int | None = None
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head's q and k (before the rotary embedding)
     rope_scaling: RopeScaling | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)

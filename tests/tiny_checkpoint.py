@@ -33,6 +33,7 @@ CONFIGS = {
     # sliding window (here longer than any engine the tests build)
     "qwen2": {"model_type": "qwen2", "rope_theta": 1000000.0},
     "mistral": {"model_type": "mistral", "sliding_window": 4096, "tie_word_embeddings": False},
+    "qwen3": {"model_type": "qwen3"},  # per-head q/k RMSNorm before the rotary embedding; head_dim 128 (its default)
 }
 
 
@@ -64,7 +65,7 @@ def make_checkpoint(directory: Path, name: str = "gqa", seed: int = 0, shards: i
         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
     )
     overrides = dict(CONFIGS[name])
-    family = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}[overrides.pop("model_type", "llama")]
+    family = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}[overrides.pop("model_type", "llama")]
     config = getattr(transformers, f"{family}Config")(**{**base, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, f"{family}ForCausalLM")(config).eval()
@@ -74,6 +75,8 @@ def make_checkpoint(directory: Path, name: str = "gqa", seed: int = 0, shards: i
                 param.normal_(0.0, 0.25)
             elif name.endswith(".bias"):  # (transformers starts them at zero, which would test nothing)
                 param.normal_(0.0, 0.1)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):  # (and these at one)
+                param.normal_(1.0, 0.2)
     directory.mkdir(parents=True, exist_ok=True)
     max_shard = None if shards == 1 else f"{max(1, sum(p.numel() * 4 for p in model.parameters()) // shards // 1000 + 1)}KB"
     model.save_pretrained(directory, safe_serialization=True, **({"max_shard_size": max_shard} if max_shard else {}))
@@ -107,6 +110,9 @@ def make_gguf(path: Path, checkpoint: Path, linear_type: str = "Q4_1", embedding
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
+    if config.head_dim != config.hidden_size // heads:  # as llama.cpp's converter writes it (Qwen3)
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(config.rope_theta)
     vocab = sorted(tokenizer["model"]["vocab"].items(), key=lambda item: item[1])
@@ -128,7 +134,8 @@ def make_gguf(path: Path, checkpoint: Path, linear_type: str = "Q4_1", embedding
 
     names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
     for name, tensor in weights.items():
         data = tensor.to(torch.float32).numpy()
         if name == "model.embed_tokens.weight":

@@ -25,6 +25,8 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -69,7 +71,7 @@ class _Metadata:
 
 # GGUF architectures with Llama's layers; llama.cpp's converter permutes Q/K rows for llama only (Mistral's GGUFs are
 # "llama" too), and keys its metadata by the architecture's name
-ARCHITECTURES = ("llama", "qwen2")
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 
 def _config(meta: _Metadata, tensor_names: set[str], path: Path) -> ModelConfig:
@@ -87,13 +89,15 @@ def _config(meta: _Metadata, tensor_names: set[str], path: Path) -> ModelConfig:
         num_layers=int(meta.require(f"{arch}.block_count")),
         num_heads=heads,
         num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(meta.get(f"{arch}.rope.dimension_count", hidden // heads)),
+        # llama.cpp writes the head size as attention.key_length where it is not hidden / heads (Qwen3: 128)
+        head_dim=int(meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count", hidden // heads)),
         rms_norm_eps=float(meta.require(f"{arch}.attention.layer_norm_rms_epsilon")),
         rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
         max_position_embeddings=int(meta.get(f"{arch}.context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         o_proj_bias="blk.0.attn_output.bias" in tensor_names,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),),
     )

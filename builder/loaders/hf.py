@@ -13,8 +13,8 @@ from safetensors import SafetensorError, safe_open
 from builder.loaders.checkpoint import Checkpoint, CheckpointError, TokenizerSpec
 from engines.model_config import ModelConfig, RopeScaling
 
-# Llama and the models that are Llama but for biases and a sliding window (the layer names are the same)
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+# Llama and the models that are Llama but for biases, a sliding window or per-head q/k norms (same layer names)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -85,8 +85,9 @@ def config_from_hf(hf: dict[str, Any], source: Path, generation: dict[str, Any] 
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=qkv_bias,
             mlp_bias=bool(hf.get("mlp_bias", False)),
-            o_proj_bias=model_type == "llama" and qkv_bias,
+            o_proj_bias=model_type != "qwen2" and qkv_bias,
             sliding_window=None if window is None else int(window),
+            qk_norm=model_type == "qwen3",
             rope_scaling=scaling,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos,

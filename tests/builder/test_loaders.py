@@ -92,18 +92,20 @@ def test_qwen2_and_mistral_read_as_llama_with_their_biases_and_window(checkpoint
     assert load_checkpoint(used).config.sliding_window == 64
 
 
-def test_a_qwen2_gguf_is_the_same_model_as_its_hf_checkpoint(checkpoint_factory, tmp_path):
-    """llama.cpp writes Qwen2 under its own architecture (qwen2.* keys, Q/K rows not permuted): with float tensors
-    the GGUF's engine and the HF checkpoint's compute the same logits. Qwen2's pre-tokenizer splits every digit."""
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_a_qwen_gguf_is_the_same_model_as_its_hf_checkpoint(arch, checkpoint_factory, tmp_path):
+    """llama.cpp writes Qwen2 / Qwen3 under their own architectures (their keys, Q/K rows not permuted, Qwen3's
+    attn_q_norm / attn_k_norm): with float tensors the GGUF's engine and the HF checkpoint's compute the same
+    logits. Qwen's pre-tokenizer splits every digit."""
     from builder.build import BuildOptions, build_engine
     from builder.loaders.gguf_file import _pre_tokenizer
     from runner.llm_engine import LLMEngine
     from tests.tiny_checkpoint import make_gguf
 
-    source = checkpoint_factory("qwen2")
-    gguf = make_gguf(tmp_path / "qwen2.gguf", source, linear_type="F32", embedding_type="F32", arch="qwen2")
+    source = checkpoint_factory(arch)
+    gguf = make_gguf(tmp_path / f"{arch}.gguf", source, linear_type="F32", embedding_type="F32", arch=arch)
     config = load_checkpoint(gguf).config
-    assert (config.attention_bias, config.o_proj_bias, config.rope_theta) == (True, False, 1e6)
+    assert (config.attention_bias, config.o_proj_bias, config.qk_norm) == (arch == "qwen2", False, arch == "qwen3")
     engines = []
     for name, path in (("hf", source), ("gguf", gguf)):
         build_engine(BuildOptions(str(path), tmp_path / name, "fp32", 64, 1, 32), log=lambda line: None)
