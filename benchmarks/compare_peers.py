@@ -287,6 +287,8 @@ def main(ours, threads, new_tokens, runs, peers, work, worker_kind, worker_targe
         return
     from builder.loaders.default import default_gguf_path
 
+    if engine_label(ours[0]) != "ours fp32":  # the reference every engine's first greedy tokens are checked against
+        raise click.BadParameter(f"the first --ours must be an fp32 engine, not {engine_label(ours[0])}", param_hint="--ours")
     prompts = write_prompts(str(ours[0]), prompts_file)
     engines = [(engine_label(e), "ours", str(e)) for e in ours]
     wanted = [p.strip() for p in peers.split(",") if p.strip()]
