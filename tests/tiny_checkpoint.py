@@ -33,7 +33,8 @@ CONFIGS = {
     # sliding window (here longer than any engine the tests build)
     "qwen2": {"model_type": "qwen2", "rope_theta": 1000000.0},
     "mistral": {"model_type": "mistral", "sliding_window": 4096, "tie_word_embeddings": False},
-    "qwen3": {"model_type": "qwen3"},  # per-head q/k RMSNorm before the rotary embedding; head_dim 128 (its default)
+    # per-head q/k RMSNorm before the rotary embedding; head_dim 128 (its default)
+    "qwen3": {"model_type": "qwen3", "rope_theta": 1000000.0},
 }
 
 

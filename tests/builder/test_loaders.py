@@ -106,6 +106,7 @@ def test_a_qwen_gguf_is_the_same_model_as_its_hf_checkpoint(arch, checkpoint_fac
     gguf = make_gguf(tmp_path / f"{arch}.gguf", source, linear_type="F32", embedding_type="F32", arch=arch)
     config = load_checkpoint(gguf).config
     assert (config.attention_bias, config.o_proj_bias, config.qk_norm) == (arch == "qwen2", False, arch == "qwen3")
+    assert config.rope_theta == load_checkpoint(source).config.rope_theta == 1e6  # both families' value
     engines = []
     for name, path in (("hf", source), ("gguf", gguf)):
         build_engine(BuildOptions(str(path), tmp_path / name, "fp32", 64, 1, 32), log=lambda line: None)
