@@ -63,7 +63,9 @@ def timed(engine, prompt_ids: list[int], new_tokens: int, schema: dict | None) -
 
 @click.command()
 @click.option("--plain", "plain_dir", required=True, type=click.Path(exists=True))
-@click.option("--speculative", "spec_dirs", required=True, multiple=True, type=click.Path(exists=True))
+@click.option("--speculative", "spec_dirs", required=True, multiple=True,
+              help="A speculative engine; DIR@N opens it with draft trees of at most N nodes (0: its whole trees; "
+                   "without @: the runner's default for this CPU). The same engine may come more than once.")
 @click.option("--threads", type=int, default=2, show_default=True)
 @click.option("--new-tokens", type=int, default=128, show_default=True)
 @click.option("--runs", type=int, default=2, show_default=True, help="Timed rounds per prompt (median per engine).")
@@ -78,9 +80,13 @@ def main(plain_dir, spec_dirs, threads, new_tokens, runs, out, json_schema) -> N
         schema = json.loads(Path(json_schema).read_text() if Path(json_schema).is_file() else json_schema)
 
     plain = LLMEngine(plain_dir, threads=threads)
-    specs = {spec_dir: LLMEngine(spec_dir, threads=threads) for spec_dir in spec_dirs}
-    for spec_dir, spec in specs.items():
-        if spec.speculation is None:
+    specs = {}
+    for spec in spec_dirs:
+        spec_dir, limit = spec.split("@") if "@" in spec else (spec, None)
+        if not Path(spec_dir).is_dir():
+            raise click.UsageError(f"no engine directory {spec_dir}")
+        specs[spec] = LLMEngine(spec_dir, threads=threads, max_verify_nodes="auto" if limit is None else int(limit) or None)
+        if specs[spec].speculation is None:
             raise click.UsageError(f"{spec_dir} is not a speculative engine")
     engines = {"plain": plain, **specs}
 
@@ -123,6 +129,7 @@ def main(plain_dir, spec_dirs, threads, new_tokens, runs, out, json_schema) -> N
         identical = all(r["engines"][name]["identical"] for r in rows)
         summaries[name] = {
             "speculation": {k: v for k, v in specs[name].speculation.items() if k != "head"},
+            "max_verify_nodes": specs[name].max_verify_nodes,
             "decode_tok_s": rate[name],
             "speed_up": rate[name] / rate["plain"],
             "tokens_per_verify_step": stats.mean_accepted,

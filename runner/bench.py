@@ -198,7 +198,8 @@ def bench_engine(
     if engine.speculation is not None and stats.verify_steps:
         speculation = {
             "method": engine.speculation["method"], "beam_width": engine.speculation["beam_width"],
-            "draft_len": engine.speculation["draft_len"], "tokens_per_verify_step": stats.mean_accepted,
+            "draft_len": engine.speculation["draft_len"], "max_verify_nodes": engine.max_verify_nodes,
+            "tokens_per_verify_step": stats.mean_accepted,
             "draft_ms_per_step": 1000 * stats.draft_seconds / stats.verify_steps,
             "verify_ms_per_step": 1000 * stats.verify_seconds / stats.verify_steps,
         }
@@ -232,8 +233,9 @@ def report_lines(report: BenchReport) -> list[str]:
     if spec is not None:
         step_ms = 1000 / report.prompts["short"].decode_steps_per_s
         draft_ms, verify_ms = spec["draft_ms_per_step"], spec["verify_ms_per_step"]
+        trees = f"trees of at most {spec['max_verify_nodes']} nodes" if spec["max_verify_nodes"] else "whole trees"
         lines.append(
-            f"speculation ({spec['method']}, {spec['beam_width']} beams x {spec['draft_len']}), batch 1: "
+            f"speculation ({spec['method']}, {spec['beam_width']} beams x {spec['draft_len']}, {trees}), batch 1: "
             f"{spec['tokens_per_verify_step']:.2f} tokens per verify step; per step {step_ms:.1f} ms = draft "
             f"{draft_ms:.1f} ms ({draft_ms / step_ms:.0%}) + verify {verify_ms:.1f} ms ({verify_ms / step_ms:.0%}) + host"
         )

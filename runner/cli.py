@@ -197,6 +197,10 @@ def served_engine_options(command):
         click.option("--speculative-max-rows", type=click.IntRange(min=0), default=DEFAULT_SPECULATIVE_MAX_ROWS,
                      show_default=True, help="A speculative engine verifies drafts only in steps with at most this many "
                      "generating rows (0: in every step); busier steps decode plain, which is faster under load."),
+        click.option("--max-verify-nodes", type=click.IntRange(min=0), default=None,
+                     help="The most nodes (root included) of a speculative engine's draft trees; 0: the engine's whole "
+                          "trees. Default: for an fp32 target, the tokens this CPU's fp32 matmul kernel takes in one "
+                          "pass over the weights (6 on x86-64 with AVX2 or AVX-512: a 7th costs a second pass)."),
         click.option("--tool-call-parser", type=click.Choice(list(PARSERS)), default=None,
                      help="Read the tool calls the model makes in its family's syntax, which serves tool_choice \"auto\" "
                           "(hermes: <tool_call> blocks, Qwen2.5 / Hermes; llama3_json: Llama 3.1+; pythonic: [f(x=1)], "
@@ -215,7 +219,8 @@ def served_engine_options(command):
 
 
 def open_served_engine(engine, max_batch, threads, model_name, enable_prefix_caching, speculative_max_rows,
-                       tool_call_parser, enable_auto_tool_choice, chat_template, generation_config, max_model_len):
+                       max_verify_nodes, tool_call_parser, enable_auto_tool_choice, chat_template, generation_config,
+                       max_model_len):
     """-> (LLMEngine, the name requests use) from the served_engine_options, with what the engine says at start
     on stderr."""
     if enable_auto_tool_choice and tool_call_parser is None:
@@ -223,7 +228,8 @@ def open_served_engine(engine, max_batch, threads, model_name, enable_prefix_cac
     with exit_on(ArtifactError, ValueError):
         llm_engine = LLMEngine(engine, threads=threads, max_batch=max_batch, enable_prefix_caching=enable_prefix_caching,
                                speculative_max_rows=speculative_max_rows or None, chat_template=chat_template,
-                               generation_config=generation_config, max_model_len=max_model_len)
+                               generation_config=generation_config, max_model_len=max_model_len,
+                               max_verify_nodes="auto" if max_verify_nodes is None else max_verify_nodes or None)
     if llm_engine.executor.min_rows > 1:
         click.echo(PADDED_ROWS_NOTE, err=True)
     if llm_engine.sampling_defaults:

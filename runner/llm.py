@@ -23,17 +23,20 @@ class LLM:
     def __init__(
         self, model: str | Path, threads: int | None = None, verify_checksums: bool = True, max_batch: int | None = None,
         enable_prefix_caching: bool = False, speculative_max_rows: int | None = DEFAULT_SPECULATIVE_MAX_ROWS,
-        chat_template: str | None = None, generation_config: str = "auto",
+        chat_template: str | None = None, generation_config: str = "auto", max_verify_nodes: int | str | None = "auto",
     ) -> None:
         """`model`: the engine directory (vLLM's name for what to load). `enable_prefix_caching`: a prompt starts
         after the longest prefix whose K/V a cache row holds from an earlier or running request
         (runner/prefix_cache.py). `speculative_max_rows`: a speculative engine verifies drafts only in steps with at
         most this many generating rows (None: in every step). `chat_template`: a Jinja template for `chat` instead
         of the engine's. `generation_config`: "auto" (vLLM's default): `generate` and `chat` without sampling params
-        use the ones the model recommends (get_default_sampling_params); "vllm": SamplingParams()."""
+        use the ones the model recommends (get_default_sampling_params); "vllm": SamplingParams().
+        `max_verify_nodes`: the most nodes of a speculative engine's draft trees ("auto": what one pass of this CPU's
+        fp32 matmul kernel takes, for fp32 targets; None: the engine's whole trees)."""
         self.engine = LLMEngine(model, threads=threads, verify_checksums=verify_checksums, max_batch=max_batch,
                                 enable_prefix_caching=enable_prefix_caching, speculative_max_rows=speculative_max_rows,
-                                chat_template=chat_template, generation_config=generation_config)
+                                chat_template=chat_template, generation_config=generation_config,
+                                max_verify_nodes=max_verify_nodes)
 
     @property
     def tokenizer(self):

@@ -20,7 +20,8 @@ from runner.request import Request, TokenLogprob
 from runner.sampler import SampledRow, Sampler
 from runner.sampling import SamplingParams
 from runner.structured import GrammarCompiler, TokenConstraint
-from runner.speculative import SpeculationStats, TokenTree, likely_prefixes, pack_tree, prompt_lookup_draft
+from runner.machine import cpu_flags, fp32_matmul_rows_per_pass
+from runner.speculative import SpeculationStats, TokenTree, pack_tree, prompt_lookup_draft, ranked_drafts
 from runner.scheduler import Scheduler
 from runner.tokenizer import IncrementalDetokenizer, TextCodec
 
@@ -61,12 +62,15 @@ class LLMEngine:
         self, engine_dir: str | Path, threads: int | None = None, verify_checksums: bool = True, max_batch: int | None = None,
         profile_prefix: str | None = None, enable_prefix_caching: bool = False,
         speculative_max_rows: int | None = DEFAULT_SPECULATIVE_MAX_ROWS, chat_template: str | None = None,
-        generation_config: str = "auto", max_model_len: int | None = None,
+        generation_config: str = "auto", max_model_len: int | None = None, max_verify_nodes: int | str | None = "auto",
     ) -> None:
         """`chat_template`: a Jinja chat template used instead of the artifact's (vLLM's --chat-template).
         `generation_config`: "auto", the sampling parameters the model recommends (the manifest's sampling_defaults)
         are the defaults of what a request leaves unset; "vllm": vLLM's own defaults (vLLM's --generation-config).
-        `max_model_len`: serve shorter sequences (prompt + output) than the engine was built for (vLLM's flag)."""
+        `max_model_len`: serve shorter sequences (prompt + output) than the engine was built for (vLLM's flag).
+        `max_verify_nodes`: a speculative engine's draft trees have at most this many nodes, root included (None: as
+        many as the engine was built for; "auto": the tokens onnxruntime's fp32 matmul kernel takes in one pass over
+        the weights on this CPU when the target's weights are fp32, see `verify_node_limit`)."""
         if generation_config not in ("auto", "vllm"):
             raise ValueError(f"generation_config must be 'auto' or 'vllm', not {generation_config!r}")
         self.artifact = open_artifact(engine_dir, verify_checksums=verify_checksums)
@@ -96,10 +100,15 @@ class LLMEngine:
         if speculative_max_rows is not None and speculative_max_rows < 1:
             raise ValueError(f"speculative_max_rows must be >= 1 (or None: always), got {speculative_max_rows}")
         self.speculative_max_rows = speculative_max_rows
+        if max_verify_nodes == "auto":
+            max_verify_nodes = verify_node_limit(manifest.quantization)
+        if max_verify_nodes is not None and max_verify_nodes < 2:
+            raise ValueError(f"max_verify_nodes must be >= 2 (or None: the engine's trees whole), got {max_verify_nodes}")
+        self.max_verify_nodes = max_verify_nodes
         self.draft_model = None  # draft-model engines: the draft model, an engine of its own (runner/draft_model.py)
         if self.speculation is not None and self.speculation["method"] == "draft-model":
-            self.draft_model = DraftModel(self.artifact.path(self.speculation["engine"]), self.speculation["draft_len"],
-                                          threads, verify_checksums)
+            draft_len = self.speculation["draft_len"] if max_verify_nodes is None else min(self.speculation["draft_len"], max_verify_nodes - 1)
+            self.draft_model = DraftModel(self.artifact.path(self.speculation["engine"]), draft_len, threads, verify_checksums)
         self.speculation_stats = SpeculationStats()
         self._ids = itertools.count()
         self._grammars: GrammarCompiler | None = None  # made on the first structured-output request
@@ -333,20 +342,18 @@ class LLMEngine:
         started = time.perf_counter()
         spec = self.speculation
         lookup_len = spec["draft_len"] if spec["method"] == "prompt-lookup" else spec.get("prompt_lookup_len", 0)
-        if spec["method"] == "prompt-lookup":
-            beams = [[] for _ in requests]
-        elif spec["method"] == "draft-model":
-            beams = [[draft] for draft in self.draft_model.draft([request for request, _ in requests])]
-        else:
-            beams, scores = self.executor.draft(np.stack([hidden for _, hidden in requests]), [r.output_token_ids[-1] for r, _ in requests])
-            min_prob = spec.get("min_draft_prob", 0.0)  # engines built before it verify every draft
-            if scores is not None and min_prob > 0:
-                beams = [likely_prefixes(b, s, min_prob) for b, s in zip(beams, scores)]
-        for (request, _), request_beams in zip(requests, beams):
-            request.drafts = list(request_beams)
-            if lookup_len:  # one more beam; the tree merges what it shares with the others
-                context = request.prompt_token_ids + request.output_token_ids
-                request.drafts.append(prompt_lookup_draft(context, lookup_len, spec["max_ngram"], spec.get("min_ngram", 1)))
+        chains = [prompt_lookup_draft(r.prompt_token_ids + r.output_token_ids, lookup_len, spec["max_ngram"],
+                                      spec.get("min_ngram", 1)) if lookup_len else [] for r, _ in requests]
+        beams, scores = np.zeros((len(requests), 0, 0), np.int64), [None] * len(requests)
+        if spec["method"] == "draft-model":  # its greedy continuation is a chain as the lookup draft is
+            chains = self.draft_model.draft([request for request, _ in requests])
+        elif spec["method"] == "redrafter":
+            beams, drafted_scores = self.executor.draft(np.stack([hidden for _, hidden in requests]),
+                                                        [r.output_token_ids[-1] for r, _ in requests])
+            scores = [None] * len(requests) if drafted_scores is None else drafted_scores  # engines built before gave none
+        min_prob = spec.get("min_draft_prob", 0.0)  # engines built before it verify every draft
+        for (request, _), chain, request_beams, request_scores in zip(requests, chains, beams, scores):
+            request.drafts = ranked_drafts(chain, request_beams, request_scores, min_prob, self.max_verify_nodes)
             if request.masked:  # a grammar or bad words: a draft ends where they stop allowing it
                 request.drafts = [request.draft_prefix(list(beam)) for beam in request.drafts]
         self.speculation_stats.draft_seconds += time.perf_counter() - started
@@ -389,6 +396,14 @@ class LLMEngine:
         """Step until every request in `requests` is finished, yielding every event on the way."""
         while any(not r.finished for r in requests):
             yield from self.step()
+
+
+def verify_node_limit(quantization: dict) -> int | None:
+    """The most nodes a draft tree should have on this CPU: the tokens onnxruntime's fp32 matmul kernel multiplies
+    in one pass over the weights (runner/machine.py), beyond which a verify call makes a second pass (measured on
+    the fp32 default model, 2-core Zen 3: 32.4 ms at 6 nodes, 39.0 at 7, against a 26-32 ms decode step). None for
+    quantized targets, whose matmul kernels block differently (not measured), and on CPUs not measured."""
+    return fp32_matmul_rows_per_pass(cpu_flags()) if quantization.get("method", "none") == "none" else None
 
 
 def held_back(text: str, stops: list[str]) -> int:

@@ -1,4 +1,5 @@
-"""The machine a benchmark ran on: CPU model and measured memory bandwidth (decode at batch 1 is bound by it)."""
+"""The machine the runner is on: CPU model and measured memory bandwidth (decode at batch 1 is bound by it, and
+benchmarks report both), and the rows onnxruntime's fp32 matmul kernel computes per pass (what a verify call costs)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,27 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux lists them; empty where /proc/cpuinfo is not there to read."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def fp32_matmul_rows_per_pass(flags: set[str]) -> int | None:
+    """Rows of the left matrix (tokens) that onnxruntime's x86-64 fp32 matmul kernel (MLAS SGEMM, FMA3 or AVX-512F)
+    multiplies in one pass over the weights: 6 (the AVX-512F kernel takes 12 only when it has 12 or more; from 7 to 11
+    it makes a 6-row pass and another). A 7th token costs a second pass. Measured on a 2-core AVX2 Zen 3, 2 threads:
+    30 matmuls 576 x 1536 took 6.0-6.6 ms for 2-6 rows, 7.4 for 7, 8.3-9.2 for 8-12; a verify call of the default
+    model 29.4-32.4 ms for 2-6 tokens, 39.0-39.8 for 7-9; on an AVX-512 Zen 5, 15.5 ms for 6 tokens, 17.9-18.7 for
+    7-9. None on other CPUs (not measured)."""
+    return 6 if "avx512f" in flags or {"avx2", "fma"} <= flags else None
 
 
 def memory_bandwidth_gbs(threads: int, megabytes: int = 256, repeats: int = 10) -> float:

@@ -54,12 +54,36 @@ def pack_tree(root_token: int, beams, max_depth: int) -> TokenTree:
     return TokenTree(tokens, parents, mask)
 
 
-def likely_prefixes(beams: np.ndarray, prefix_logprobs: np.ndarray, min_prob: float) -> list[np.ndarray]:
-    """Each beam cut to the prefix the draft head gives at least `min_prob` (beams [W, K], the log-probability of
-    each beam's first k tokens [W, K]). A verify call costs more with every node (fp32, 2 cores: ~0.1 of a decode
-    step per node), so a node the target will likely reject costs more than it is worth."""
-    keep = (prefix_logprobs >= np.log(min_prob)).sum(axis=-1)  # prefix log-probabilities only fall along a beam
-    return [beam[:length] for beam, length in zip(beams, keep)]
+def ranked_drafts(chain: list[int], beams: np.ndarray, prefix_logprobs: np.ndarray | None, min_prob: float,
+                  max_nodes: int | None) -> list[list[int]]:
+    """The beams a verify tree is packed from, its nodes chosen best first until the tree (root included) has
+    `max_nodes` (None: no limit): a chain's tokens first (the prompt-lookup draft, or a draft model's greedy
+    continuation), then the draft head's prefixes (beams [W, K]) from the most to the least likely by the
+    log-probability the head gives them ([W, K]; None from engines built before the draft graph gave it: shallow
+    prefixes first), those under `min_prob` left out.
+
+    Why that order: a lookup draft copies what followed an earlier occurrence of the context's last two tokens; on
+    the benchmark's chat prompts the target accepted its first token 59% of the time and each next one 78-93%, above
+    what the head's probabilities promise past their first token. Why a node limit: a verify call costs a decode step
+    plus ~0.1 of one per node up to the matmul kernel's rows per pass (`runner.machine`), then a second pass; the
+    nodes past it were the least likely ones, worth less than that pass."""
+    ranked: list[tuple[int, ...]] = [tuple(chain[:depth]) for depth in range(1, len(chain) + 1)]
+    if prefix_logprobs is None:
+        order = sorted((depth, beam) for beam in range(beams.shape[0]) for depth in range(beams.shape[1]))
+    else:  # a prefix is never likelier than its parent, which the depth tie-break puts first
+        likely = prefix_logprobs >= (np.log(min_prob) if min_prob > 0 else -np.inf)
+        order = sorted((depth, beam) for beam, depth in zip(*np.nonzero(likely)))
+        order.sort(key=lambda node: -prefix_logprobs[node[1], node[0]])
+    ranked += [tuple(int(t) for t in beams[beam, :depth + 1]) for depth, beam in order]
+    chosen: dict[tuple[int, ...], None] = {}  # insertion-ordered set of token paths below the root
+    for path in ranked:
+        if max_nodes is not None and len(chosen) + 1 >= max_nodes:
+            break
+        if path not in chosen and (len(path) == 1 or path[:-1] in chosen):
+            chosen[path] = None
+    leaves = set(chosen) - {path[:-1] for path in chosen}
+    rank = {path: index for index, path in enumerate(chosen)}  # leaves in the trie's depth-first order, by rank
+    return [list(path) for path in sorted(leaves, key=lambda leaf: [rank[leaf[:d]] for d in range(1, len(leaf) + 1)])]
 
 
 def prompt_lookup_draft(tokens: list[int], draft_len: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:

@@ -10,7 +10,9 @@ from scipy import stats
 
 from runner import LLM, SamplingParams
 from runner.bad_words import BadWords
-from runner.speculative import likely_prefixes, pack_tree, prompt_lookup_draft
+from runner.llm_engine import verify_node_limit
+from runner.machine import fp32_matmul_rows_per_pass
+from runner.speculative import pack_tree, prompt_lookup_draft, ranked_drafts
 from tests.reference_sampling import processed_probs
 
 PROMPTS = ["hello world", "The quick brown fox", "Engines compile graphs", "0123456789 hello", "runners batch"]
@@ -41,11 +43,34 @@ def test_prompt_lookup_continues_the_latest_longest_match():
     assert prompt_lookup_draft([1, 2, 3, 4, 5, 1, 2, 3], 3, min_ngram=2) == [4, 5, 1]
 
 
-def test_likely_prefixes_cut_each_beam_where_the_head_stops_believing_it():
+def test_ranked_drafts_take_the_chain_then_the_likeliest_head_prefixes_up_to_the_node_limit():
     beams = np.array([[5, 6, 7], [8, 9, 4], [1, 2, 3]])
     prefix_logprobs = np.log([[0.9, 0.5, 0.05], [0.3, 0.08, 0.01], [0.02, 0.01, 0.001]])
-    assert [b.tolist() for b in likely_prefixes(beams, prefix_logprobs, 0.1)] == [[5, 6], [8], []]
-    assert [b.tolist() for b in likely_prefixes(beams, prefix_logprobs, 0.001)] == [[5, 6, 7], [8, 9, 4], [1, 2, 3]]
+    # no limit: every prefix the head gives at least min_prob
+    assert ranked_drafts([], beams, prefix_logprobs, 0.1, None) == [[5, 6], [8]]
+    assert ranked_drafts([], beams, prefix_logprobs, 0.0, None) == [[5, 6, 7], [8, 9, 4], [1, 2, 3]]
+    # a limit keeps the likeliest prefixes across beams: (5) 0.9, (5 6) 0.5, (8) 0.3, (8 9) 0.08, (5 6 7) 0.05, ...
+    assert ranked_drafts([], beams, prefix_logprobs, 0.0, 4) == [[5, 6], [8]]
+    assert ranked_drafts([], beams, prefix_logprobs, 0.0, 6) == [[5, 6, 7], [8, 9]]
+    # the chain (prompt lookup's draft) comes first; what it shares with the head's beams is one node
+    assert ranked_drafts([5, 6, 2], beams, prefix_logprobs, 0.0, 4) == [[5, 6, 2]]
+    assert ranked_drafts([5, 6, 2], beams, prefix_logprobs, 0.0, 5) == [[5, 6, 2], [8]]
+    assert ranked_drafts([4, 4, 4, 4], beams, prefix_logprobs, 0.1, 3) == [[4, 4]]
+    for limit in range(2, 12):
+        drafts = ranked_drafts([5, 1, 1], beams, prefix_logprobs, 0.0, limit)
+        assert len(pack_tree(0, drafts, max_depth=4).tokens) == min(limit, 1 + 3 + 8)  # (5) is shared
+    # engines whose draft graph gives no probabilities: shallow prefixes first, beam order within a depth
+    assert ranked_drafts([], beams, None, 0.1, 5) == [[5, 6], [8], [1]]
+    assert ranked_drafts([], beams, None, 0.1, None) == [[5, 6, 7], [8, 9, 4], [1, 2, 3]]
+    # a draft model's chain alone, as long as the limit allows
+    assert ranked_drafts([3, 1, 4, 1, 5, 9], np.zeros((0, 0), np.int64), None, 0.0, 6) == [[3, 1, 4, 1, 5]]
+
+
+def test_the_node_limit_follows_the_fp32_matmul_kernels_pass():
+    assert fp32_matmul_rows_per_pass({"sse2", "avx", "avx2", "fma"}) == 6
+    assert fp32_matmul_rows_per_pass({"avx2", "fma", "avx512f"}) == 6  # 12 per pass only from 12 rows on
+    assert fp32_matmul_rows_per_pass({"sse2"}) is None and fp32_matmul_rows_per_pass(set()) is None  # not measured
+    assert verify_node_limit({"method": "rtn", "bits": 4}) is None  # quantized matmul kernels block otherwise
 
 
 @pytest.fixture(scope="module")
@@ -121,12 +146,18 @@ def test_greedy_speculative_output_equals_plain_greedy(plain, spec_engine_dir, o
     speculation = LLM(spec_engine_dir).engine.speculation
     assert speculation["prompt_lookup_len"] == 4 and speculation["min_ngram"] == 2  # beams + a prompt-lookup beam
     assert speculation["min_draft_prob"] == 0.1  # the head's unlikely drafts are left out of the tree
-    for spec in (LLM(spec_engine_dir, speculative_max_rows=None), oracle):  # the distilled head's draft graph + lookup, then oracle drafts
+    whole, limited = (LLM(spec_engine_dir, speculative_max_rows=None, max_verify_nodes=limit) for limit in (None, 3))
+    tree_sizes = []
+    verify = limited.engine.executor.verify
+    limited.engine.executor.verify = lambda rows, trees, starts: (tree_sizes.extend(len(t) for t, _ in trees),
+                                                                  verify(rows, trees, starts))[1]
+    for spec in (whole, limited, oracle):  # the distilled head's draft graph + lookup (all of it, then 3-node trees), then oracle drafts
         spec.engine.speculation_stats.__init__()
         assert [spec.generate(p, params)[0].token_ids for p in PROMPTS] == expected
         # inflight: prompts of different lengths join while others generate (prefill chunks of 8 tokens
         # interleave with verify steps), rows accept different numbers of drafts
         assert [o.token_ids for o in spec.generate(PROMPTS * 2, params)] == expected * 2
+    assert max(tree_sizes) == 3  # the limit holds (outputs equal plain decoding with it, above)
     histogram = oracle.engine.speculation_stats.accepted_histogram
     assert oracle.engine.speculation_stats.mean_accepted > 2.0 and set(histogram) == {0, 1, 2, 3, 4}, histogram
 
