@@ -101,7 +101,7 @@ class LLMEngine:
             raise ValueError(f"speculative_max_rows must be >= 1 (or None: always), got {speculative_max_rows}")
         self.speculative_max_rows = speculative_max_rows
         if max_verify_nodes == "auto":
-            max_verify_nodes = verify_node_limit(manifest.quantization)
+            max_verify_nodes = verify_node_limit(manifest.quantization, backend.provider)
         if max_verify_nodes is not None and max_verify_nodes < 2:
             raise ValueError(f"max_verify_nodes must be >= 2 (or None: the engine's trees whole), got {max_verify_nodes}")
         self.max_verify_nodes = max_verify_nodes
@@ -398,12 +398,14 @@ class LLMEngine:
             yield from self.step()
 
 
-def verify_node_limit(quantization: dict) -> int | None:
+def verify_node_limit(quantization: dict, provider: str) -> int | None:
     """The most nodes a draft tree should have on this CPU: the tokens onnxruntime's fp32 matmul kernel multiplies
     in one pass over the weights (runner/machine.py), beyond which a verify call makes a second pass (measured on
     the fp32 default model, 2-core Zen 3: 32.4 ms at 6 nodes, 39.0 at 7, against a 26-32 ms decode step). None for
-    quantized targets, whose matmul kernels block differently (not measured), and on CPUs not measured."""
-    return fp32_matmul_rows_per_pass(cpu_flags()) if quantization.get("method", "none") == "none" else None
+    quantized targets, whose matmul kernels block differently, on GPUs and on CPUs not measured."""
+    if provider != "CPUExecutionProvider" or quantization.get("method", "none") != "none":
+        return None
+    return fp32_matmul_rows_per_pass(cpu_flags())
 
 
 def held_back(text: str, stops: list[str]) -> int:

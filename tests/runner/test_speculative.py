@@ -70,7 +70,8 @@ def test_the_node_limit_follows_the_fp32_matmul_kernels_pass():
     assert fp32_matmul_rows_per_pass({"sse2", "avx", "avx2", "fma"}) == 6
     assert fp32_matmul_rows_per_pass({"avx2", "fma", "avx512f"}) == 6  # 12 per pass only from 12 rows on
     assert fp32_matmul_rows_per_pass({"sse2"}) is None and fp32_matmul_rows_per_pass(set()) is None  # not measured
-    assert verify_node_limit({"method": "rtn", "bits": 4}) is None  # quantized matmul kernels block otherwise
+    assert verify_node_limit({"method": "rtn", "bits": 4}, "CPUExecutionProvider") is None  # other kernels
+    assert verify_node_limit({"method": "none"}, "CUDAExecutionProvider") is None
 
 
 @pytest.fixture(scope="module")
