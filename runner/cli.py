@@ -232,6 +232,9 @@ def open_served_engine(engine, max_batch, threads, model_name, enable_prefix_cac
                                max_verify_nodes="auto" if max_verify_nodes is None else max_verify_nodes or None)
     if llm_engine.executor.min_rows > 1:
         click.echo(PADDED_ROWS_NOTE, err=True)
+    if llm_engine.speculation is not None and llm_engine.max_verify_nodes is not None:
+        click.echo(f"note: draft trees of at most {llm_engine.max_verify_nodes} nodes (a verify call past the matmul "
+                   "kernel's pass costs a second one; --max-verify-nodes 0: the engine's whole trees)", err=True)
     if llm_engine.sampling_defaults:
         recommended = ", ".join(f"{k}={v}" for k, v in llm_engine.sampling_defaults.items())
         click.echo(f"note: requests that leave them unset sample with the model's recommended {recommended} "
