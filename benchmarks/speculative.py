@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import json
-import platform
 import statistics
 import subprocess
 import sys
@@ -74,6 +73,7 @@ def timed(engine, prompt_ids: list[int], new_tokens: int, schema: dict | None) -
 def main(plain_dir, spec_dirs, threads, new_tokens, runs, out, json_schema) -> None:
     from runner.bench import chat_prompts
     from runner.llm_engine import LLMEngine
+    from runner.machine import cpu_model
 
     schema = None
     if json_schema is not None:
@@ -82,7 +82,7 @@ def main(plain_dir, spec_dirs, threads, new_tokens, runs, out, json_schema) -> N
     plain = LLMEngine(plain_dir, threads=threads)
     specs = {}
     for spec in spec_dirs:
-        spec_dir, limit = spec.split("@") if "@" in spec else (spec, None)
+        spec_dir, limit = spec.rsplit("@", 1) if "@" in spec else (spec, None)
         if not Path(spec_dir).is_dir():
             raise click.UsageError(f"no engine directory {spec_dir}")
         specs[spec] = LLMEngine(spec_dir, threads=threads, max_verify_nodes="auto" if limit is None else int(limit) or None)
@@ -143,10 +143,8 @@ def main(plain_dir, spec_dirs, threads, new_tokens, runs, out, json_schema) -> N
               f"step, draft {summary['draft_seconds_per_step_ms']:.1f} ms + verify {summary['verify_seconds_per_step_ms']:.1f} ms "
               f"per step, outputs {'identical' if identical else 'DIFFERENT'}")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
     record = {
-        "commit": commit, "machine": {"cpu": cpu, "threads": threads}, "plain": plain_dir, "plain_decode_tok_s": rate["plain"],
+        "commit": commit, "machine": {"cpu": cpu_model(), "threads": threads}, "plain": plain_dir, "plain_decode_tok_s": rate["plain"],
         "speculative": summaries, "new_tokens": new_tokens, "runs": runs, "json_schema": schema, "prompts": rows,
     }
     Path(out).parent.mkdir(parents=True, exist_ok=True)

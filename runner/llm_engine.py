@@ -344,16 +344,16 @@ class LLMEngine:
         lookup_len = spec["draft_len"] if spec["method"] == "prompt-lookup" else spec.get("prompt_lookup_len", 0)
         chains = [prompt_lookup_draft(r.prompt_token_ids + r.output_token_ids, lookup_len, spec["max_ngram"],
                                       spec.get("min_ngram", 1)) if lookup_len else [] for r, _ in requests]
-        beams, scores = np.zeros((len(requests), 0, 0), np.int64), [None] * len(requests)
+        beams, scores = np.zeros((len(requests), 0, 0), np.int64), None
         if spec["method"] == "draft-model":  # its greedy continuation is a chain as the lookup draft is
             chains = self.draft_model.draft([request for request, _ in requests])
-        elif spec["method"] == "redrafter":
-            beams, drafted_scores = self.executor.draft(np.stack([hidden for _, hidden in requests]),
-                                                        [r.output_token_ids[-1] for r, _ in requests])
-            scores = [None] * len(requests) if drafted_scores is None else drafted_scores  # engines built before gave none
+        elif spec["method"] == "redrafter":  # (scores: None from engines built before the draft graph gave them)
+            beams, scores = self.executor.draft(np.stack([hidden for _, hidden in requests]),
+                                                [r.output_token_ids[-1] for r, _ in requests])
         min_prob = spec.get("min_draft_prob", 0.0)  # engines built before it verify every draft
-        for (request, _), chain, request_beams, request_scores in zip(requests, chains, beams, scores):
-            request.drafts = ranked_drafts(chain, request_beams, request_scores, min_prob, self.max_verify_nodes)
+        for index, ((request, _), chain) in enumerate(zip(requests, chains)):
+            request.drafts = ranked_drafts(chain, beams[index], None if scores is None else scores[index], min_prob,
+                                           self.max_verify_nodes)
             if request.masked:  # a grammar or bad words: a draft ends where they stop allowing it
                 request.drafts = [request.draft_prefix(list(beam)) for beam in request.drafts]
         self.speculation_stats.draft_seconds += time.perf_counter() - started

@@ -11,25 +11,24 @@ from pathlib import Path
 import numpy as np
 
 
-def cpu_model() -> str:
+def cpuinfo_field(name: str) -> str | None:
+    """The first value Linux's /proc/cpuinfo gives `name` (e.g. "model name", "flags"); None where there is none."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith(name):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or "unknown"
+    return None
+
+
+def cpu_model() -> str:
+    return cpuinfo_field("model name") or platform.processor() or "unknown"
 
 
 def cpu_flags() -> set[str]:
     """The CPU's feature flags as Linux lists them; empty where /proc/cpuinfo is not there to read."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+    return set((cpuinfo_field("flags") or "").split())
 
 
 def fp32_matmul_rows_per_pass(flags: set[str]) -> int | None:

@@ -67,14 +67,13 @@ def ranked_drafts(chain: list[int], beams: np.ndarray, prefix_logprobs: np.ndarr
     what the head's probabilities promise past their first token. Why a node limit: a verify call costs a decode step
     plus ~0.1 of one per node up to the matmul kernel's rows per pass (`runner.machine`), then a second pass; the
     nodes past it were the least likely ones, worth less than that pass."""
-    ranked: list[tuple[int, ...]] = [tuple(chain[:depth]) for depth in range(1, len(chain) + 1)]
-    if prefix_logprobs is None:
-        order = sorted((depth, beam) for beam in range(beams.shape[0]) for depth in range(beams.shape[1]))
-    else:  # a prefix is never likelier than its parent, which the depth tie-break puts first
+    ranked = [tuple(chain[:depth]) for depth in range(1, len(chain) + 1)]
+    if prefix_logprobs is None:  # every prefix: shallow first, beam order within a depth
+        order = sorted(np.ndindex(*beams.shape), key=lambda node: (node[1], node[0]))
+    else:  # likeliest first; a prefix is never likelier than its parent, which the depth tie-break puts first
         likely = prefix_logprobs >= (np.log(min_prob) if min_prob > 0 else -np.inf)
-        order = sorted((depth, beam) for beam, depth in zip(*np.nonzero(likely)))
-        order.sort(key=lambda node: -prefix_logprobs[node[1], node[0]])
-    ranked += [tuple(int(t) for t in beams[beam, :depth + 1]) for depth, beam in order]
+        order = sorted(zip(*np.nonzero(likely)), key=lambda node: (-prefix_logprobs[node], node[1], node[0]))
+    ranked += [tuple(int(t) for t in beams[beam, :depth + 1]) for beam, depth in order]  # node: (beam, depth)
     chosen: dict[tuple[int, ...], None] = {}  # insertion-ordered set of token paths below the root
     for path in ranked:
         if max_nodes is not None and len(chosen) + 1 >= max_nodes:
