@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -199,9 +200,49 @@ def ort_genai_models(work: Path, threads: int) -> dict[str, Path]:
 def engine_label(engine: Path) -> str:
     manifest = json.loads((engine / "manifest.json").read_text())
     q = manifest.get("quantization", {})
+    kv_cache = ", int8 KV cache" if manifest["kv_cache"]["dtype"] == "int8" else ""
     if q.get("method", "none") == "none":
-        return f"ours {manifest['dtype']}"
-    return f"ours int{q['bits']} {q['method']} g{q['group_size']}"
+        return f"ours {manifest['dtype']}{kv_cache}"
+    return f"ours int{q['bits']} {q['method']} g{q['group_size']}{kv_cache}"
+
+
+def paired_ratio(numerator: list[float], denominator: list[float]) -> tuple[float, float, float]:
+    """numerator / denominator round by round -> (median, lowest, highest). Run i of every engine comes from round i,
+    and the runs of a round follow one another within seconds, so a machine whose speed drifts over minutes moves
+    both alike: a ratio of medians could pair one engine's fast rounds with the other's slow ones."""
+    ratios = [a / b for a, b in zip(numerator, denominator, strict=True)]
+    return statistics.median(ratios), min(ratios), max(ratios)
+
+
+def standing(engines: dict[str, dict]) -> list[dict]:
+    """For each prompt, our best engine against the best peer (by their medians) in decode tokens/s and TTFT, as
+    paired ratios over the rounds, > 1 meaning ours is ahead."""
+    ours_labels = [label for label in engines if label.startswith("ours")]
+    peer_labels = [label for label in engines if not label.startswith("ours")]
+    rows = []
+    for prompt in ("short", "long"):
+        for metric in ("decode_tok_s", "ttft_ms"):
+            best = max if metric == "decode_tok_s" else min
+            ours = best(ours_labels, key=lambda label: engines[label][prompt][metric])
+            peer = best(peer_labels, key=lambda label: engines[label][prompt][metric])
+            ours_runs, peer_runs = engines[ours][prompt][f"{metric}_runs"], engines[peer][prompt][f"{metric}_runs"]
+            if metric == "decode_tok_s":
+                median, low, high = paired_ratio(ours_runs, peer_runs)
+            else:  # a shorter time is better
+                median, low, high = paired_ratio(peer_runs, ours_runs)
+            rows.append({"prompt": prompt, "metric": metric, "ours": ours, "peer": peer, "ours_ahead_by": median,
+                         "lowest": low, "highest": high, "rounds": len(ours_runs)})
+    return rows
+
+
+def standing_markdown(rows: list[dict]) -> list[str]:
+    names = {"decode_tok_s": "decode", "ttft_ms": "TTFT"}
+    lines = ["| prompt | metric | our best | best peer | ours ahead by (median of paired rounds) | range over rounds |",
+             "|---|---|---|---|---:|---|"]
+    for r in rows:
+        lines.append(f"| {r['prompt']} | {names[r['metric']]} | {r['ours']} | {r['peer']} | {r['ours_ahead_by']:.2f}x "
+                     f"| {r['lowest']:.2f}-{r['highest']:.2f}x ({r['rounds']} rounds) |")
+    return lines
 
 
 def model_file_bytes(target: str) -> int:
@@ -336,11 +377,14 @@ def main(ours, threads, new_tokens, runs, peers, work, worker_kind, worker_targe
     report = {
         "machine": f"{cpu_model()}, {os.cpu_count()} cores, {threads} threads", "bandwidth_gbs": bandwidth,
         "commit": commit, "versions": versions, "new_tokens": new_tokens, "runs": runs, "engines": results,
-        "profiles": profiles,
+        "profiles": profiles, "standing": standing(results),
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "peers.json").write_text(json.dumps(report, indent=2))
     lines = markdown(report)
+    lines += ["", "Our best engine against the best peer, per round (each round runs every engine once, one after the other, "
+              "so a ratio compares runs seconds apart; > 1: ours ahead):", ""]
+    lines += standing_markdown(report["standing"])
     lines += ["", "versions: " + ", ".join(f"{k} {v}" for k, v in versions.items())]
     lines += ["", "Where a batch-1 decode run of the short prompt spends its time, per operator type (onnxruntime's "
               "profiler, which adds a few microseconds per node: times are inflated, most for graphs with many nodes; "

@@ -100,5 +100,8 @@ def interleaved_runs(workers: dict[str, list[str]], prompts: dict[str, list[int]
                 "ttft_ms": statistics.median(r["ttft_s"] for r in runs_of) * 1000,
                 "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs_of),
                 "first_tokens": runs_of[0]["tokens"],
+                # run i of every engine is from round i: pairs of engines compare round by round (paired_ratio)
+                "ttft_ms_runs": [r["ttft_s"] * 1000 for r in runs_of],
+                "decode_tok_s_runs": [r["decode_tok_s"] for r in runs_of],
             }
     return results
