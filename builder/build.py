@@ -58,6 +58,11 @@ SHIPPED_DRAFT_HEAD = Path(__file__).parent / "drafters" / "smollm2-135m-instruct
 # (a draft model) or nothing (lookup) and one verify node each, so it can go deeper than ReDrafter's beams; the draft
 # model's best length grows with how often it agrees with the target (the default model's int4 draft of its fp32 engine,
 # ~97% per token: 6 decoded 7% faster than 4 in the same rounds, see README), 4 is the middle ground for an unknown pair.
+# A prompt computed while no other request generates goes through in chunks of up to this many tokens: each chunk
+# reads every weight once, so fewer chunks cost less where weights are large (fp32 default model, 2 threads, the
+# 650-token prompt: TTFT 1445 ms in chunks of 128, 1362 in 512, 1274 in one chunk; int4 RTN, compute-bound there: no
+# change). While other requests generate, the runner cuts chunks smaller (LLM(shared_prefill_chunk=...)).
+DEFAULT_PREFILL_CHUNK = 1024
 DEFAULT_DRAFT_LEN = {"redrafter": 2, "prompt-lookup": 4, "draft-model": 4}
 
 
@@ -68,7 +73,7 @@ class BuildOptions:
     dtype: str = "fp32"
     max_seq_len: int | None = None  # default: min(2048, the model's max_position_embeddings)
     max_batch: int = 8
-    prefill_chunk: int = 128
+    prefill_chunk: int | None = None  # the largest prompt chunk one call computes; default min(1024, max_seq_len)
     overwrite: bool = False
     quant: str = "none"  # "none" | "int8" | "int4" (round-to-nearest, symmetric, per group) | "gptq" (int4)
     group_size: int | None = None  # default: 32 for int4, 128 for int8 (the fastest MatMulNBits kernels here)
@@ -215,7 +220,8 @@ def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> B
     if max_seq_len > config.max_position_embeddings:
         log(f"warning: --max-seq-len {max_seq_len} exceeds the model's {config.max_position_embeddings} positions")
     shapes = BuildShapes(
-        max_seq_len=max_seq_len, max_batch=options.max_batch, prefill_chunk=options.prefill_chunk,
+        max_seq_len=max_seq_len, max_batch=options.max_batch,
+        prefill_chunk=options.prefill_chunk or min(DEFAULT_PREFILL_CHUNK, max_seq_len),
         verify_tokens=options.verify_tokens or (options.tree_nodes if options.speculative != "none" else 8),
     )
     # the attention kernel wants rotary table rows for every position a call spans, padding tokens included

@@ -7,13 +7,15 @@ from dataclasses import dataclass
 from engines.format import PhaseSpec
 
 STEP_GRAPH = "step"
+# score calls return logits at every position (128 x a 49k vocabulary: 25 MB in fp32), so their chunks stay small
+SCORE_CHUNK = 128
 
 
 @dataclass(frozen=True)
 class BuildShapes:
     max_seq_len: int = 2048
     max_batch: int = 8
-    prefill_chunk: int = 128
+    prefill_chunk: int = 1024
     verify_tokens: int = 8  # the largest token tree per row (root + drafts), for speculative verification
     min_past_len: int = 64
 
@@ -81,6 +83,6 @@ def plan_phases(shapes: BuildShapes) -> dict[str, PhaseSpec]:
         "prefill": PhaseSpec("prefill", STEP_GRAPH, [1], prefill_steps(shapes.prefill_chunk), past, "last"),
         "decode": PhaseSpec("decode", STEP_GRAPH, batches, [1], past, "all"),
         "verify": PhaseSpec("verify", STEP_GRAPH, batches, verify_steps(shapes.verify_tokens), past, "all"),
-        # prompt chunks with logits at every position: perplexity evaluation (`runner eval`)
-        "score": PhaseSpec("score", STEP_GRAPH, [1], prefill_steps(shapes.prefill_chunk), past, "all"),
+        # prompt chunks with logits at every position: perplexity evaluation (`runner eval`), drafter training
+        "score": PhaseSpec("score", STEP_GRAPH, [1], prefill_steps(min(shapes.prefill_chunk, SCORE_CHUNK)), past, "all"),
     }

@@ -30,6 +30,9 @@ from runner.tokenizer import IncrementalDetokenizer, TextCodec
 # prompts x 96 tokens through LLM.generate, plain fp32 against ReDrafter / int4 draft model: 1 row 1.09x / 1.04x,
 # 2 rows 0.95x / 0.98x, 4 rows 0.85x / 0.84x, 8 rows 0.79x / 0.74x.
 DEFAULT_SPECULATIVE_MAX_ROWS = 1
+# While requests generate, a prompt goes in chunks of this many tokens: they wait for each chunk (~0.3 s for 128
+# tokens of the fp32 default model on 2 cores), and a short chunk keeps that wait short.
+DEFAULT_SHARED_PREFILL_CHUNK = 128
 
 
 class PromptError(ValueError):
@@ -63,6 +66,7 @@ class LLMEngine:
         profile_prefix: str | None = None, enable_prefix_caching: bool = False,
         speculative_max_rows: int | None = DEFAULT_SPECULATIVE_MAX_ROWS, chat_template: str | None = None,
         generation_config: str = "auto", max_model_len: int | None = None, max_verify_nodes: int | str | None = "auto",
+        shared_prefill_chunk: int | None = DEFAULT_SHARED_PREFILL_CHUNK,
     ) -> None:
         """`chat_template`: a Jinja chat template used instead of the artifact's (vLLM's --chat-template).
         `generation_config`: "auto", the sampling parameters the model recommends (the manifest's sampling_defaults)
@@ -70,7 +74,9 @@ class LLMEngine:
         `max_model_len`: serve shorter sequences (prompt + output) than the engine was built for (vLLM's flag).
         `max_verify_nodes`: a speculative engine's draft trees have at most this many nodes, root included (None: as
         many as the engine was built for; "auto": the tokens onnxruntime's fp32 matmul kernel takes in one pass over
-        the weights on this CPU when the target's weights are fp32, see `verify_node_limit`)."""
+        the weights on this CPU when the target's weights are fp32, see `verify_node_limit`).
+        `shared_prefill_chunk`: prompt tokens per step while other requests generate (they wait for each chunk), at
+        most the engine's largest chunk, which a prompt takes while none does (None: always the largest)."""
         if generation_config not in ("auto", "vllm"):
             raise ValueError(f"generation_config must be 'auto' or 'vllm', not {generation_config!r}")
         self.artifact = open_artifact(engine_dir, verify_checksums=verify_checksums)
@@ -88,7 +94,10 @@ class LLMEngine:
         rows = self.executor.max_rows if max_batch is None else max_batch
         if not 1 <= rows <= self.executor.max_rows:
             raise ValueError(f"max_batch must be in [1, {self.executor.max_rows}] for this engine (built with --max-batch)")
-        self.scheduler = Scheduler(rows, self.executor.max_chunk, prefix_caching=enable_prefix_caching)
+        if shared_prefill_chunk is not None and shared_prefill_chunk < 1:
+            raise ValueError(f"shared_prefill_chunk must be >= 1 (or None: the engine's largest chunk), got {shared_prefill_chunk}")
+        self.scheduler = Scheduler(rows, self.executor.max_chunk, prefix_caching=enable_prefix_caching,
+                                   shared_chunk=shared_prefill_chunk)
         if rows > 1:  # greedy tokens must not depend on the batch a request runs in
             self.executor.pad_single_rows_if_they_round_differently()
         sampler_inputs = {t.name for t in manifest.graphs[manifest.sampler.graph].inputs}

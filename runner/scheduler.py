@@ -1,8 +1,10 @@
 """Which requests run this step: one prompt chunk for the oldest request still prefilling, one token for every
 request that is generating (vLLM v1's idea: a request is only "how many of its tokens are computed").
 
-A long prompt is cut into chunks so running requests keep generating between its chunks. With prefix caching a
-request admitted to a row starts after the longest prefix of its prompt some row holds (runner/prefix_cache.py)."""
+A long prompt is cut into chunks so running requests keep generating between its chunks: `shared_chunk` tokens at a
+time while any request generates, the engine's largest chunk while none does (every chunk reads every weight once,
+so one long chunk is faster than several short ones, and nobody waits on it). With prefix caching a request admitted
+to a row starts after the longest prefix of its prompt some row holds (runner/prefix_cache.py)."""
 
 from __future__ import annotations
 
@@ -25,9 +27,10 @@ class ScheduledStep:
 
 
 class Scheduler:
-    def __init__(self, max_rows: int, prefill_chunk: int, prefix_caching: bool = False) -> None:
+    def __init__(self, max_rows: int, prefill_chunk: int, prefix_caching: bool = False, shared_chunk: int | None = None) -> None:
         self.max_rows = max_rows
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk = prefill_chunk  # the largest chunk, while no request generates
+        self.shared_chunk = min(shared_chunk or prefill_chunk, prefill_chunk)  # while some request generates
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._free_rows = list(range(max_rows))
@@ -48,6 +51,7 @@ class Scheduler:
             request.row = self._free_rows.pop(0)  # lowest rows first keeps the decode batch bucket small
             self.running.append(request)
             self._reuse_prefix(request, step)
+        generating = any(r.fork_of is None and not r.prefilling for r in self.running)
         for request in self.running:
             if request.fork_of is not None:  # its prompt is computed by the request it forks (LLMEngine._fork)
                 continue
@@ -58,7 +62,7 @@ class Scheduler:
                     # step, it finds what it found at admission, its own row winning the tie: no second copy
                     self._reuse_prefix(request, step)
                 remaining = len(request.prompt_token_ids) - request.num_computed
-                step.prefill = (request, min(remaining, self.prefill_chunk))
+                step.prefill = (request, min(remaining, self.shared_chunk if generating else self.prefill_chunk))
             elif not request.prefilling:
                 step.decode.append(request)
         return step

@@ -44,3 +44,6 @@ def test_bucket_plan():
     assert phases["prefill"].steps == [8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 100]
     assert phases["decode"].past_lengths[-1] == 1000
     assert phases["verify"].steps == [1, 2, 3, 4, 5, 6, 7, 8] and phases["verify"].logits == "all"
+    # a long chunk prefills a prompt alone; score calls return logits at every position and keep to 128
+    long_chunks = plan_phases(BuildShapes(max_seq_len=2048, prefill_chunk=1024))
+    assert long_chunks["prefill"].steps[-1] == 1024 and long_chunks["score"].steps[-1] == 128

@@ -302,3 +302,22 @@ def test_n_completions_compute_the_prompt_once_and_each_equals_its_seed_alone(en
     assert len({tuple(o.token_ids) for o in outputs}) == 3
     with pytest.raises(ValueError, match="3 completions"):
         result.text  # noqa: B018 - which of the three would it be
+
+
+def test_a_prompt_takes_the_shared_chunk_while_another_request_generates(engine_factory):
+    llm = LLM(engine_factory("gqa", max_batch=2), shared_prefill_chunk=8)  # built with chunks of up to 32
+    executor = llm.engine.executor
+    chunks = []
+    prefill = executor.prefill
+    executor.prefill = lambda row, token_ids, start: (chunks.append((row, len(token_ids))), prefill(row, token_ids, start))[1]
+    prompts = ["hello world, the quick brown fox jumps over the lazy dog " * 2, "the lazy dog sleeps in the sun " * 3]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    together = llm.generate(prompts, params)
+    first_len, second_len = (len(r.prompt_token_ids) for r in together)
+    def cut(length: int, chunk: int) -> list[int]:
+        return [chunk] * (length // chunk) + ([length % chunk] if length % chunk else [])
+
+    assert [size for row, size in chunks if row == 0] == cut(first_len, 32)  # alone
+    assert [size for row, size in chunks if row == 1] == cut(second_len, 8)  # while row 0 generates
+    for prompt, result in zip(prompts, together):
+        assert result.outputs[0].token_ids == llm.generate(prompt, params)[0].outputs[0].token_ids
