@@ -54,15 +54,23 @@ DRAFT_QUANT = QuantSpec(8, 128, 4)
 SHIPPED_DRAFT_HEAD = Path(__file__).parent / "drafters" / "smollm2-135m-instruct.redrafter.safetensors"
 
 
-# Drafts per beam when the build does not say. A chain (prompt lookup, a draft model) pays one draft call per token
-# (a draft model) or nothing (lookup) and one verify node each, so it can go deeper than ReDrafter's beams; the draft
-# model's best length grows with how often it agrees with the target (the default model's int4 draft of its fp32 engine,
-# ~97% per token: 6 decoded 7% faster than 4 in the same rounds, see README), 4 is the middle ground for an unknown pair.
 # A prompt computed while no other request generates goes through in chunks of up to this many tokens: each chunk
 # reads every weight once, so fewer chunks cost less where weights are large (fp32 default model, 2 threads, the
 # 650-token prompt: TTFT 1445 ms in chunks of 128, 1362 in 512, 1274 in one chunk; int4 RTN, compute-bound there: no
 # change). While other requests generate, the runner cuts chunks smaller (LLM(shared_prefill_chunk=...)).
 DEFAULT_PREFILL_CHUNK = 1024
+# ... except over an int8 KV cache, whose attention kernel for prompt chunks slows down with the chunk's length (int4
+# RTN + int8 cache, same prompt: 1996 ms in chunks of 128, 2015 in 512, 2334 in one chunk)
+DEFAULT_PREFILL_CHUNK_INT8_KV = 128
+
+
+def default_prefill_chunk(kv_cache_dtype: str, max_seq_len: int) -> int:
+    return min(DEFAULT_PREFILL_CHUNK_INT8_KV if kv_cache_dtype == "int8" else DEFAULT_PREFILL_CHUNK, max_seq_len)
+
+# Drafts per beam when the build does not say. A chain (prompt lookup, a draft model) pays one draft call per token
+# (a draft model) or nothing (lookup) and one verify node each, so it can go deeper than ReDrafter's beams; the draft
+# model's best length grows with how often it agrees with the target (the default model's int4 draft of its fp32 engine,
+# ~97% per token: 6 decoded 7% faster than 4 in the same rounds, see README), 4 is the middle ground for an unknown pair.
 DEFAULT_DRAFT_LEN = {"redrafter": 2, "prompt-lookup": 4, "draft-model": 4}
 
 
@@ -73,7 +81,7 @@ class BuildOptions:
     dtype: str = "fp32"
     max_seq_len: int | None = None  # default: min(2048, the model's max_position_embeddings)
     max_batch: int = 8
-    prefill_chunk: int | None = None  # the largest prompt chunk one call computes; default min(1024, max_seq_len)
+    prefill_chunk: int | None = None  # the largest prompt chunk one call computes (default: DEFAULT_PREFILL_CHUNK*)
     overwrite: bool = False
     quant: str = "none"  # "none" | "int8" | "int4" (round-to-nearest, symmetric, per group) | "gptq" (int4)
     group_size: int | None = None  # default: 32 for int4, 128 for int8 (the fastest MatMulNBits kernels here)
@@ -221,7 +229,7 @@ def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> B
         log(f"warning: --max-seq-len {max_seq_len} exceeds the model's {config.max_position_embeddings} positions")
     shapes = BuildShapes(
         max_seq_len=max_seq_len, max_batch=options.max_batch,
-        prefill_chunk=options.prefill_chunk or min(DEFAULT_PREFILL_CHUNK, max_seq_len),
+        prefill_chunk=options.prefill_chunk or default_prefill_chunk(options.kv_cache_dtype, max_seq_len),
         verify_tokens=options.verify_tokens or (options.tree_nodes if options.speculative != "none" else 8),
     )
     # the attention kernel wants rotary table rows for every position a call spans, padding tokens included

@@ -25,7 +25,7 @@ def main() -> None:
 @click.option("--max-seq-len", type=int, default=None, help="Longest prompt + output (default: min(2048, model's)).")
 @click.option("--max-batch", type=int, default=8, show_default=True, help="Largest decode batch bucket.")
 @click.option("--prefill-chunk", type=int, default=None,
-              help="The largest prompt chunk one graph call computes (default: min(1024, --max-seq-len)); the runner "
+              help="The largest prompt chunk one graph call computes (default: min(1024, --max-seq-len); 128 with an int8 KV cache); the runner "
                    "cuts smaller chunks while other requests generate (runner serve --shared-prefill-chunk).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing engine at --out.")
 @click.option("--quant", type=click.Choice(["none", "int8", "int4", "gptq"]), default="none", show_default=True,
