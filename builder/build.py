@@ -22,7 +22,7 @@ from builder.loaders import load_checkpoint
 from builder.loaders.checkpoint import TokenizerSpec
 from builder.sampler import TOP_LOGPROBS
 from builder.loaders.default import DEFAULT_MODEL_NAME
-from builder.phases import STEP_GRAPH, BuildShapes, plan_phases
+from builder.phases import STEP_GRAPH, BuildShapes, default_prefill_chunk, plan_phases
 from builder.weights import kept_block_specs, linear_sources, load_model
 from plugins.attention import check_head_dim
 from plugins.quant_linear import QuantSpec
@@ -54,19 +54,6 @@ DRAFT_QUANT = QuantSpec(8, 128, 4)
 SHIPPED_DRAFT_HEAD = Path(__file__).parent / "drafters" / "smollm2-135m-instruct.redrafter.safetensors"
 
 
-# A prompt computed while no other request generates goes through in chunks of up to this many tokens: each chunk
-# reads every weight once, so fewer chunks cost less where weights are large (fp32 default model, 2 threads, the
-# 650-token prompt: TTFT 1445 ms in chunks of 128, 1362 in 512, 1274 in one chunk; int4 RTN, compute-bound there: no
-# change). While other requests generate, the runner cuts chunks smaller (LLM(shared_prefill_chunk=...)).
-DEFAULT_PREFILL_CHUNK = 1024
-# ... except over an int8 KV cache, whose attention kernel for prompt chunks slows down with the chunk's length (int4
-# RTN + int8 cache, same prompt: 1996 ms in chunks of 128, 2015 in 512, 2334 in one chunk)
-DEFAULT_PREFILL_CHUNK_INT8_KV = 128
-
-
-def default_prefill_chunk(kv_cache_dtype: str, max_seq_len: int) -> int:
-    return min(DEFAULT_PREFILL_CHUNK_INT8_KV if kv_cache_dtype == "int8" else DEFAULT_PREFILL_CHUNK, max_seq_len)
-
 # Drafts per beam when the build does not say. A chain (prompt lookup, a draft model) pays one draft call per token
 # (a draft model) or nothing (lookup) and one verify node each, so it can go deeper than ReDrafter's beams; the draft
 # model's best length grows with how often it agrees with the target (the default model's int4 draft of its fp32 engine,
@@ -81,7 +68,7 @@ class BuildOptions:
     dtype: str = "fp32"
     max_seq_len: int | None = None  # default: min(2048, the model's max_position_embeddings)
     max_batch: int = 8
-    prefill_chunk: int | None = None  # the largest prompt chunk one call computes (default: DEFAULT_PREFILL_CHUNK*)
+    prefill_chunk: int | None = None  # the largest prompt chunk one call computes (default: default_prefill_chunk)
     overwrite: bool = False
     quant: str = "none"  # "none" | "int8" | "int4" (round-to-nearest, symmetric, per group) | "gptq" (int4)
     group_size: int | None = None  # default: 32 for int4, 128 for int8 (the fastest MatMulNBits kernels here)

@@ -7,15 +7,28 @@ from dataclasses import dataclass
 from engines.format import PhaseSpec
 
 STEP_GRAPH = "step"
+
+# A prompt computed while no other request generates goes through in chunks of up to this many tokens: each chunk
+# reads every weight once, so fewer chunks cost less where weights are large (fp32 default model, 2 threads, the
+# 650-token prompt: TTFT 1445 ms in chunks of 128, 1362 in 512, 1274 in one chunk; int4 RTN, compute-bound there: no
+# change). While other requests generate, the runner cuts chunks smaller (LLM(shared_prefill_chunk=...)).
+DEFAULT_PREFILL_CHUNK = 1024
+# ... except over an int8 KV cache, whose attention kernel for prompt chunks slows down with the chunk's length (int4
+# RTN + int8 cache, same prompt: 1996 ms in chunks of 128, 2015 in 512, 2334 in one chunk)
+DEFAULT_PREFILL_CHUNK_INT8_KV = 128
 # score calls return logits at every position (128 x a 49k vocabulary: 25 MB in fp32), so their chunks stay small
 SCORE_CHUNK = 128
+
+
+def default_prefill_chunk(kv_cache_dtype: str, max_seq_len: int) -> int:
+    return min(DEFAULT_PREFILL_CHUNK_INT8_KV if kv_cache_dtype == "int8" else DEFAULT_PREFILL_CHUNK, max_seq_len)
 
 
 @dataclass(frozen=True)
 class BuildShapes:
     max_seq_len: int = 2048
     max_batch: int = 8
-    prefill_chunk: int = 1024
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     verify_tokens: int = 8  # the largest token tree per row (root + drafts), for speculative verification
     min_past_len: int = 64
 

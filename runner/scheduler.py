@@ -51,7 +51,6 @@ class Scheduler:
             request.row = self._free_rows.pop(0)  # lowest rows first keeps the decode batch bucket small
             self.running.append(request)
             self._reuse_prefix(request, step)
-        generating = any(r.fork_of is None and not r.prefilling for r in self.running)
         for request in self.running:
             if request.fork_of is not None:  # its prompt is computed by the request it forks (LLMEngine._fork)
                 continue
@@ -62,6 +61,7 @@ class Scheduler:
                     # step, it finds what it found at admission, its own row winning the tie: no second copy
                     self._reuse_prefix(request, step)
                 remaining = len(request.prompt_token_ids) - request.num_computed
+                generating = any(r.fork_of is None and not r.prefilling for r in self.running)
                 step.prefill = (request, min(remaining, self.shared_chunk if generating else self.prefill_chunk))
             elif not request.prefilling:
                 step.decode.append(request)

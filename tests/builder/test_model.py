@@ -3,7 +3,7 @@
 import torch
 
 from builder.model import rope_inv_freq, rotary_tables
-from builder.phases import BuildShapes, batch_sizes, kv_ladder, plan_phases, verify_steps
+from builder.phases import BuildShapes, batch_sizes, default_prefill_chunk, kv_ladder, plan_phases, verify_steps
 from engines.model_config import ModelConfig, RopeScaling
 from plugins.attention import rotate
 
@@ -47,3 +47,10 @@ def test_bucket_plan():
     # a long chunk prefills a prompt alone; score calls return logits at every position and keep to 128
     long_chunks = plan_phases(BuildShapes(max_seq_len=2048, prefill_chunk=1024))
     assert long_chunks["prefill"].steps[-1] == 1024 and long_chunks["score"].steps[-1] == 128
+
+
+def test_the_largest_prefill_chunk_is_long_unless_the_kv_cache_is_int8():
+    # one long chunk reads the weights once; onnxruntime's int8-cache attention slows down with the chunk's length
+    assert default_prefill_chunk("auto", 2048) == 1024
+    assert default_prefill_chunk("auto", 256) == 256
+    assert default_prefill_chunk("int8", 2048) == 128

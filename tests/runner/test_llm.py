@@ -314,6 +314,7 @@ def test_a_prompt_takes_the_shared_chunk_while_another_request_generates(engine_
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     together = llm.generate(prompts, params)
     first_len, second_len = (len(r.prompt_token_ids) for r in together)
+
     def cut(length: int, chunk: int) -> list[int]:
         return [chunk] * (length // chunk) + ([length % chunk] if length % chunk else [])
 
