@@ -16,7 +16,9 @@ The machine's memory bandwidth is measured in the same run (a STREAM-style triad
 
 Correctness guard: the first greedy tokens of every fp32 engine must agree (the script fails if not); each
 quantized engine's agreement with them is reported. Then ours and onnxruntime-genai's decode runs are profiled
-per operator type (runner/profile.py), each in its own process. Writes benchmarks/results/peers.{json,md,png}.
+per operator type (runner/profile.py), each in its own process, and where onnxruntime-genai decodes the short
+prompt fastest, its decode graph and ours are timed call by call in one process (benchmarks/graph_parity.py), which
+tells the graph from the loop around it. Writes benchmarks/results/peers.{json,md,png}.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.compare_transformers import contender_ours, contender_transformers, write_prompts  # noqa: E402
+from benchmarks.graph_parity import parity_markdown  # noqa: E402
 from benchmarks.interleave import Generate, decode_rate, interleaved_runs, serve  # noqa: E402
 from runner.machine import cpu_model, memory_bandwidth_gbs  # noqa: E402
 
@@ -130,6 +133,16 @@ def profile_ort_genai(model_dir: str, ids: list[int], threads: int, new_tokens: 
         gc.collect()
         (trace,) = Path(scratch).glob("trace*.json")
         return read_trace(trace, 1 + SKIPPED_DECODE_RUNS)
+
+
+def graph_parity_in_own_process(ours: str, peer: str, prompt_tokens: int, threads: int) -> dict:
+    """benchmarks/graph_parity.py on our engine and an onnxruntime-genai model, in a process of its own."""
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("graph_parity.py")), "--ours", ours, "--peer", peer,
+                           "--prompt-tokens", str(prompt_tokens), "--threads", str(threads), "--json"],
+                          capture_output=True, text=True, check=False, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    if proc.returncode != 0:
+        raise SystemExit(f"graph_parity failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def worker_profile(kind: str, target: str, threads: int, new_tokens: int, prompts_file: Path) -> dict:
@@ -366,6 +379,13 @@ def main(ours, threads, new_tokens, runs, peers, work, worker_kind, worker_targe
     # after the timed runs, in their own processes: the profiler slows every node down
     profiles = {label: in_own_process(label, f"profile:{kind}", target) for label, kind, target in engines
                 if kind in ("ours", "ort-genai")}
+    report_standing = standing(results)
+    # where the best short-prompt decoder is onnxruntime-genai's, its graph and ours alone, call by call
+    targets = {label: target for label, _, target in engines}
+    graphs = [{"ours": r["ours"], "peer": r["peer"],
+               **graph_parity_in_own_process(targets[r["ours"]], targets[r["peer"]], len(prompts["short"]), threads)}
+              for r in report_standing if r["prompt"] == "short" and r["metric"] == "decode_tok_s"
+              and r["peer"].startswith("ort-genai")]
 
     reference = results[engine_label(ours[0])]
     fp32 = [label for label in results if "fp32" in label]
@@ -377,7 +397,7 @@ def main(ours, threads, new_tokens, runs, peers, work, worker_kind, worker_targe
     report = {
         "machine": f"{cpu_model()}, {os.cpu_count()} cores, {threads} threads", "bandwidth_gbs": bandwidth,
         "commit": commit, "versions": versions, "new_tokens": new_tokens, "runs": runs, "engines": results,
-        "profiles": profiles, "standing": standing(results),
+        "profiles": profiles, "standing": report_standing, "graph_parity": graphs,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "peers.json").write_text(json.dumps(report, indent=2))
@@ -385,6 +405,7 @@ def main(ours, threads, new_tokens, runs, peers, work, worker_kind, worker_targe
     lines += ["", "Our best engine against the best peer, per round (each round runs every engine once, one after the other, "
               "so a ratio compares runs seconds apart; > 1: ours ahead):", ""]
     lines += standing_markdown(report["standing"])
+    lines += ["", *(parity_markdown(g["ours"], g["peer"], g) for g in graphs)]
     lines += ["", "versions: " + ", ".join(f"{k} {v}" for k, v in versions.items())]
     lines += ["", "Where a batch-1 decode run of the short prompt spends its time, per operator type (onnxruntime's "
               "profiler, which adds a few microseconds per node: times are inflated, most for graphs with many nodes; "
