@@ -405,7 +405,8 @@ def main(ours, threads, new_tokens, runs, peers, work, worker_kind, worker_targe
     lines += ["", "Our best engine against the best peer, per round (each round runs every engine once, one after the other, "
               "so a ratio compares runs seconds apart; > 1: ours ahead):", ""]
     lines += standing_markdown(report["standing"])
-    lines += ["", *(parity_markdown(g["ours"], g["peer"], g) for g in graphs)]
+    for g in graphs:
+        lines += ["", parity_markdown(g["ours"], g["peer"], g)]
     lines += ["", "versions: " + ", ".join(f"{k} {v}" for k, v in versions.items())]
     lines += ["", "Where a batch-1 decode run of the short prompt spends its time, per operator type (onnxruntime's "
               "profiler, which adds a few microseconds per node: times are inflated, most for graphs with many nodes; "

@@ -43,10 +43,10 @@ class PeerDecoder:
     def __init__(self, model_dir: Path, threads: int, max_len: int) -> None:
         import onnxruntime as ort
 
-        from engines.backends.onnxruntime import _session_options
+        from engines.backends.onnxruntime import session_options
 
         config = json.loads((model_dir / "genai_config.json").read_text())["model"]["decoder"]
-        self.session = ort.InferenceSession(str(model_dir / config["filename"]), _session_options(ort, threads, spinning=True),
+        self.session = ort.InferenceSession(str(model_dir / config["filename"]), session_options(ort, threads, spinning=True),
                                             providers=["CPUExecutionProvider"])
         self.names = config["inputs"] | config["outputs"]
         self.input_names = {i.name for i in self.session.get_inputs()}

@@ -24,10 +24,10 @@ class OnnxRuntimeBackend:
                 f"this engine computes in {manifest.dtype}, which onnxruntime runs on CUDA only; "
                 "no CUDAExecutionProvider here (build with --dtype fp32 for CPU)"
             )
-        options = _session_options(ort, threads, spinning=True)
+        options = session_options(ort, threads, spinning=True)
         # Small side graphs (the sampler, the draft head) run on the calling thread without spinning: a second pool
         # of spinning threads competes with the step graph's for the cores and doubled a verify call's time on 2 cores.
-        side_options = _session_options(ort, 1, spinning=False)
+        side_options = session_options(ort, 1, spinning=False)
         for profiled in (options, side_options) if profile_prefix else ():
             profiled.enable_profiling = True
             profiled.profile_file_prefix = profile_prefix
@@ -57,7 +57,8 @@ class OnnxRuntimeBackend:
         return {graph: session.end_profiling() for graph, session in self.sessions.items()}
 
 
-def _session_options(ort, threads: int | None, spinning: bool):
+def session_options(ort, threads: int | None, spinning: bool):
+    """The engine's session options (benchmarks/graph_parity.py runs a peer's graph with the same ones)."""
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.log_severity_level = 3
