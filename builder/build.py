@@ -329,11 +329,7 @@ def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> B
     report.files = {str(p.relative_to(out)): p.stat().st_size for p in sorted(out.rglob("*")) if p.is_file()}
     report.quantization = manifest.quantization
     report.speculation = manifest.speculation
-    report.phases = {
-        name: f"batch {p.batch_sizes} x tokens {p.steps} x kv {p.past_lengths[0]}..{p.past_lengths[-1]} "
-        f"({len(p.past_lengths)} buckets), logits={p.logits}"
-        for name, p in manifest.phases.items()
-    }
+    report.phases = {name: phase.describe() for name, phase in manifest.phases.items()}
     return report
 
 

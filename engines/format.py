@@ -53,6 +53,15 @@ class PhaseSpec:
     past_lengths: list[int]  # KV-length buckets (L)
     logits: str  # "last": one position per row; "all": every new token
 
+    def describe(self) -> str:
+        """Its buckets in one line (a ladder can hold a thousand sizes)."""
+        return (f"graph {self.graph}, rows {_ladder(self.batch_sizes)}, tokens per row {_ladder(self.steps)}, "
+                f"kv {_ladder(self.past_lengths)}, logits {self.logits}")
+
+
+def _ladder(values: list[int]) -> str:
+    return str(values[0]) if len(values) == 1 else f"{values[0]}..{values[-1]} ({len(values)} buckets)"
+
 
 @dataclass(frozen=True)
 class KVCacheSpec:

@@ -3,7 +3,7 @@ speculation), its phase buckets, KV cache and files. `runner info ENGINE` prints
 
 from __future__ import annotations
 
-from engines.format import Artifact, PhaseSpec
+from engines.format import Artifact
 
 
 def describe(artifact: Artifact) -> list[str]:
@@ -26,7 +26,7 @@ def describe(artifact: Artifact) -> list[str]:
         f"sampler: trees up to {manifest.sampler.max_depth} accepted drafts, top {manifest.sampler.top_logprobs} "
         f"logprobs{'' if 'logit_bias' in sampler_inputs else ', no logit_bias (built before it)'}",
         "phases:",
-        *(f"  {_phase(phase)}" for phase in manifest.phases.values()),
+        *(f"  {phase.name}: {phase.describe()}" for phase in manifest.phases.values()),
         f"files: {len(manifest.files)}, {sum(f.size for f in manifest.files.values()) / 2**20:.1f} MiB",
         *(f"  {name}: {entry.size / 2**20:.1f} MiB" for name, entry in sorted(manifest.files.items(), key=lambda f: -f[1].size)),
     ]
@@ -45,10 +45,3 @@ def _short(value) -> str:
     return str(value)
 
 
-def _phase(phase: PhaseSpec) -> str:
-    return (f"{phase.name}: graph {phase.graph}, rows {_buckets(phase.batch_sizes)}, tokens per row "
-            f"{_buckets(phase.steps)}, logits {phase.logits}")
-
-
-def _buckets(values: list[int]) -> str:
-    return str(values[0]) if len(values) == 1 else f"{values[0]}..{values[-1]} ({len(values)} buckets)"
