@@ -43,5 +43,3 @@ def _short(value) -> str:
     if isinstance(value, (dict, list)) and len(str(value)) > 60:
         return f"<{len(value)} entries>"
     return str(value)
-
-
