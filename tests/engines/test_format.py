@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from engines.format import SCHEMA_VERSION, ArtifactError, open_artifact
+from engines.format import SCHEMA_VERSION, ArtifactError, PhaseSpec, open_artifact
 
 
 @pytest.fixture
@@ -82,3 +82,9 @@ def test_foreign_backend_is_refused_by_the_runner(engine_copy):
     (engine_copy / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ArtifactError, match="not available"):
         open_backend(open_artifact(engine_copy))
+
+
+def test_a_phase_describes_its_buckets_as_ranges():
+    prefill = PhaseSpec("prefill", "step", [1], list(range(1, 1025)), [64, 128, 2048], "last")
+    assert prefill.describe() == ("graph step, rows 1, tokens per row 1..1024 (1024 buckets), kv 64..2048 (3 buckets), "
+                                  "logits last")
