@@ -14,8 +14,11 @@ project dependencies:
 The machine's memory bandwidth is measured in the same run (a STREAM-style triad, torch, same threads), and MBU
 (bytes of weights read per decode step x steps/s / bandwidth) is reported per engine.
 
-Correctness guard: the first greedy tokens of every fp32 engine must agree (the script fails if not); each
-quantized engine's agreement with them is reported. Then ours and onnxruntime-genai's decode runs are profiled
+Quality: every engine's perplexity on the same token ids (CPython's LICENSE.txt, strided windows as `runner eval`;
+peers scored through their own model files), so a faster quantized engine shows what it costs.
+
+Correctness guard: the first greedy tokens and the perplexity of every fp32 engine must agree (the script fails if
+not); each quantized engine's agreement with them is reported. Then ours and onnxruntime-genai's decode runs are profiled
 per operator type (runner/profile.py), each in its own process, and where onnxruntime-genai decodes the short
 prompt fastest, its decode graph and ours are timed call by call in one process (benchmarks/graph_parity.py), which
 tells the graph from the loop around it. Writes benchmarks/results/peers.{json,md,png}.
@@ -145,6 +148,79 @@ def graph_parity_in_own_process(ours: str, peer: str, prompt_tokens: int, thread
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def window_logits_transformers(target: str, threads: int):
+    import torch
+    import transformers
+
+    from builder.loaders.default import default_gguf_path
+
+    torch.set_num_threads(threads)
+    path = default_gguf_path()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+    def window_logits(ids: list[int]):
+        with torch.no_grad():
+            return model(torch.tensor([ids])).logits[0].numpy()
+
+    return window_logits
+
+
+def window_logits_llama_cpp(model_path: str, threads: int):
+    import numpy as np
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=model_path, n_ctx=2048, n_batch=512, n_threads=threads, n_threads_batch=threads,
+                logits_all=True, verbose=False)
+
+    def window_logits(ids: list[int]):
+        llm.reset()
+        llm.eval(ids)
+        return np.array(llm.scores[:len(ids)])
+
+    return window_logits
+
+
+def window_logits_ort_genai(model_dir: str, threads: int):
+    """onnxruntime-genai's model graph run by onnxruntime itself, the whole window as one prompt after an empty
+    cache (its generator API gives the last position's logits only): the same graph and weights its generator runs."""
+    import numpy as np
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    session = ort.InferenceSession(str(Path(model_dir) / "model.onnx"), options, providers=["CPUExecutionProvider"])
+    config = json.loads((Path(model_dir) / "genai_config.json").read_text())["model"]
+    heads, head_size = config["decoder"]["num_key_value_heads"], config["decoder"]["head_size"]
+    caches = [i.name for i in session.get_inputs() if i.name.startswith("past_key_values")]
+
+    def window_logits(ids: list[int]):
+        feeds = {"input_ids": np.array([ids], np.int64), "attention_mask": np.ones((1, len(ids)), np.int64)}
+        feeds.update({name: np.zeros((1, heads, 0, head_size), np.float32) for name in caches})
+        return session.run(["logits"], feeds)[0][0]
+
+    return window_logits
+
+
+WINDOW_LOGITS = {"transformers": window_logits_transformers,
+                 "llama.cpp": window_logits_llama_cpp, "ort-genai": window_logits_ort_genai}
+PERPLEXITY_WINDOW, PERPLEXITY_STRIDE = 512, 256  # as benchmarks/quantization.py and `runner eval`'s README figures
+FP32_PERPLEXITY_TOLERANCE = 0.01  # relative; fp32 engines of the same weights measured 10.200 each (stop 35)
+
+
+def worker_perplexity(kind: str, target: str, threads: int, text_file: Path) -> dict:
+    """Perplexity of one engine on the benchmark text's token ids (ours), the same strided windows for all: ours by
+    `runner eval`'s code, a peer through the same windows of its own logits."""
+    from runner.evaluate import perplexity, strided_perplexity
+    from runner.llm_engine import LLMEngine
+
+    ids = json.loads(text_file.read_text())
+    if kind == "ours":
+        result = perplexity(LLMEngine(target, threads=threads, max_batch=1), ids, PERPLEXITY_WINDOW, PERPLEXITY_STRIDE)
+    else:
+        result = strided_perplexity(ids, PERPLEXITY_WINDOW, PERPLEXITY_STRIDE, WINDOW_LOGITS[kind](target, threads))
+    return {"perplexity": result.perplexity, "tokens_scored": result.tokens_scored}
+
+
 def worker_profile(kind: str, target: str, threads: int, new_tokens: int, prompts_file: Path) -> dict:
     from dataclasses import asdict
 
@@ -210,6 +286,15 @@ def ort_genai_models(work: Path, threads: int) -> dict[str, Path]:
     return models
 
 
+def write_perplexity_text(engine: str, path: Path) -> None:
+    """CPython's LICENSE.txt as our engine's tokenizer encodes it (real prose nobody here wrote; `runner eval` and
+    benchmarks/quantization.py use it too): every engine is scored on these ids."""
+    from runner.bench import license_text
+    from runner.llm_engine import LLMEngine
+
+    path.write_text(json.dumps(LLMEngine(engine, verify_checksums=False).codec.encode(license_text())))
+
+
 def engine_label(engine: Path) -> str:
     manifest = json.loads((engine / "manifest.json").read_text())
     q = manifest.get("quantization", {})
@@ -217,6 +302,22 @@ def engine_label(engine: Path) -> str:
     if q.get("method", "none") == "none":
         return f"ours {manifest['dtype']}{kv_cache}"
     return f"ours int{q['bits']} {q['method']} g{q['group_size']}{kv_cache}"
+
+
+def check_agreement(results: dict[str, dict], reference: str) -> list[str]:
+    """Mark each engine's "agreement": whether its first greedy tokens on both prompts are `reference`'s (our fp32
+    engine's). Returns the fp32 engines that disagree with it on those tokens or on perplexity beyond
+    FP32_PERPLEXITY_TOLERANCE: the same weights in fp32 must decode and score alike, which guards every engine's
+    harness (quantized engines' differences are only reported)."""
+    expected = results[reference]
+    disagreeing = []
+    for label, r in results.items():
+        same = {p: r[p]["first_tokens"] == expected[p]["first_tokens"] for p in ("short", "long")}
+        r["agreement"] = "yes" if all(same.values()) else "no (" + ", ".join(p for p, ok in same.items() if not ok) + ")"
+        scored_alike = abs(r["perplexity"] / expected["perplexity"] - 1) <= FP32_PERPLEXITY_TOLERANCE
+        if "fp32" in label and not (all(same.values()) and scored_alike):
+            disagreeing.append(label)
+    return disagreeing
 
 
 def paired_ratio(numerator: list[float], denominator: list[float]) -> tuple[float, float, float]:
@@ -273,15 +374,17 @@ def markdown(report: dict) -> list[str]:
         f"{report['runs']} after a warm-up, runs interleaved across engines.",
         "",
         "| engine | TTFT short ms | TTFT long ms | decode short tok/s | decode long tok/s | MiB read per token | MBU short "
-        "| peak RSS MiB | first 16 tokens = fp32 |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| peak RSS MiB | first 16 tokens = fp32 | perplexity |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for label, r in report["engines"].items():
         lines.append(
             f"| {label} | {r['short']['ttft_ms']:.0f} | {r['long']['ttft_ms']:.0f} | {r['short']['decode_tok_s']:.1f} "
             f"| {r['long']['decode_tok_s']:.1f} | {r['weight_bytes'] / 2**20:.0f} | {r['mbu_short']:.0%} "
-            f"| {r['peak_rss_mb']:.0f} | {r['agreement']} |"
+            f"| {r['peak_rss_mb']:.0f} | {r['agreement']} | {r['perplexity']:.3f} |"
         )
+    lines += ["", f"Perplexity: CPython's LICENSE.txt ({report['perplexity_tokens']} tokens scored), windows of "
+              f"{PERPLEXITY_WINDOW} every {PERPLEXITY_STRIDE} tokens, the same token ids for every engine (lower is better)."]
     return lines
 
 
@@ -331,7 +434,10 @@ def chart(report: dict, path: Path) -> None:
 @click.option("--worker-kind", default=None, hidden=True)
 @click.option("--worker-target", default=None, hidden=True)
 def main(ours, threads, new_tokens, runs, peers, work, worker_kind, worker_target) -> None:
-    prompts_file = work / "prompts.json"
+    prompts_file, text_file = work / "prompts.json", work / "perplexity_text.json"
+    if worker_kind and worker_kind.startswith("perplexity:"):
+        print(json.dumps(worker_perplexity(worker_kind.removeprefix("perplexity:"), worker_target, threads, text_file)))
+        return
     if worker_kind and worker_kind.startswith("profile:"):
         print(json.dumps(worker_profile(worker_kind.removeprefix("profile:"), worker_target, threads, new_tokens, prompts_file)))
         return
@@ -344,6 +450,7 @@ def main(ours, threads, new_tokens, runs, peers, work, worker_kind, worker_targe
     if engine_label(ours[0]) != "ours fp32":  # the reference every engine's first greedy tokens are checked against
         raise click.BadParameter(f"the first --ours must be an fp32 engine, not {engine_label(ours[0])}", param_hint="--ours")
     prompts = write_prompts(str(ours[0]), prompts_file)
+    write_perplexity_text(str(ours[0]), text_file)
     engines = [(engine_label(e), "ours", str(e)) for e in ours]
     wanted = [p.strip() for p in peers.split(",") if p.strip()]
     versions = {name: version(name) for name in ("onnxruntime", "torch", "transformers")}
@@ -379,6 +486,8 @@ def main(ours, threads, new_tokens, runs, peers, work, worker_kind, worker_targe
     # after the timed runs, in their own processes: the profiler slows every node down
     profiles = {label: in_own_process(label, f"profile:{kind}", target) for label, kind, target in engines
                 if kind in ("ours", "ort-genai")}
+    for label, kind, target in engines:
+        results[label].update(in_own_process(label, f"perplexity:{kind}", target))
     report_standing = standing(results)
     # where the best short-prompt decoder is onnxruntime-genai's, its graph and ours alone, call by call
     targets = {label: target for label, _, target in engines}
@@ -388,16 +497,13 @@ def main(ours, threads, new_tokens, runs, peers, work, worker_kind, worker_targe
               and r["peer"].startswith("ort-genai")]
 
     reference = results[engine_label(ours[0])]
-    fp32 = [label for label in results if "fp32" in label]
-    for label, r in results.items():
-        same = {p: r[p]["first_tokens"] == reference[p]["first_tokens"] for p in ("short", "long")}
-        r["agreement"] = "yes" if all(same.values()) else "no (" + ", ".join(p for p, ok in same.items() if not ok) + ")"
-    disagreeing = [label for label in fp32 if results[label]["agreement"] != "yes"]
+    disagreeing = check_agreement(results, engine_label(ours[0]))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     report = {
         "machine": f"{cpu_model()}, {os.cpu_count()} cores, {threads} threads", "bandwidth_gbs": bandwidth,
         "commit": commit, "versions": versions, "new_tokens": new_tokens, "runs": runs, "engines": results,
         "profiles": profiles, "standing": report_standing, "graph_parity": graphs,
+        "perplexity_tokens": reference["tokens_scored"],
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "peers.json").write_text(json.dumps(report, indent=2))
@@ -416,7 +522,7 @@ def main(ours, threads, new_tokens, runs, peers, work, worker_kind, worker_targe
     chart(report, RESULTS / "peers.png")
     click.echo("\n".join(lines))
     if disagreeing:
-        raise SystemExit(f"fp32 engines disagree on their first greedy tokens: {', '.join(disagreeing)}")
+        raise SystemExit(f"fp32 engines disagree with ours fp32 (first greedy tokens or perplexity): {', '.join(disagreeing)}")
 
 
 if __name__ == "__main__":

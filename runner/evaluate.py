@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,26 +32,41 @@ def perplexity(engine: LLMEngine, token_ids: list[int], window: int, stride: int
     executor = engine.executor
     if executor.score_phase is None:
         raise ValueError("this engine has no `score` phase (built by an older builder): rebuild it to evaluate")
-    if not 1 < window <= engine.max_seq_len or not 0 < stride <= window:
-        raise ValueError(f"need 1 < window <= {engine.max_seq_len} and 0 < stride <= window")
-    if len(token_ids) < 2:
-        raise ValueError("the text has fewer than 2 tokens")
+    if not 1 < window <= engine.max_seq_len:
+        raise ValueError(f"need 1 < window <= {engine.max_seq_len}")
     if engine.scheduler.has_work:
         raise RuntimeError("evaluate on an idle engine: it uses cache row 0")
+    try:
+        return strided_perplexity(
+            token_ids, window, stride,
+            lambda ids: np.concatenate([scored.logits for scored in executor.score_chunks(ids)]),
+        )
+    finally:
+        executor.cache.release()
+
+
+def strided_perplexity(token_ids: list[int], window: int, stride: int,
+                       window_logits: Callable[[list[int]], np.ndarray]) -> Perplexity:
+    """The strided evaluation of any model: `window_logits(ids)` gives the logits [len(ids), vocab] of a sequence
+    read from position 0 (benchmarks/compare_peers.py scores the peers with it)."""
+    if not 1 < window or not 0 < stride <= window:
+        raise ValueError("need 1 < window and 0 < stride <= window")
+    if len(token_ids) < 2:
+        raise ValueError("the text has fewer than 2 tokens")
     start_time = time.perf_counter()
     total, count, scored_until = 0.0, 0, 1  # token 0 is never predicted
     begin = 0
     while scored_until < len(token_ids):
         end = min(begin + window, len(token_ids))
-        logits = np.concatenate([scored.logits for scored in executor.score_chunks(token_ids[begin:end])])
+        logits = window_logits(token_ids[begin:end])
         # logits row j (position begin + j) predicts token begin + j + 1; a window's first token has no context in
         # it, so it is scored only if an earlier window did (when stride == window it is skipped, as in HF's recipe)
         target_from = max(scored_until, begin + 1)
         first = target_from - begin - 1
         targets = np.asarray(token_ids[target_from:end])
-        total -= float(log_softmax(logits[first:first + len(targets)])[np.arange(len(targets)), targets].sum())
+        rows = np.asarray(logits[first:first + len(targets)], np.float32)
+        total -= float(log_softmax(rows)[np.arange(len(targets)), targets].sum())
         count += len(targets)
         scored_until = end
         begin += stride
-    executor.cache.release()
     return Perplexity(count, total / count, time.perf_counter() - start_time)

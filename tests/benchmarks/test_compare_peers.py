@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from benchmarks.compare_peers import engine_label, paired_ratio, standing
+from benchmarks.compare_peers import check_agreement, engine_label, paired_ratio, standing
 
 
 def test_paired_ratio_compares_round_by_round():
@@ -51,3 +51,20 @@ def test_engine_label_names_an_int8_kv_cache(tmp_path):
     manifest["quantization"] = {"method": "none"}
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     assert engine_label(tmp_path) == "ours fp32"
+
+
+def test_fp32_engines_must_agree_on_first_tokens_and_perplexity_quantized_ones_are_reported():
+    def engine(short, long, perplexity):
+        return {"short": {"first_tokens": short}, "long": {"first_tokens": long}, "perplexity": perplexity}
+
+    results = {
+        "ours fp32": engine([1, 2], [3, 4], 10.20),
+        "ort-genai fp32": engine([1, 2], [3, 4], 10.21),
+        "transformers fp32 eager": engine([1, 2], [3, 4], 10.60),  # same tokens, but scored 4% apart: a broken harness
+        "ours int4 rtn g32": engine([1, 5], [3, 4], 13.7),  # quantized: differences are reported only
+    }
+    assert check_agreement(results, "ours fp32") == ["transformers fp32 eager"]
+    assert results["ours int4 rtn g32"]["agreement"] == "no (short)"
+    assert results["ort-genai fp32"]["agreement"] == "yes"
+    results["ort-genai fp32"]["long"]["first_tokens"] = [3, 9]
+    assert check_agreement(results, "ours fp32") == ["ort-genai fp32", "transformers fp32 eager"]

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from runner.evaluate import perplexity
+from runner.evaluate import perplexity, strided_perplexity
 from runner.llm_engine import LLMEngine
 from tests.reference import load_reference, reference_logits
 from tests.tiny_checkpoint import CORPUS
@@ -46,3 +46,20 @@ def test_bad_windows_are_refused(engine_factory):
         perplexity(engine, [1, 2, 3], window=10_000, stride=10)
     with pytest.raises(ValueError, match="fewer than 2"):
         perplexity(engine, [1], window=16, stride=8)
+
+
+@pytest.mark.parametrize("window, stride", [(8, 8), (8, 3), (50, 10)])
+def test_strided_perplexity_of_a_model_that_knows_nothing_is_the_vocabulary_size(window, stride):
+    """Uniform logits over 7 tokens: every scored token costs log 7, whatever the windows."""
+    windows = []
+
+    def window_logits(ids):
+        windows.append(ids)
+        return np.zeros((len(ids), 7), np.float32)
+
+    ids = list(range(7)) * 4
+    result = strided_perplexity(ids, window, stride, window_logits)
+    assert result.perplexity == pytest.approx(7.0)
+    skipped = 0 if stride < window else len(range(window, len(ids), window))
+    assert result.tokens_scored == len(ids) - 1 - skipped
+    assert all(len(w) <= window for w in windows) and windows[0] == ids[:window]
