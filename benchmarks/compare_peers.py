@@ -40,7 +40,7 @@ import click
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.compare_transformers import contender_ours, contender_transformers, write_prompts  # noqa: E402
+from benchmarks.compare_transformers import contender_ours, contender_transformers, load_transformers_model, write_prompts  # noqa: E402
 from benchmarks.graph_parity import parity_markdown  # noqa: E402
 from benchmarks.interleave import Generate, decode_rate, interleaved_runs, serve  # noqa: E402
 from runner.machine import cpu_model, memory_bandwidth_gbs  # noqa: E402
@@ -49,12 +49,20 @@ RESULTS = ROOT / "benchmarks" / "results"
 PEER_PACKAGES = {"llama.cpp": "llama-cpp-python", "ort-genai": "onnxruntime-genai"}
 
 
+def load_llama_cpp(model_path: str, threads: int, logits_all: bool = False):
+    """llama.cpp on the GGUF, `threads` threads for prompts and decode; `logits_all` keeps every position's logits."""
+    from llama_cpp import Llama
+
+    return Llama(model_path=model_path, n_ctx=2048, n_batch=512, n_threads=threads, n_threads_batch=threads,
+                 logits_all=logits_all, verbose=False)
+
+
 def contender_llama_cpp(model_path: str, threads: int) -> tuple[Generate, dict]:
     import numpy as np
-    from llama_cpp import Llama, LogitsProcessorList
+    from llama_cpp import LogitsProcessorList
 
     start = time.perf_counter()
-    llm = Llama(model_path=model_path, n_ctx=2048, n_batch=512, n_threads=threads, n_threads_batch=threads, verbose=False)
+    llm = load_llama_cpp(model_path, threads)
     load_s = time.perf_counter() - start
     eos = llm.token_eos()
 
@@ -150,13 +158,8 @@ def graph_parity_in_own_process(ours: str, peer: str, prompt_tokens: int, thread
 
 def window_logits_transformers(target: str, threads: int):
     import torch
-    import transformers
 
-    from builder.loaders.default import default_gguf_path
-
-    torch.set_num_threads(threads)
-    path = default_gguf_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    model = load_transformers_model(threads)
 
     def window_logits(ids: list[int]):
         with torch.no_grad():
@@ -167,10 +170,8 @@ def window_logits_transformers(target: str, threads: int):
 
 def window_logits_llama_cpp(model_path: str, threads: int):
     import numpy as np
-    from llama_cpp import Llama
 
-    llm = Llama(model_path=model_path, n_ctx=2048, n_batch=512, n_threads=threads, n_threads_batch=threads,
-                logits_all=True, verbose=False)
+    llm = load_llama_cpp(model_path, threads, logits_all=True)
 
     def window_logits(ids: list[int]):
         llm.reset()
@@ -186,11 +187,12 @@ def window_logits_ort_genai(model_dir: str, threads: int):
     import numpy as np
     import onnxruntime as ort
 
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    session = ort.InferenceSession(str(Path(model_dir) / "model.onnx"), options, providers=["CPUExecutionProvider"])
-    config = json.loads((Path(model_dir) / "genai_config.json").read_text())["model"]
-    heads, head_size = config["decoder"]["num_key_value_heads"], config["decoder"]["head_size"]
+    from engines.backends.onnxruntime import session_options
+
+    decoder = json.loads((Path(model_dir) / "genai_config.json").read_text())["model"]["decoder"]
+    session = ort.InferenceSession(str(Path(model_dir) / decoder["filename"]), session_options(ort, threads, spinning=True),
+                                   providers=["CPUExecutionProvider"])
+    heads, head_size = decoder["num_key_value_heads"], decoder["head_size"]
     caches = [i.name for i in session.get_inputs() if i.name.startswith("past_key_values")]
 
     def window_logits(ids: list[int]):

@@ -41,7 +41,8 @@ def contender_ours(engine: str, threads: int) -> tuple[Generate, dict]:
     return generate, {"load_s": load_s, "weight_bytes": weight_bytes_per_step(llm)}
 
 
-def contender_transformers(engine: str, threads: int) -> tuple[Generate, dict]:
+def load_transformers_model(threads: int):
+    """The default model's GGUF in transformers, dequantized to fp32, eager, on `threads` threads."""
     import torch
     import transformers
 
@@ -49,8 +50,15 @@ def contender_transformers(engine: str, threads: int) -> tuple[Generate, dict]:
 
     torch.set_num_threads(threads)
     path = default_gguf_path()
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def contender_transformers(engine: str, threads: int) -> tuple[Generate, dict]:
+    import torch
+    import transformers
+
     start = time.perf_counter()
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    model = load_transformers_model(threads)
     load_s = time.perf_counter() - start
 
     def timed(ids: list[int], count: int) -> tuple[float, float, list[int]]:

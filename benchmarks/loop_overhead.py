@@ -61,8 +61,6 @@ class BareDecodeLoop:
 
     def __init__(self, engine: LLMEngine) -> None:
         executor = engine.executor
-        self.session = executor.backend.sessions[executor.decode_phase.graph]
-        self.binding = self.session.io_binding()
         model = engine.manifest.model
         keys, values = executor.cache.views(0, 1)
         self.arrays = {f"{kind}_{part}.{i}": buffer for i, (k, v) in enumerate(zip(keys, values))
@@ -72,10 +70,8 @@ class BareDecodeLoop:
         self.arrays["query_lens"] = np.ones(1, np.int64)
         self.arrays |= {"logits": np.empty((1, 1, model.vocab_size), np.float32), "argmax": np.empty((1, 1), np.int64),
                         "hidden": np.empty((1, 1, model.hidden_size), np.float32)}
-        inputs = {i.name for i in self.session.get_inputs()}
-        for name, array in self.arrays.items():
-            bind = self.binding.bind_input if name in inputs else self.binding.bind_output
-            bind(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
+        bound = executor.backend.bind(executor.decode_phase.graph, self.arrays)  # by address, for good
+        self.session, self.binding = bound.session, bound.binding
         self.zero_bias = np.zeros(engine.max_seq_len + 1, np.float32)
 
     def decode(self, token: int, position: int, count: int) -> list[int]:
