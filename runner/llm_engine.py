@@ -381,7 +381,20 @@ class LLMEngine:
             # vLLM's stop_reason: a stop token the request named (not the model's own end of sequence)
             if token in params.stop_token_ids and (params.ignore_eos or token not in self.sampler.eos_token_ids):
                 request.stop_reason = token
-        if reason is None or params.include_stop_str_in_output:  # a stop token's text is not part of the answer
+        if reason is None and (len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_seq_len):
+            reason = "length"
+        delta = ""
+        if params.detokenize:  # (without it: token ids only, and no stop strings, which SamplingParams refuses then)
+            delta, reason = self._append_text(request, token, reason)
+        if reason is not None:
+            self._finish(request, reason)
+        return TokenEvent(request, delta, reason is not None)
+
+    def _append_text(self, request: Request, token: int, reason: str | None) -> tuple[str, str | None]:
+        """Detokenize a chosen token: the text increment to show (held back where it could grow into a stop string)
+        and the reason to finish, "stop" where a stop string now appears (it wins over a length limit)."""
+        params = request.params
+        if reason != "stop" or params.include_stop_str_in_output:  # a stop token's text is not part of the answer
             request.detokenizer.push(token)
         full_text = request.detokenizer.text
         visible = full_text
@@ -391,15 +404,11 @@ class LLMEngine:
                 end = index + len(stop) if params.include_stop_str_in_output else index
                 visible, reason, request.stop_reason = full_text[:end], "stop", stop
                 break
-        if reason is None and (len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_seq_len):
-            reason = "length"
         if reason is None:
             visible = full_text[: len(full_text) - held_back(full_text, params.stop)]
         delta = visible[len(request.text):]
         request.text = visible
-        if reason is not None:
-            self._finish(request, reason)
-        return TokenEvent(request, delta, reason is not None)
+        return delta, reason
 
     def run(self, requests: list[Request]) -> Iterator[TokenEvent]:
         """Step until every request in `requests` is finished, yielding every event on the way."""

@@ -40,6 +40,7 @@ class SamplingParams:
     # as vLLM's fast detokenizer does not, so either value gives the same text
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: as many as the engine takes)
+    detokenize: bool = True  # False: token ids only, the text stays "" (vLLM's; stop strings need the text)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -96,9 +97,11 @@ class SamplingParams:
         masks = [name for name in ("structured_outputs", "allowed_token_ids", "bad_words") if getattr(self, name)]
         if len(masks) > 1:
             problems.append(f"{' and '.join(masks)} cannot be combined: together they could leave no token to generate")
-        for name in ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens"):
+        for name in ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.detokenize is False and self.stop:
+            problems.append("stop strings need detokenize=True: they are matched in the text (stop_token_ids need no text)")
         truncate = self.truncate_prompt_tokens
         if truncate is not None and (not isinstance(truncate, int) or isinstance(truncate, bool) or not (truncate == -1 or truncate >= 1)):
             problems.append(f"truncate_prompt_tokens must be -1 (the engine's limit) or an integer >= 1, got {truncate!r}")

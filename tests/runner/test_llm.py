@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from runner import LLM, SamplingParams
@@ -101,6 +103,17 @@ def test_stop_token_ids_and_min_tokens(llm):
     assert out.outputs[0].stop_reason == stop_id and full.outputs[0].stop_reason is None
     held = llm.generate("hello", SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_id], min_tokens=16))[0]
     assert stop_id not in held.token_ids and len(held.token_ids) == 16
+
+
+def test_without_detokenizing_the_tokens_and_their_ends_are_the_same_and_the_text_empty(llm):
+    full = llm.generate("hello", GREEDY)[0]
+    stop_id = full.token_ids[3]
+    for params in (GREEDY, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_id])):
+        text = llm.generate("hello", params)[0]
+        ids = llm.generate("hello", replace(params, detokenize=False))[0]
+        assert ids.token_ids == text.token_ids and ids.finish_reason == text.finish_reason and text.text
+        assert ids.text == "" and ids.outputs[0].stop_reason == text.outputs[0].stop_reason
+    assert list(llm.stream("hello", replace(GREEDY, detokenize=False))) == []  # no text, so no increments
 
 
 def test_logit_bias_moves_greedy_choices_and_is_checked(llm):

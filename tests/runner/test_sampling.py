@@ -26,6 +26,8 @@ from runner.sampling import SamplingParams
         ({"bad_words": ["x"], "allowed_token_ids": [1]}, "allowed_token_ids and bad_words cannot be combined"),
         ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
         ({"skip_special_tokens": "no"}, "skip_special_tokens"),
+        ({"detokenize": 0}, "detokenize"),
+        ({"detokenize": False, "stop": ["."]}, "stop strings need detokenize=True"),
     ],
 )
 def test_invalid_parameters_are_refused_with_their_name(kwargs, message):
