@@ -23,7 +23,45 @@ def cpuinfo_field(name: str) -> str | None:
 
 
 def cpu_model() -> str:
-    return cpuinfo_field("model name") or platform.processor() or "unknown"
+    """The CPU as results should name it: the model name, and what a generic name ("AMD EPYC" in a VM) hides and decode
+    speed depends on: family and model (a Zen 3 and a Zen 5 EPYC share the name), the vector instructions
+    onnxruntime's kernels choose between, the L3 size."""
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        cpuinfo = ""
+    try:
+        l3 = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
+    except OSError:
+        l3 = None
+    return describe_cpu(cpuinfo, l3) or platform.processor() or "unknown"
+
+
+# the instruction sets onnxruntime's CPU kernels pick between, as Linux names them, best first
+_VECTOR_ISAS = (("amx_tile", "AMX"), ("avx512f", "AVX-512"), ("avx512_vnni", "AVX-512 VNNI"), ("avx_vnni", "AVX-VNNI"),
+                ("avx2", "AVX2"), ("fma", "FMA"), ("sve", "SVE"), ("asimddp", "NEON dot product"), ("asimd", "NEON"))
+
+
+def describe_cpu(cpuinfo: str, l3_size: str | None) -> str | None:
+    """"model name (family F model M; ISAs; L3 size)" from /proc/cpuinfo's text and sysfs' L3 size ("32768K")."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        name, _, value = line.partition(":")
+        fields.setdefault(name.strip(), value.strip())  # the first CPU's
+    model = fields.get("model name")
+    if not model:
+        return None
+    flags = set((fields.get("flags") or fields.get("Features") or "").split())
+    details = []
+    if "cpu family" in fields and "model" in fields:
+        details.append(f"family {fields['cpu family']} model {fields['model']}")
+    isas = [label for flag, label in _VECTOR_ISAS if flag in flags]
+    if isas:
+        details.append(", ".join(isas))
+    if l3_size:
+        kib = int(l3_size.rstrip("K")) if l3_size.endswith("K") and l3_size[:-1].isdigit() else None
+        details.append(f"L3 {kib // 1024} MiB" if kib and kib % 1024 == 0 else f"L3 {l3_size}")
+    return f"{model} ({'; '.join(details)})" if details else model
 
 
 def cpu_flags() -> set[str]:
