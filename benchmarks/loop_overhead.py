@@ -7,6 +7,10 @@ does per token (no scheduler, no sampler, no detokenizer, no stop checks), so th
 speed. Both times come from the same clock around the graph call: the gap is the median time from the end of one
 decode call to the start of the next.
 
+A third contender in the same rounds runs the decode graph's matmuls alone (`MatmulsAlone`: the same weights and
+kernels, one row each, back to back), the floor under the graph: what the bare loop takes beyond it is the graph's
+other nodes (attention, norms, activations, the executor between nodes) and the loop itself.
+
     python benchmarks/loop_overhead.py --engine engines-out/int4-rtn [--rounds 8] [--prompt short]
 """
 
@@ -16,6 +20,7 @@ import json
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -51,8 +56,10 @@ class GraphCallClock:
 
         session.run_with_iobinding = timed
 
-    def median_gap_us(self, calls: list[tuple[float, float]]) -> float:
-        return statistics.median(b[0] - a[1] for a, b in zip(calls, calls[1:])) * 1e6
+
+def median_gap_us(calls: list[tuple[float, float]]) -> float:
+    """The median time between the end of one call and the start of the next, of (start, end) pairs."""
+    return statistics.median(b[0] - a[1] for a, b in zip(calls, calls[1:])) * 1e6
 
 
 class BareDecodeLoop:
@@ -88,11 +95,76 @@ class BareDecodeLoop:
         return tokens
 
 
+class MatmulsAlone:
+    """The decode graph's weight matmuls (MatMulNBits, or MatMul with a constant weight) alone, in their order, each
+    on one row of its own fixed input, in a session with the engine's options: what a decode call's matmuls cost with
+    nothing between them. The graph is written to `scratch` (the weights once more: ~80 MiB for the int4 default)."""
+
+    def __init__(self, engine: LLMEngine, scratch: Path, threads: int | None) -> None:
+        import onnx
+        import onnxruntime as ort
+        from onnx import helper
+
+        from engines.backends.onnxruntime import session_options
+
+        graph_file = engine.artifact.path(engine.manifest.graphs[engine.executor.decode_phase.graph].file)
+        model = onnx.load(str(graph_file))
+        constants = {i.name: i for i in model.graph.initializer}
+        made_by = {out: node for node in model.graph.node for out in node.output}
+        nodes, shapes, used = [], [], []  # shapes: each matmul's (K, N)
+        for node in model.graph.node:
+            weight = node.input[1] if node.op_type in ("MatMulNBits", "MatMul") and len(node.input) > 1 else None
+            attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+            transpose = made_by.get(weight)
+            if transpose is not None and transpose.op_type == "Transpose" and transpose.input[0] in constants:
+                nodes.append(transpose)  # a tied LM head's transposed embedding (onnxruntime folds it once)
+                used.append(transpose.input[0])
+                shapes.append(tuple(reversed(constants[transpose.input[0]].dims)))
+            elif weight in constants:
+                shapes.append((attributes["K"], attributes["N"]) if node.op_type == "MatMulNBits" else tuple(constants[weight].dims))
+            else:
+                continue
+            nodes.append(helper.make_node(node.op_type, [f"x{shapes[-1][0]}", *node.input[1:]], [f"y{len(shapes)}"],
+                                          domain=node.domain, **attributes))
+            used += [name for name in node.input[1:] if name in constants]
+        if not shapes:
+            raise ValueError(f"{graph_file.name} has no matmul with a constant weight")
+        self.matmuls = len(shapes)
+        features = sorted({k for k, _ in shapes})
+        graph = helper.make_graph(
+            nodes, "matmuls_alone", [helper.make_tensor_value_info(f"x{k}", onnx.TensorProto.FLOAT, [1, k]) for k in features],
+            [helper.make_tensor_value_info(f"y{i + 1}", onnx.TensorProto.FLOAT, [1, n]) for i, (_, n) in enumerate(shapes)],
+            [constants[name] for name in dict.fromkeys(used)])
+        path = scratch / "matmuls_alone.onnx"
+        onnx.save(helper.make_model(graph, opset_imports=model.opset_import, ir_version=model.ir_version), str(path),
+                  save_as_external_data=True, location=path.name + ".data")
+        del model, graph, constants  # the whole decode graph's weights, in memory while the copy was made
+        self.session = ort.InferenceSession(str(path), session_options(ort, threads, spinning=True),
+                                            providers=["CPUExecutionProvider"])
+        rng = np.random.default_rng(0)
+        self.arrays = {f"x{k}": rng.standard_normal((1, k), np.float32) for k in features}
+        self.arrays |= {f"y{i + 1}": np.empty((1, n), np.float32) for i, (_, n) in enumerate(shapes)}
+        self.binding = self.session.io_binding()
+        for name, array in self.arrays.items():
+            bind = self.binding.bind_input if name.startswith("x") else self.binding.bind_output
+            bind(name, "cpu", 0, np.float32, list(array.shape), array.ctypes.data)
+
+    def run(self, count: int) -> LoopRun:
+        calls = []
+        start = time.perf_counter()
+        for _ in range(count):
+            begin = time.perf_counter()
+            self.session.run_with_iobinding(self.binding)
+            calls.append((begin, time.perf_counter()))
+        seconds = time.perf_counter() - start
+        return LoopRun(count / seconds, median_gap_us(calls), [])
+
+
 def engine_run(engine: LLMEngine, clock: GraphCallClock, ids: list[int], count: int) -> LoopRun:
     clock.calls.clear()
     timing = time_generation(engine, ids, count)
     decode_calls = clock.calls[1:]  # the first call is the prompt's
-    return LoopRun(timing.decode_tok_s, clock.median_gap_us(decode_calls), list(timing.first_tokens))
+    return LoopRun(timing.decode_tok_s, median_gap_us(decode_calls), list(timing.first_tokens))
 
 
 def bare_run(engine: LLMEngine, loop: BareDecodeLoop, clock: GraphCallClock, ids: list[int], count: int) -> LoopRun:
@@ -105,29 +177,43 @@ def bare_run(engine: LLMEngine, loop: BareDecodeLoop, clock: GraphCallClock, ids
     tokens = loop.decode(request.output_token_ids[-1], request.num_computed, count - 1)
     seconds = time.perf_counter() - start
     engine.abort(request)
-    return LoopRun((count - 1) / seconds, clock.median_gap_us(clock.calls), (request.output_token_ids + tokens)[:16])
+    return LoopRun((count - 1) / seconds, median_gap_us(clock.calls), (request.output_token_ids + tokens)[:16])
 
 
 def loop_overhead(engine_dir: str, ids: list[int], rounds: int, new_tokens: int, threads: int | None) -> dict:
     engine = LLMEngine(engine_dir, threads=threads, max_batch=1)
     loop = BareDecodeLoop(engine)
     clock = GraphCallClock(loop.session)
-    engine_run(engine, clock, ids, 16)  # warm-up, both
-    bare_run(engine, loop, clock, ids, 16)
-    runs: dict[str, list[LoopRun]] = {"engine": [], "bare": []}
+    with tempfile.TemporaryDirectory() as scratch:
+        matmuls = MatmulsAlone(engine, Path(scratch), threads)
+    contenders = {
+        "engine": lambda count: engine_run(engine, clock, ids, count),
+        "bare": lambda count: bare_run(engine, loop, clock, ids, count),
+        "matmuls": lambda count: matmuls.run(count - 1),  # one call per decoded token, as the bare loop makes
+    }
+    for run in contenders.values():  # warm-up
+        run(16)
+    runs: dict[str, list[LoopRun]] = {name: [] for name in contenders}
     for round_ in range(rounds):
-        for name in ("engine", "bare") if round_ % 2 == 0 else ("bare", "engine"):
-            run = engine_run(engine, clock, ids, new_tokens) if name == "engine" else bare_run(engine, loop, clock, ids, new_tokens)
-            runs[name].append(run)
+        order = list(contenders) if round_ % 2 == 0 else list(reversed(contenders))
+        for name in order:
+            runs[name].append(contenders[name](new_tokens))
     if runs["engine"][0].tokens != runs["bare"][0].tokens:
         raise SystemExit(f"the bare loop's greedy tokens differ from the engine's: {runs['bare'][0].tokens} "
                          f"against {runs['engine'][0].tokens}")
-    ratios = [b.decode_tok_s / e.decode_tok_s for e, b in zip(runs["engine"], runs["bare"])]
+
+    def paired(numerator: str, denominator: str) -> list[float]:
+        return [n.decode_tok_s / d.decode_tok_s for n, d in zip(runs[numerator], runs[denominator])]
+
+    ratios, engine_share, bare_share = paired("bare", "engine"), paired("engine", "matmuls"), paired("bare", "matmuls")
     return {
         name: {"decode_tok_s": statistics.median(r.decode_tok_s for r in rs), "gap_us": statistics.median(r.gap_us for r in rs),
                "runs": [asdict(r) for r in rs]}
         for name, rs in runs.items()
-    } | {"bare_over_engine": statistics.median(ratios), "lowest": min(ratios), "highest": max(ratios), "rounds": rounds}
+    } | {"bare_over_engine": statistics.median(ratios), "lowest": min(ratios), "highest": max(ratios), "rounds": rounds,
+         # the matmuls' time as a share of a token's, round by round: tok/s of the token over calls/s of the matmuls
+         "matmul_nodes": matmuls.matmuls, "matmuls_share_of_engine": statistics.median(engine_share),
+         "matmuls_share_of_bare": statistics.median(bare_share)}
 
 
 @click.command()
@@ -151,6 +237,9 @@ def main(engine, prompt, rounds, new_tokens, threads, out) -> None:
     for name in ("engine", "bare"):
         print(f"  {name:6s} {result[name]['decode_tok_s']:7.1f} tok/s, {result[name]['gap_us']:5.0f} us between decode calls")
     print(f"  bare loop / engine: {result['bare_over_engine']:.3f}x paired ({result['lowest']:.3f}-{result['highest']:.3f}x)")
+    print(f"  the {result['matmul_nodes']} matmuls alone: {1e3 / result['matmuls']['decode_tok_s']:.2f} ms per call, "
+          f"{result['matmuls_share_of_engine']:.0%} of the engine's time per token, {result['matmuls_share_of_bare']:.0%} "
+          "of the bare loop's (paired)")
     if out:
         out.write_text(json.dumps(result, indent=2))
 

@@ -1,6 +1,9 @@
 """loop_overhead on a tiny engine: the bare loop must decode the engine's greedy tokens, or its speed means nothing."""
 
-from benchmarks.loop_overhead import BareDecodeLoop, GraphCallClock, bare_run, engine_run, loop_overhead
+import numpy as np
+import pytest
+
+from benchmarks.loop_overhead import BareDecodeLoop, GraphCallClock, MatmulsAlone, bare_run, engine_run, loop_overhead
 from runner.llm_engine import LLMEngine
 
 
@@ -18,5 +21,22 @@ def test_the_bare_loop_decodes_what_the_engine_decodes(engine_factory):
 
 def test_loop_overhead_reports_both_loops_round_by_round(engine_factory):
     result = loop_overhead(engine_factory(), [5, 6, 7, 8], rounds=2, new_tokens=8, threads=1)
-    assert [len(result[name]["runs"]) for name in ("engine", "bare")] == [2, 2]
+    assert [len(result[name]["runs"]) for name in ("engine", "bare", "matmuls")] == [2, 2, 2]
     assert result["lowest"] <= result["bare_over_engine"] <= result["highest"]
+    assert 0 < result["matmuls_share_of_bare"] and 0 < result["matmuls_share_of_engine"]
+
+
+@pytest.mark.parametrize("quant, op", [("none", "MatMul"), ("int4", "MatMulNBits")])
+def test_the_matmuls_alone_are_every_weight_matmul_of_the_decode_graph(engine_factory, tmp_path, quant, op):
+    import onnx
+
+    engine = LLMEngine(engine_factory(quant=quant), threads=1, max_batch=1)
+    graph = onnx.load(str(engine.artifact.path(engine.manifest.graphs[engine.executor.decode_phase.graph].file)))
+    matmuls = MatmulsAlone(engine, tmp_path, threads=1)
+    alone = onnx.load(str(tmp_path / "matmuls_alone.onnx"))
+    expected = sum(n.op_type == op for n in graph.graph.node)
+    assert matmuls.matmuls == expected == sum(n.op_type == op for n in alone.graph.node) > 0
+    config = engine.manifest.model
+    assert matmuls.arrays[f"y{expected}"].shape == (1, config.vocab_size)  # the LM head is the last, whole
+    run = matmuls.run(4)
+    assert run.decode_tok_s > 0 and not np.isnan(matmuls.arrays[f"y{expected}"]).any()
