@@ -7,7 +7,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -24,11 +24,12 @@ from builder.sampler import TOP_LOGPROBS
 from builder.loaders.default import DEFAULT_MODEL_NAME
 from builder.phases import STEP_GRAPH, BuildShapes, default_prefill_chunk, plan_phases
 from builder.weights import kept_block_specs, linear_sources, load_model
+from plugins import decode_attention
 from plugins.attention import check_head_dim
 from plugins.quant_linear import QuantSpec
 from engines.resources import peak_rss_mb
 from engines.format import (
-    SCHEMA_VERSION, KVCacheSpec, Manifest, SamplerSpec, TokenizerInfo, open_artifact, write_manifest,
+    SCHEMA_VERSION, GraphSpec, KVCacheSpec, Manifest, SamplerSpec, TokenizerInfo, open_artifact, write_manifest,
 )
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -38,6 +39,8 @@ QUANT_BITS = {"int8": 8, "int4": 4, "gptq": 4}
 DEFAULT_GROUP = {"int4": 32, "int8": 128, "gptq": 32}
 TOKENIZER_FILE = "tokenizer.json"
 DRAFT_GRAPH = "draft"
+DECODE_GRAPH = "decode"  # the step graph with DecodeAttention (plugins/decode_attention.py), for the decode phase
+DECODE_GRAPH_FILE = "decode.onnx"
 SAMPLER_GRAPH = "sampler"
 SPECULATION_METHODS = ("none", "redrafter", "prompt-lookup", "draft-model")
 KV_CACHE_DTYPES = ("auto", "int8")
@@ -92,6 +95,9 @@ class BuildOptions:
     min_draft_prob: float = 0.1
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES: "auto" = the model's dtype; "int8" (builder/kv_quant.py)
     kv_calibration: KVCalibration = field(default_factory=KVCalibration)
+    # decode steps run our DecodeAttention kernel (plugins/decode_attention.py) in a graph of their own: faster
+    # attention, but that graph's session holds its own copy of the packed weights (+120 MiB for the int4 default)
+    native_decode_attention: bool = False
 
     def __post_init__(self) -> None:
         if self.draft_len is None:
@@ -287,6 +293,11 @@ def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> B
         step(3, "tracing the step and sampler graphs with torch.export and emitting ONNX")
         graphs = {STEP_GRAPH: export_step_graph(model, staging, max_seq_len)}
         del model
+        phases = plan_phases(shapes)
+        decode_graph = _native_decode_graph(options, graphs[STEP_GRAPH], staging, log)
+        if decode_graph is not None:
+            graphs[DECODE_GRAPH] = decode_graph
+            phases["decode"] = replace(phases["decode"], graph=DECODE_GRAPH)
         graphs[SAMPLER_GRAPH] = export_sampler_graph(config.vocab_size, options.tree_depth, staging)
         if drafter is not None:
             step(4, f"exporting the ReDrafter draft graph from {draft_head_path}")
@@ -308,7 +319,7 @@ def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> B
             model=config,
             tokenizer=TokenizerInfo(TOKENIZER_FILE, spec.chat_template, spec.bos_token, spec.eos_token, spec.add_bos_token),
             graphs=graphs,
-            phases=plan_phases(shapes),
+            phases=phases,
             kv_cache=KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim,
                                  "int8" if options.kv_cache_dtype == "int8" else _numpy_dtype(options.dtype)),
             sampler=SamplerSpec(SAMPLER_GRAPH, options.tree_depth, TOP_LOGPROBS),
@@ -331,6 +342,25 @@ def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> B
     report.speculation = manifest.speculation
     report.phases = {name: phase.describe() for name, phase in manifest.phases.items()}
     return report
+
+
+def _native_decode_graph(options: BuildOptions, step: GraphSpec, staging: Path, log: Callable[[str], None]) -> GraphSpec | None:
+    """The decode phase's graph with our DecodeAttention kernel, or None (the step graph serves decode) where it
+    cannot be had, saying why."""
+    if not options.native_decode_attention:
+        return None
+    reason = decode_attention.unavailable_reason()
+    if options.kv_cache_dtype == "int8":
+        reason = "the int8 KV cache is not implemented in it"
+    elif options.dtype != "fp32":
+        reason = f"it computes in fp32 only, not {options.dtype}"
+    if reason is not None:
+        log(f"      decode attention: onnxruntime's GroupQueryAttention ({reason})")
+        return None
+    library = decode_attention.compile_library(staging)
+    layers = decode_attention.write_decode_graph(staging / step.file, staging / DECODE_GRAPH_FILE)
+    log(f"      decode attention: our DecodeAttention kernel in {layers} layers ({library.name}, {DECODE_GRAPH_FILE})")
+    return GraphSpec(DECODE_GRAPH_FILE, step.inputs, step.outputs, native_library=library.name)
 
 
 def _numpy_dtype(dtype: str) -> str:

@@ -40,6 +40,8 @@ class GraphSpec:
     file: str
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
+    # a file of the artifact: the onnxruntime custom-op library this graph's own ops need (plugins/decode_attention.py)
+    native_library: str | None = None
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,7 @@ class Manifest:
                 file=g["file"],
                 inputs=[TensorSpec(**t) for t in g["inputs"]],
                 outputs=[TensorSpec(**t) for t in g["outputs"]],
+                native_library=g.get("native_library"),
             )
             for key, g in data["graphs"].items()
         }
@@ -220,6 +223,7 @@ def open_artifact(directory: str | Path, verify_checksums: bool = True) -> Artif
         if verify_checksums and file_sha256(path) != entry.sha256:
             raise ArtifactError(f"engine file {path} is corrupt: checksum mismatch")
     referenced = [g.file for g in manifest.graphs.values()] + [manifest.tokenizer.file]
+    referenced += [g.native_library for g in manifest.graphs.values() if g.native_library]
     for name in referenced:
         if name not in manifest.files:
             raise ArtifactError(f"{manifest_path} references {name}, which has no checksum entry")

@@ -25,12 +25,20 @@ def describe(artifact: Artifact) -> list[str]:
         f"{', '.join(f'{k}={v}' for k, v in manifest.sampling_defaults.items()) or 'none'}",
         f"sampler: trees up to {manifest.sampler.max_depth} accepted drafts, top {manifest.sampler.top_logprobs} "
         f"logprobs{'' if 'logit_bias' in sampler_inputs else ', no logit_bias (built before it)'}",
+        f"decode attention: {_decode_attention(manifest)}",
         "phases:",
         *(f"  {phase.name}: {phase.describe()}" for phase in manifest.phases.values()),
         f"files: {len(manifest.files)}, {sum(f.size for f in manifest.files.values()) / 2**20:.1f} MiB",
         *(f"  {name}: {entry.size / 2**20:.1f} MiB" for name, entry in sorted(manifest.files.items(), key=lambda f: -f[1].size)),
     ]
     return lines
+
+
+def _decode_attention(manifest) -> str:
+    decode = manifest.graphs[manifest.phases["decode"].graph]
+    if decode.native_library:
+        return f"our DecodeAttention kernel ({decode.native_library}, graph {manifest.phases['decode'].graph})"
+    return "onnxruntime's GroupQueryAttention"
 
 
 def _settings(settings: dict) -> str:

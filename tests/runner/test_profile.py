@@ -32,11 +32,16 @@ def test_read_trace_aggregates_the_kernels_of_the_kept_runs(tmp_path):
         read_trace(trace, skip_runs=3)
 
 
-def test_profile_decode_of_a_tiny_engine(engine_factory):
-    engine_dir = engine_factory("gqa")
+@pytest.mark.parametrize("native", [False, True], ids=["step graph", "native decode graph"])
+def test_profile_decode_of_a_tiny_engine(engine_factory, native):
+    from plugins.decode_attention import unavailable_reason
+
+    if native and unavailable_reason():
+        pytest.skip(f"DecodeAttention cannot be built here: {unavailable_reason()}")
+    engine_dir = engine_factory("gqa", native_decode_attention=native)
     ids = LLMEngine(engine_dir).codec.encode("hello there")
     profile = profile_decode(engine_dir, ids, new_tokens=12, threads=1)
     assert profile.runs == 12 - 1 - SKIPPED_DECODE_RUNS  # decode runs only: the prefill and the first few are left out
     ops = {o.op: o for o in profile.ops}
-    assert ops["GroupQueryAttention"].nodes_per_run == 2  # one per layer of the tiny model
+    assert ops["DecodeAttention" if native else "GroupQueryAttention"].nodes_per_run == 2  # one per layer
     assert 0 < profile.kernel_ms < profile.run_ms

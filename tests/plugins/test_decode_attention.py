@@ -1,0 +1,174 @@
+"""DecodeAttention, our onnxruntime CPU kernel for decode steps: the onnxruntime ABI positions it relies on, the
+kernel against the attention plugin's torch reference (cache bound in place as the engine binds it, and not), and an
+engine whose decode phase runs it against transformers."""
+
+from __future__ import annotations
+
+import ctypes
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from plugins import decode_attention
+from tests.plugins.test_attention import HEAD_DIM, HEADS, KV_HEADS, MASKED, OneAttention, case, run_in_place
+from tests.reference import load_reference, reference_greedy
+
+needs_compiler = pytest.mark.skipif(decode_attention.unavailable_reason() is not None,
+                                    reason=f"DecodeAttention cannot be built here: {decode_attention.unavailable_reason()}")
+
+
+@pytest.fixture(scope="module")
+def library(tmp_path_factory) -> Path:
+    return decode_attention.compile_library(tmp_path_factory.mktemp("decode_attention"))
+
+
+def onnxruntime_api():
+    """onnxruntime's OrtApi table (from the C API library its wheel ships beside the Python module), and a caller."""
+    import onnxruntime
+
+    capi = Path(onnxruntime.__file__).parent / "capi"
+    lib = ctypes.CDLL(str(sorted(capi.glob("libonnxruntime.so*"))[0]))
+    lib.OrtGetApiBase.restype = ctypes.POINTER(ctypes.c_void_p * 2)
+    get_api = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_uint32)(lib.OrtGetApiBase().contents[0])
+    table = ctypes.cast(get_api(17), ctypes.POINTER(ctypes.c_void_p * 300)).contents
+    return lambda index, result, *args: ctypes.CFUNCTYPE(result, *args)(table[index])
+
+
+def kernel_positions() -> dict[str, int]:
+    return {name: int(index) for name, index in re.findall(r"API_(\w+) = (\d+)", decode_attention.SOURCE.read_text())}
+
+
+def test_the_onnxruntime_functions_the_kernel_calls_sit_where_it_calls_them():
+    """The kernel reaches onnxruntime through positions in its function table: each is checked here by what the
+    function does (the kernel's own calls of the KernelContext / KernelInfo ones are checked by running it below)."""
+    at, call = kernel_positions(), onnxruntime_api()
+    p, size = ctypes.c_void_p, ctypes.c_size_t
+    status = call(at["CreateStatus"], p, ctypes.c_int, ctypes.c_char_p)(1, b"a message")
+    assert call(2, ctypes.c_char_p, p)(status) == b"a message"  # GetErrorMessage: CreateStatus made that status
+    call(at["ReleaseStatus"], None, p)(status)
+    memory = p()
+    assert call(69, p, ctypes.c_int, ctypes.c_int, ctypes.POINTER(p))(1, 0, ctypes.byref(memory)) is None  # CpuMemoryInfo
+    array = np.zeros((2, 3), np.float32)
+    value = p()
+    shape = (ctypes.c_int64 * 2)(2, 3)
+    assert call(49, p, p, p, size, p, size, ctypes.c_int, ctypes.POINTER(p))(
+        memory, array.ctypes.data, array.nbytes, shape, 2, 1, ctypes.byref(value)) is None  # a tensor over `array`
+    data = p()
+    assert call(at["GetTensorMutableData"], p, p, ctypes.POINTER(p))(value, ctypes.byref(data)) is None
+    assert data.value == array.ctypes.data
+    info, rank, dims = p(), size(), (ctypes.c_int64 * 2)()
+    assert call(at["GetTensorTypeAndShape"], p, p, ctypes.POINTER(p))(value, ctypes.byref(info)) is None
+    assert call(at["GetDimensionsCount"], p, p, ctypes.POINTER(size))(info, ctypes.byref(rank)) is None and rank.value == 2
+    assert call(at["GetDimensions"], p, p, p, size)(info, dims, 2) is None and list(dims) == [2, 3]
+    call(at["ReleaseTensorTypeAndShapeInfo"], None, p)(info)
+    options, domain = p(), p()
+    assert call(10, p, ctypes.POINTER(p))(ctypes.byref(options)) is None  # CreateSessionOptions
+    assert call(at["CreateCustomOpDomain"], p, ctypes.c_char_p, ctypes.POINTER(p))(b"test", ctypes.byref(domain)) is None
+    assert call(at["AddCustomOpDomain"], p, p, p)(options, domain) is None
+    # KernelContext_ParallelFor follows SetDeterministicCompute (273), which takes session options and a flag
+    assert at["KernelContext_ParallelFor"] == 274 and call(273, p, p, ctypes.c_bool)(options, True) is None
+
+
+NAMES = ["qkv", "past_key", "past_value", "seqlens_k", "cos", "sin", "position_ids", "bias", "query_lens"]
+
+
+def one_node_graph(path: Path, inputs: dict) -> None:
+    import onnx
+    from onnx import TensorProto, helper
+
+    types = {np.float32: TensorProto.FLOAT, np.int32: TensorProto.INT32, np.int64: TensorProto.INT64}
+    node = helper.make_node("DecodeAttention", NAMES, ["out", "present_key", "present_value"],
+                            domain=decode_attention.DOMAIN, num_heads=HEADS, kv_num_heads=KV_HEADS, scale=HEAD_DIM ** -0.5)
+    graph = helper.make_graph(
+        [node], "one", [helper.make_tensor_value_info(n, types[inputs[n].dtype.type], inputs[n].shape) for n in NAMES],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("out", "present_key", "present_value")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(decode_attention.DOMAIN, 1)])
+    onnx.save(model, str(path))
+
+
+def run_kernel(tmp_path: Path, library: Path, inputs: dict, in_place: bool):
+    """(out, keys, values) of one DecodeAttention node, the cache bound in place as the engine binds it, or not."""
+    import onnxruntime as ort
+
+    one_node_graph(tmp_path / "one.onnx", inputs)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 2
+    options.register_custom_ops_library(str(library))
+    session = ort.InferenceSession(str(tmp_path / "one.onnx"), options, providers=["CPUExecutionProvider"])
+    feeds = {name: inputs[name] for name in NAMES}
+    return run_in_place(session, feeds) if in_place else session.run(None, feeds)
+
+
+DECODE_CASES = {
+    "three rows, one idle": dict(past=[5, 9, 17], query=[1, 0, 1], steps=1),
+    "an idle row with an empty cache": dict(past=[12, 0], query=[1, 0], steps=1),
+    # several chunks of 128 positions per row, the rows of different lengths (the chunks merge per row)
+    "long rows over several chunks": dict(past=[300, 129, 2], query=[1, 1, 1], steps=1, length=320),
+}
+
+
+def decode_case(name: str) -> dict:
+    """test_attention's case, with rotary tables as long as its cache (its own stop at 64 positions)."""
+    inputs = case(**DECODE_CASES[name])
+    length = inputs["past_key"].shape[2]
+    angles = np.arange(length)[:, None] * (1.0 / 10000 ** (np.arange(0, HEAD_DIM, 2) / HEAD_DIM))[None]
+    return inputs | {"cos": np.cos(angles).astype(np.float32), "sin": np.sin(angles).astype(np.float32)}
+
+
+@needs_compiler
+@pytest.mark.parametrize("in_place", [True, False], ids=["cache bound in place", "cache copied"])
+@pytest.mark.parametrize("name", sorted(DECODE_CASES))
+def test_the_kernel_computes_what_the_reference_computes(tmp_path, library, name, in_place):
+    inputs = decode_case(name)
+    inputs["bias"][0, 0, 0, :3] = MASKED  # row 0 may not see its first positions (a bias the graph could pass)
+    out, keys, values = run_kernel(tmp_path, library, inputs, in_place)
+    ref_out, ref_keys, ref_values = (t.numpy() for t in OneAttention()(*(torch.from_numpy(v) for v in inputs.values())))
+    np.testing.assert_allclose(keys, ref_keys, rtol=0, atol=1e-6)  # the new K/V at each row's position, nothing else
+    np.testing.assert_allclose(values, ref_values, rtol=0, atol=1e-6)
+    for row, q in enumerate(DECODE_CASES[name]["query"]):
+        if q:
+            np.testing.assert_allclose(out[row], ref_out[row], rtol=0, atol=2e-5)
+        else:  # a row that takes no part: zeros (the reference leaves it unspecified)
+            assert not out[row].any()
+    if not in_place:  # the inputs stay as they were
+        assert np.array_equal(inputs["past_key"], decode_case(name)["past_key"])
+
+
+@needs_compiler
+def test_more_than_one_token_per_row_is_refused_with_a_reason(tmp_path, library):
+    with pytest.raises(Exception, match="exactly one token"):
+        run_kernel(tmp_path, library, case(past=[3], query=[2], steps=2), in_place=False)
+
+
+@needs_compiler
+def test_an_engine_decoding_with_it_matches_transformers_alone_and_batched(engine_factory, checkpoint_factory):
+    from runner import LLM, SamplingParams
+
+    engine = engine_factory(native_decode_attention=True)
+    llm = LLM(str(engine), max_batch=2)
+    manifest = llm.engine.manifest
+    assert manifest.phases["decode"].graph == "decode" and manifest.graphs["decode"].native_library == decode_attention.LIBRARY_NAME
+    assert manifest.phases["prefill"].graph == manifest.phases["verify"].graph == "step"
+    reference = load_reference(checkpoint_factory("gqa"))
+    prompts = [[5, 6, 7, 8, 9], [11, 3, 4]]
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    together = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)
+    for prompt, output in zip(prompts, together):
+        assert output.token_ids == reference_greedy(reference, prompt, 24)
+        assert llm.generate([{"prompt_token_ids": prompt}], greedy)[0].token_ids == output.token_ids
+
+
+def test_where_it_cannot_be_built_the_build_says_why_and_decodes_on_the_step_graph(monkeypatch, checkpoint_factory, tmp_path):
+    from builder.build import BuildOptions, build_engine
+    from engines.format import open_artifact
+
+    monkeypatch.setattr(decode_attention, "unavailable_reason", lambda: "no C compiler (cc) on this machine")
+    lines = []
+    build_engine(BuildOptions(str(checkpoint_factory("gqa")), tmp_path / "engine", max_seq_len=64, max_batch=2,
+                              prefill_chunk=16, native_decode_attention=True), log=lines.append)
+    manifest = open_artifact(tmp_path / "engine").manifest
+    assert "decode" not in manifest.graphs and manifest.phases["decode"].graph == "step"
+    assert any("GroupQueryAttention (no C compiler (cc) on this machine)" in line for line in lines)
