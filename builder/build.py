@@ -39,8 +39,6 @@ QUANT_BITS = {"int8": 8, "int4": 4, "gptq": 4}
 DEFAULT_GROUP = {"int4": 32, "int8": 128, "gptq": 32}
 TOKENIZER_FILE = "tokenizer.json"
 DRAFT_GRAPH = "draft"
-DECODE_GRAPH = "decode"  # the step graph with DecodeAttention (plugins/decode_attention.py), for the decode phase
-DECODE_GRAPH_FILE = "decode.onnx"
 SAMPLER_GRAPH = "sampler"
 SPECULATION_METHODS = ("none", "redrafter", "prompt-lookup", "draft-model")
 KV_CACHE_DTYPES = ("auto", "int8")
@@ -95,9 +93,8 @@ class BuildOptions:
     min_draft_prob: float = 0.1
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES: "auto" = the model's dtype; "int8" (builder/kv_quant.py)
     kv_calibration: KVCalibration = field(default_factory=KVCalibration)
-    # decode steps run our DecodeAttention kernel (plugins/decode_attention.py) in a graph of their own: faster
-    # attention, but that graph's session holds its own copy of the packed weights (+120 MiB for the int4 default)
-    native_decode_attention: bool = False
+    # decode steps run our DecodeAttention kernel (plugins/decode_attention.py) where this machine can compile it
+    native_decode_attention: bool = True
 
     def __post_init__(self) -> None:
         if self.draft_len is None:
@@ -291,13 +288,8 @@ def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> B
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         step(3, "tracing the step and sampler graphs with torch.export and emitting ONNX")
-        graphs = {STEP_GRAPH: export_step_graph(model, staging, max_seq_len)}
+        graphs = {STEP_GRAPH: _native_decode_attention(options, export_step_graph(model, staging, max_seq_len), staging, log)}
         del model
-        phases = plan_phases(shapes)
-        decode_graph = _native_decode_graph(options, graphs[STEP_GRAPH], staging, log)
-        if decode_graph is not None:
-            graphs[DECODE_GRAPH] = decode_graph
-            phases["decode"] = replace(phases["decode"], graph=DECODE_GRAPH)
         graphs[SAMPLER_GRAPH] = export_sampler_graph(config.vocab_size, options.tree_depth, staging)
         if drafter is not None:
             step(4, f"exporting the ReDrafter draft graph from {draft_head_path}")
@@ -319,7 +311,7 @@ def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> B
             model=config,
             tokenizer=TokenizerInfo(TOKENIZER_FILE, spec.chat_template, spec.bos_token, spec.eos_token, spec.add_bos_token),
             graphs=graphs,
-            phases=phases,
+            phases=plan_phases(shapes),
             kv_cache=KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim,
                                  "int8" if options.kv_cache_dtype == "int8" else _numpy_dtype(options.dtype)),
             sampler=SamplerSpec(SAMPLER_GRAPH, options.tree_depth, TOP_LOGPROBS),
@@ -344,11 +336,11 @@ def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> B
     return report
 
 
-def _native_decode_graph(options: BuildOptions, step: GraphSpec, staging: Path, log: Callable[[str], None]) -> GraphSpec | None:
-    """The decode phase's graph with our DecodeAttention kernel, or None (the step graph serves decode) where it
-    cannot be had, saying why."""
+def _native_decode_attention(options: BuildOptions, step: GraphSpec, staging: Path, log: Callable[[str], None]) -> GraphSpec:
+    """The step graph with our DecodeAttention node in each layer and the kernel library beside it, or as it is
+    (onnxruntime's GroupQueryAttention) where that cannot be had, saying why."""
     if not options.native_decode_attention:
-        return None
+        return step
     reason = decode_attention.unavailable_reason()
     if options.kv_cache_dtype == "int8":
         reason = "the int8 KV cache is not implemented in it"
@@ -356,11 +348,11 @@ def _native_decode_graph(options: BuildOptions, step: GraphSpec, staging: Path, 
         reason = f"it computes in fp32 only, not {options.dtype}"
     if reason is not None:
         log(f"      decode attention: onnxruntime's GroupQueryAttention ({reason})")
-        return None
+        return step
     library = decode_attention.compile_library(staging)
-    layers = decode_attention.write_decode_graph(staging / step.file, staging / DECODE_GRAPH_FILE)
-    log(f"      decode attention: our DecodeAttention kernel in {layers} layers ({library.name}, {DECODE_GRAPH_FILE})")
-    return GraphSpec(DECODE_GRAPH_FILE, step.inputs, step.outputs, native_library=library.name)
+    layers = decode_attention.use_in_graph(staging / step.file)
+    log(f"      decode attention: our DecodeAttention kernel in {layers} layers ({library.name})")
+    return replace(step, native_library=library.name)
 
 
 def _numpy_dtype(dtype: str) -> str:

@@ -70,11 +70,9 @@ def main() -> None:
               help="redrafter: also draft this many tokens by prompt lookup, as one more beam of the tree (0 = off).")
 @click.option("--min-draft-prob", type=float, default=0.1, show_default=True,
               help="redrafter: verify only draft tokens whose beam prefix the head gives at least this probability (0 = all).")
-@click.option("--native-decode-attention/--onnxruntime-decode-attention", default=False, show_default=True,
-              help="Decode steps run our DecodeAttention CPU kernel (compiled here with cc; fp32 caches on Linux "
-                   "x86-64, the build says when it cannot) in a graph of their own instead of onnxruntime's "
-                   "GroupQueryAttention: faster decode, most on long contexts, but that graph's session holds a second "
-                   "copy of the packed weights (README: Design choices).")
+@click.option("--native-decode-attention/--onnxruntime-decode-attention", default=True, show_default=True,
+              help="Decode steps run our DecodeAttention CPU kernel, compiled here with cc, instead of onnxruntime's "
+                   "GroupQueryAttention (fp32 caches on Linux x86-64; the build says when it cannot).")
 def build(checkpoint, out, dtype, max_seq_len, max_batch, prefill_chunk, overwrite, quant, group_size, quant_lm_head,
           int8_compute, gptq_damping, gptq_act_order, gptq_samples, gptq_sample_len, calibration_text, keep_gguf_blocks,
           speculative, draft_model, draft_head, beam_width, draft_len, draft_quant, kv_cache_dtype,

@@ -29,6 +29,8 @@ typedef struct OrtKernelContext OrtKernelContext;
 typedef struct OrtSessionOptions OrtSessionOptions;
 typedef struct OrtCustomOpDomain OrtCustomOpDomain;
 typedef struct OrtTensorTypeAndShapeInfo OrtTensorTypeAndShapeInfo;
+typedef struct OrtOp OrtOp;
+typedef struct OrtOpAttr OrtOpAttr;
 typedef void *const *OrtApiTable;
 
 typedef struct OrtApiBase {
@@ -36,7 +38,12 @@ typedef struct OrtApiBase {
   const char *(*GetVersionString)(void);
 } OrtApiBase;
 
-enum { ORT_FAIL = 1, ELEMENT_FLOAT = 1, ELEMENT_INT32 = 6, ELEMENT_INT64 = 7 };
+enum { ORT_FAIL = 1, ELEMENT_FLOAT = 1, ELEMENT_INT32 = 6, ELEMENT_INT64 = 7, ATTR_INT = 1, ATTR_FLOAT = 3 };
+/* the node's inputs: GroupQueryAttention's that an fp32 cache with rotary embedding uses, in its order */
+enum { IN_QKV, IN_PAST_KEY, IN_PAST_VALUE, IN_SEQLENS_K, IN_TOTAL_LEN, IN_COS, IN_SIN, IN_POSITIONS, IN_BIAS,
+       IN_QUERY_LENS, INPUTS };
+#define GQA_INPUTS 17 /* where those sit among GroupQueryAttention's inputs: */
+static const int gqa_slot[INPUTS] = {0, 3, 4, 5, 6, 7, 8, 9, 10, 16};
 /* the OrtApi version that has every function below (KernelContext_ParallelFor came with 1.17) */
 #define ORT_API_VERSION_NEEDED 17
 /* positions in the OrtApi table */
@@ -55,6 +62,11 @@ enum {
   API_KernelContext_GetOutput = 91,
   API_ReleaseStatus = 93,
   API_ReleaseTensorTypeAndShapeInfo = 99,
+  API_CreateOpAttr = 211,
+  API_ReleaseOpAttr = 212,
+  API_CreateOp = 213,
+  API_InvokeOp = 214,
+  API_ReleaseOp = 215,
   API_KernelContext_ParallelFor = 274,
 };
 #define API(table, name, type) ((type)(table)[API_##name])
@@ -88,6 +100,7 @@ typedef struct Kernel {
   OrtApiTable api;
   int64_t num_heads, kv_heads;
   float scale;
+  OrtOp *gqa; /* onnxruntime's own kernel, for calls with more than one token per row (prompt chunks, verify) */
 } Kernel;
 
 /* The work is split into units of (row, kv head, chunk of CHUNK cached positions); each unit scores its positions for
@@ -230,31 +243,49 @@ static void rotate(const float *x, const float *cos, const float *sin, int64_t h
   }
 }
 
+/* a call with more than one token per row: onnxruntime's GroupQueryAttention, on the same inputs and outputs */
+static OrtStatus *invoke_onnxruntime(Kernel *kernel, OrtKernelContext *context, const OrtValue *const *inputs,
+                                     int64_t batch, int64_t steps, const int64_t *cache_dims) {
+  OrtApiTable api = kernel->api;
+  const OrtValue *gqa_inputs[GQA_INPUTS] = {NULL};
+  for (int i = 0; i < INPUTS; i++) gqa_inputs[gqa_slot[i]] = inputs[i];
+  const int64_t out_dims[3] = {batch, steps, kernel->num_heads * cache_dims[3]};
+  OrtValue *outputs[3] = {NULL, NULL, NULL};
+  OrtStatus *(*get_output)(OrtKernelContext *, size_t, const int64_t *, size_t, OrtValue **) =
+      API(api, KernelContext_GetOutput, OrtStatus *(*)(OrtKernelContext *, size_t, const int64_t *, size_t, OrtValue **));
+  for (size_t i = 0; i < 3; i++) {
+    OrtStatus *status = get_output(context, i, i ? cache_dims : out_dims, i ? 4 : 3, &outputs[i]);
+    if (status) return status;
+  }
+  return API(api, InvokeOp, OrtStatus *(*)(const OrtKernelContext *, const OrtOp *, const OrtValue *const *, int,
+                                            OrtValue *const *, int))(context, kernel->gqa, gqa_inputs, GQA_INPUTS, outputs, 3);
+}
+
 static OrtStatus *compute(Kernel *kernel, OrtKernelContext *context) {
   OrtApiTable api = kernel->api;
   OrtStatus *(*get_input)(const OrtKernelContext *, size_t, const OrtValue **) =
       API(api, KernelContext_GetInput, OrtStatus *(*)(const OrtKernelContext *, size_t, const OrtValue **));
   OrtStatus *(*get_output)(OrtKernelContext *, size_t, const int64_t *, size_t, OrtValue **) =
       API(api, KernelContext_GetOutput, OrtStatus *(*)(OrtKernelContext *, size_t, const int64_t *, size_t, OrtValue **));
-  void *data[9];
-  int64_t dims[9][4];
-  for (size_t i = 0; i < 9; i++) {
-    const OrtValue *value = NULL;
-    if (get_input(context, i, &value) || !value || !tensor(api, value, &data[i], dims[i]))
+  const OrtValue *inputs[INPUTS];
+  void *data[INPUTS];
+  int64_t dims[INPUTS][4];
+  for (size_t i = 0; i < INPUTS; i++)
+    if (get_input(context, i, &inputs[i]) || !inputs[i] || !tensor(api, inputs[i], &data[i], dims[i]))
       return fail(api, "DecodeAttention: cannot read its inputs");
-  }
-  const int64_t batch = dims[0][0], heads = kernel->num_heads, kv_heads = kernel->kv_heads;
-  const int64_t head_dim = dims[1][3], length = dims[1][2], half = head_dim / 2, bias_width = dims[7][3];
-  if (dims[0][1] != 1) return fail(api, "DecodeAttention: every row must add exactly one token (a decode step)");
-  if (dims[0][2] != (heads + 2 * kv_heads) * head_dim || dims[1][1] != kv_heads || dims[4][1] != half ||
-      heads / kv_heads > MAX_GROUP || head_dim % DOT_LANES)
+  const int64_t batch = dims[IN_QKV][0], steps = dims[IN_QKV][1], heads = kernel->num_heads, kv_heads = kernel->kv_heads;
+  const int64_t head_dim = dims[IN_PAST_KEY][3], length = dims[IN_PAST_KEY][2], half = head_dim / 2;
+  const int64_t bias_width = dims[IN_BIAS][3];
+  if (steps != 1) return invoke_onnxruntime(kernel, context, inputs, batch, steps, dims[IN_PAST_KEY]);
+  if (dims[IN_QKV][2] != (heads + 2 * kv_heads) * head_dim || dims[IN_PAST_KEY][1] != kv_heads ||
+      dims[IN_COS][1] != half || heads / kv_heads > MAX_GROUP || head_dim % DOT_LANES)
     return fail(api, "DecodeAttention: input shapes do not match num_heads / kv_num_heads / the cache");
-  const float *qkv = data[0], *cos_cache = data[4], *sin_cache = data[5];
-  const int32_t *seqlens_k = data[3], *query_lens = data[8];
-  const int64_t *position_ids = data[6];
+  const float *qkv = data[IN_QKV], *cos_cache = data[IN_COS], *sin_cache = data[IN_SIN];
+  const int32_t *seqlens_k = data[IN_SEQLENS_K], *query_lens = data[IN_QUERY_LENS];
+  const int64_t *position_ids = data[IN_POSITIONS];
   for (int64_t b = 0; b < batch; b++)
     if (query_lens[b] && (seqlens_k[b] < 0 || seqlens_k[b] >= length || seqlens_k[b] >= bias_width ||
-                          position_ids[b] < 0 || position_ids[b] >= dims[4][0]))
+                          position_ids[b] < 0 || position_ids[b] >= dims[IN_COS][0]))
       return fail(api, "DecodeAttention: a row's position is outside the cache, the bias or the rotary tables");
 
   int64_t out_dims[3] = {batch, 1, heads * head_dim};
@@ -264,7 +295,7 @@ static OrtStatus *compute(Kernel *kernel, OrtKernelContext *context) {
   if (get_output(context, 0, out_dims, 3, &out_value) || !tensor(api, out_value, &out_data, ignored))
     return fail(api, "DecodeAttention: cannot allocate its output");
   for (int i = 0; i < 2; i++) {
-    if (get_output(context, 1 + i, dims[1 + i], 4, &present[i]) || !tensor(api, present[i], &present_data[i], ignored))
+    if (get_output(context, 1 + i, dims[IN_PAST_KEY], 4, &present[i]) || !tensor(api, present[i], &present_data[i], ignored))
       return fail(api, "DecodeAttention: cannot allocate the present cache");
     if (present_data[i] != data[1 + i]) /* not bound in place: the present cache starts as a copy of the past */
       memcpy(present_data[i], data[1 + i], sizeof(float) * batch * kv_heads * length * head_dim);
@@ -297,7 +328,7 @@ static OrtStatus *compute(Kernel *kernel, OrtKernelContext *context) {
       memcpy(values + slot, x + (heads + kv_heads + g) * head_dim, sizeof(float) * head_dim);
     }
   }
-  Work work = {q_scaled, keys, values, data[7], seqlens_k, query_lens, partials, kv_heads, group, head_dim, length,
+  Work work = {q_scaled, keys, values, data[IN_BIAS], seqlens_k, query_lens, partials, kv_heads, group, head_dim, length,
                bias_width, chunks};
   OrtStatus *status = API(api, KernelContext_ParallelFor,
                           OrtStatus *(*)(const OrtKernelContext *, void (*)(void *, size_t), size_t, size_t, void *))(
@@ -307,6 +338,48 @@ static OrtStatus *compute(Kernel *kernel, OrtKernelContext *context) {
   free(q_scaled);
   free(partials);
   return status;
+}
+
+/* onnxruntime's GroupQueryAttention with this node's attributes (its type constraints have grown over releases:
+ * the combinations are tried in turn) */
+static OrtStatus *create_gqa(Kernel *kernel, const OrtKernelInfo *info) {
+  OrtApiTable api = kernel->api;
+  OrtStatus *(*create_attr)(const char *, const void *, int, int, OrtOpAttr **) =
+      API(api, CreateOpAttr, OrtStatus *(*)(const char *, const void *, int, int, OrtOpAttr **));
+  const int64_t rotary = 1, interleaved = 0;
+  OrtOpAttr *attrs[5] = {NULL};
+  OrtStatus *status = create_attr("num_heads", &kernel->num_heads, 1, ATTR_INT, &attrs[0]);
+  if (!status) status = create_attr("kv_num_heads", &kernel->kv_heads, 1, ATTR_INT, &attrs[1]);
+  if (!status) status = create_attr("scale", &kernel->scale, 1, ATTR_FLOAT, &attrs[2]);
+  if (!status) status = create_attr("do_rotary", &rotary, 1, ATTR_INT, &attrs[3]);
+  if (!status) status = create_attr("rotary_interleaved", &interleaved, 1, ATTR_INT, &attrs[4]);
+  static const char *names[][4] = {{"T", "T_CACHE", "M"}, {"T", "M"}, {"T", "T_CACHE", "T_KV_SCALE", "M"}};
+  static const int types[][4] = {{ELEMENT_FLOAT, ELEMENT_FLOAT, ELEMENT_INT32}, {ELEMENT_FLOAT, ELEMENT_INT32},
+                                 {ELEMENT_FLOAT, ELEMENT_FLOAT, ELEMENT_FLOAT, ELEMENT_INT32}};
+  static const int counts[] = {3, 2, 4};
+  OrtStatus *(*create_op)(const OrtKernelInfo *, const char *, const char *, int, const char *const *, const int *, int,
+                          OrtOpAttr *const *, int, int, int, OrtOp **) =
+      API(api, CreateOp, OrtStatus *(*)(const OrtKernelInfo *, const char *, const char *, int, const char *const *,
+                                        const int *, int, OrtOpAttr *const *, int, int, int, OrtOp **));
+  for (int i = 0; !status && i < 3; i++) {
+    status = create_op(info, "GroupQueryAttention", "com.microsoft", 1, names[i], types[i], counts[i], attrs, 5,
+                       GQA_INPUTS, 3, &kernel->gqa);
+    if (status && i < 2) {
+      API(api, ReleaseStatus, void (*)(OrtStatus *))(status);
+      status = NULL;
+    } else if (!status) {
+      break;
+    }
+  }
+  for (int i = 0; i < 5; i++)
+    if (attrs[i]) API(api, ReleaseOpAttr, void (*)(OrtOpAttr *))(attrs[i]);
+  return status;
+}
+
+static void kernel_destroy(void *kernel) {
+  Kernel *k = kernel;
+  if (k->gqa) API(k->api, ReleaseOp, void (*)(OrtOp *))(k->gqa);
+  free(k);
 }
 
 static OrtStatus *create_kernel(const OrtCustomOp *op, OrtApiTable api, const OrtKernelInfo *info, void **out) {
@@ -323,8 +396,9 @@ static OrtStatus *create_kernel(const OrtCustomOp *op, OrtApiTable api, const Or
         info, "scale", &kernel->scale);
   if (!status && (kernel->num_heads <= 0 || kernel->kv_heads <= 0 || kernel->num_heads % kernel->kv_heads))
     status = fail(api, "DecodeAttention: num_heads must be a positive multiple of kv_num_heads");
+  if (!status) status = create_gqa(kernel, info);
   if (status) {
-    free(kernel);
+    kernel_destroy(kernel);
     return status;
   }
   *out = kernel;
@@ -332,13 +406,12 @@ static OrtStatus *create_kernel(const OrtCustomOp *op, OrtApiTable api, const Or
 }
 
 static OrtStatus *kernel_compute(void *kernel, OrtKernelContext *context) { return compute(kernel, context); }
-static void kernel_destroy(void *kernel) { free(kernel); }
 static const char *op_name(const OrtCustomOp *op) { (void)op; return "DecodeAttention"; }
 static const char *op_provider(const OrtCustomOp *op) { (void)op; return "CPUExecutionProvider"; }
-static const int input_types[9] = {ELEMENT_FLOAT, ELEMENT_FLOAT, ELEMENT_FLOAT, ELEMENT_INT32, ELEMENT_FLOAT,
-                                   ELEMENT_FLOAT, ELEMENT_INT64, ELEMENT_FLOAT, ELEMENT_INT32};
+static const int input_types[INPUTS] = {ELEMENT_FLOAT, ELEMENT_FLOAT, ELEMENT_FLOAT, ELEMENT_INT32, ELEMENT_INT32,
+                                        ELEMENT_FLOAT, ELEMENT_FLOAT, ELEMENT_INT64, ELEMENT_FLOAT, ELEMENT_INT32};
 static int input_type(const OrtCustomOp *op, size_t index) { (void)op; return input_types[index]; }
-static size_t input_count(const OrtCustomOp *op) { (void)op; return 9; }
+static size_t input_count(const OrtCustomOp *op) { (void)op; return INPUTS; }
 static int output_type(const OrtCustomOp *op, size_t index) { (void)op; (void)index; return ELEMENT_FLOAT; }
 static size_t output_count(const OrtCustomOp *op) { (void)op; return 3; }
 static int required(const OrtCustomOp *op, size_t index) { (void)op; (void)index; return 0; /* not optional */ }

@@ -36,8 +36,8 @@ SOURCE = Path(__file__).with_name("decode_attention.c")
 LIBRARY_NAME = "libdecode_attention.so"
 DOMAIN = "llm_engine_builder"
 # GroupQueryAttention's inputs (plugins/attention.py) that DecodeAttention takes, in its order: qkv, past_key,
-# past_value, seqlens_k, cos_cache, sin_cache, position_ids, attention_bias, query_seqlens
-GQA_INPUTS_TAKEN = (0, 3, 4, 5, 7, 8, 9, 10, 16)
+# past_value, seqlens_k, total_sequence_length, cos_cache, sin_cache, position_ids, attention_bias, query_seqlens
+GQA_INPUTS_TAKEN = (0, 3, 4, 5, 6, 7, 8, 9, 10, 16)
 
 
 def unavailable_reason() -> str | None:
@@ -59,15 +59,13 @@ def compile_library(out_dir: Path) -> Path:
     return target
 
 
-def write_decode_graph(step_graph: Path, out: Path) -> int:
-    """Write `out` (beside `step_graph`, whose weights file it shares): the step graph with every fp32-cache
-    GroupQueryAttention node replaced by DecodeAttention. Returns how many nodes were replaced."""
+def use_in_graph(graph_file: Path) -> int:
+    """Rewrite `graph_file` (the graph only: its initializers stay in the weights file they point to) with every
+    fp32-cache GroupQueryAttention node replaced by DecodeAttention. Returns how many nodes were replaced."""
     import onnx
     from onnx import helper
 
-    if out.parent != step_graph.parent:
-        raise ValueError("the decode graph must sit beside the step graph: it reads the same weights file")
-    model = onnx.load(str(step_graph), load_external_data=False)
+    model = onnx.load(str(graph_file), load_external_data=False)
     replaced = 0
     nodes = []
     for node in model.graph.node:
@@ -85,5 +83,5 @@ def write_decode_graph(step_graph: Path, out: Path) -> int:
     del model.graph.node[:]
     model.graph.node.extend(nodes)
     model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
-    onnx.save(model, str(out))
+    onnx.save(model, str(graph_file))
     return replaced

@@ -36,7 +36,7 @@ def engine_factory(tmp_path_factory, checkpoint_factory):
         name: str = "gqa", max_seq_len: int = 256, max_batch: int = 4, prefill_chunk: int = 32, quant: str = "none",
         int8_compute: bool = True, draft_head: Path | None = None, beam_width: int = 3, draft_len: int = 4,
         speculative: str = "none", prompt_lookup_len: int = 4, draft_model: str | None = None, draft_quant: str = "int8",
-        kv_cache_dtype: str = "auto", native_decode_attention: bool = False,
+        kv_cache_dtype: str = "auto", native_decode_attention: bool = True,
     ) -> Path:
         """An engine of a tiny checkpoint; a `draft_head` makes it a ReDrafter engine, a `draft_model` (a tiny
         checkpoint's name) a draft-model engine."""

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from plugins import decode_attention
-from tests.plugins.test_attention import HEAD_DIM, HEADS, KV_HEADS, MASKED, OneAttention, case, run_in_place
+from tests.plugins.test_attention import CASES, HEAD_DIM, HEADS, KV_HEADS, MASKED, OneAttention, case, run_in_place
 from tests.reference import load_reference, reference_greedy
 
 needs_compiler = pytest.mark.skipif(decode_attention.unavailable_reason() is not None,
@@ -72,7 +72,7 @@ def test_the_onnxruntime_functions_the_kernel_calls_sit_where_it_calls_them():
     assert at["KernelContext_ParallelFor"] == 274 and call(273, p, p, ctypes.c_bool)(options, True) is None
 
 
-NAMES = ["qkv", "past_key", "past_value", "seqlens_k", "cos", "sin", "position_ids", "bias", "query_lens"]
+NAMES = ["qkv", "past_key", "past_value", "seqlens_k", "total_len", "cos", "sin", "position_ids", "bias", "query_lens"]
 
 
 def one_node_graph(path: Path, inputs: dict) -> None:
@@ -138,20 +138,27 @@ def test_the_kernel_computes_what_the_reference_computes(tmp_path, library, name
 
 
 @needs_compiler
-def test_more_than_one_token_per_row_is_refused_with_a_reason(tmp_path, library):
-    with pytest.raises(Exception, match="exactly one token"):
-        run_kernel(tmp_path, library, case(past=[3], query=[2], steps=2), in_place=False)
+@pytest.mark.parametrize("name", sorted(set(CASES) - {"decode, three rows, one idle", "decode, idle row with an empty cache"}))
+def test_calls_of_several_tokens_per_row_go_to_onnxruntimes_kernel(tmp_path, library, name):
+    """Prompt chunks and verify trees: the node hands them to onnxruntime's GroupQueryAttention (InvokeOp)."""
+    inputs = case(**CASES[name])
+    out, keys, values = run_kernel(tmp_path, library, inputs, in_place=True)
+    ref_out, ref_keys, ref_values = (t.numpy() for t in OneAttention()(*(torch.from_numpy(v) for v in inputs.values())))
+    np.testing.assert_allclose(keys, ref_keys, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(values, ref_values, rtol=0, atol=1e-6)
+    for row, q in enumerate(CASES[name]["query"]):
+        np.testing.assert_allclose(out[row, :q], ref_out[row, :q], rtol=0, atol=2e-5)
 
 
 @needs_compiler
 def test_an_engine_decoding_with_it_matches_transformers_alone_and_batched(engine_factory, checkpoint_factory):
     from runner import LLM, SamplingParams
 
-    engine = engine_factory(native_decode_attention=True)
+    engine = engine_factory()  # the default build
     llm = LLM(str(engine), max_batch=2)
     manifest = llm.engine.manifest
-    assert manifest.phases["decode"].graph == "decode" and manifest.graphs["decode"].native_library == decode_attention.LIBRARY_NAME
-    assert manifest.phases["prefill"].graph == manifest.phases["verify"].graph == "step"
+    assert manifest.graphs["step"].native_library == decode_attention.LIBRARY_NAME
+    assert {phase.graph for phase in manifest.phases.values()} == {"step"}  # one graph, one session: weights packed once
     reference = load_reference(checkpoint_factory("gqa"))
     prompts = [[5, 6, 7, 8, 9], [11, 3, 4]]
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -170,5 +177,5 @@ def test_where_it_cannot_be_built_the_build_says_why_and_decodes_on_the_step_gra
     build_engine(BuildOptions(str(checkpoint_factory("gqa")), tmp_path / "engine", max_seq_len=64, max_batch=2,
                               prefill_chunk=16, native_decode_attention=True), log=lines.append)
     manifest = open_artifact(tmp_path / "engine").manifest
-    assert "decode" not in manifest.graphs and manifest.phases["decode"].graph == "step"
+    assert manifest.graphs["step"].native_library is None
     assert any("GroupQueryAttention (no C compiler (cc) on this machine)" in line for line in lines)
