@@ -301,6 +301,9 @@ def engine_label(engine: Path) -> str:
     manifest = json.loads((engine / "manifest.json").read_text())
     q = manifest.get("quantization", {})
     kv_cache = ", int8 KV cache" if manifest["kv_cache"]["dtype"] == "int8" else ""
+    # engines whose decode attention is onnxruntime's where ours could be (built before it, or without it)
+    decode = manifest["graphs"][manifest["phases"]["decode"]["graph"]]
+    kv_cache += ", onnxruntime attention" if not kv_cache and not decode.get("native_library") else ""
     if q.get("method", "none") == "none":
         return f"ours {manifest['dtype']}{kv_cache}"
     return f"ours int{q['bits']} {q['method']} g{q['group_size']}{kv_cache}"

@@ -68,6 +68,10 @@ def test_the_onnxruntime_functions_the_kernel_calls_sit_where_it_calls_them():
     assert call(10, p, ctypes.POINTER(p))(ctypes.byref(options)) is None  # CreateSessionOptions
     assert call(at["CreateCustomOpDomain"], p, ctypes.c_char_p, ctypes.POINTER(p))(b"test", ctypes.byref(domain)) is None
     assert call(at["AddCustomOpDomain"], p, p, p)(options, domain) is None
+    attribute, one = p(), ctypes.c_int64(1)
+    assert call(at["CreateOpAttr"], p, ctypes.c_char_p, p, ctypes.c_int, ctypes.c_int, ctypes.POINTER(p))(
+        b"num_heads", ctypes.addressof(one), 1, 1, ctypes.byref(attribute)) is None and attribute.value
+    call(at["ReleaseOpAttr"], None, p)(attribute)
     # KernelContext_ParallelFor follows SetDeterministicCompute (273), which takes session options and a flag
     assert at["KernelContext_ParallelFor"] == 274 and call(273, p, p, ctypes.c_bool)(options, True) is None
 
