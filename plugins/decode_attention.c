@@ -111,7 +111,7 @@ typedef struct Kernel {
 #define MAX_GROUP 16 /* query heads per kv head */
 #define DOT_LANES 16 /* head_dim is a multiple of 16 (plugins/attention.py checks it at build time) */
 /* The cache rows come from memory: the weights streamed through the caches since the layer's last step. The
- * hardware prefetcher alone left this loop waiting on them (decode graph, int4 default model, 714 cached tokens,
+ * hardware prefetcher alone left this loop waiting on them (decode calls, int4 default model, 714 cached tokens,
  * under onnxruntime's profiler: 3.31 ms for the 30 layers without software prefetch, 2.59 with it 32 rows ahead,
  * 2.63 at 64, 3.29 at 4, 2.83 prefetching the whole chunk first) */
 #define PREFETCH_ROWS 32

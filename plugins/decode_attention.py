@@ -1,28 +1,22 @@
-"""The decode graph's attention: our own onnxruntime CPU kernel (decode_attention.c) for steps where every row adds
-one token, in place of com.microsoft::GroupQueryAttention, under the same contract (plugins/attention.py).
+"""Decode steps' attention: our own onnxruntime CPU kernel (decode_attention.c), a custom op `DecodeAttention` that
+takes GroupQueryAttention's place in the step graph under the same contract (plugins/attention.py).
 
 Why: in the int4 default model's decode call (2 threads, Zen 3 VM, graph surgery: the attention nodes replaced by a
 slice) onnxruntime's kernel took 1.0 ms of 6.1 at 100 cached tokens and 3.6 ms of 8.9 at 714. It runs each query
 head as its own small matrix product, so each kv head's cache is read once per query head that shares it.
-DecodeAttention reads each cached row once per kv head, splits the positions into chunks over the session's threads
-and prefetches rows ahead of use (they come from memory: the step's weights have streamed through the caches).
-Whole decode calls, ours against onnxruntime's kernel, alternating in one process: 1.02-1.07x at 40-100 cached
-tokens, 1.10-1.28x at 714; end to end (benchmarks/ab.py, 10 rounds): decode 1.02x on the short chat prompt, 1.09x
-on the 650-token one.
+For a call where every row adds one token, DecodeAttention reads each cached row once per kv head, splits the
+positions into chunks over the session's threads and prefetches rows ahead of use (they come from memory: the
+step's weights have streamed through the caches); any other call (prompt chunks, verify trees) it hands to
+onnxruntime's own GroupQueryAttention (InvokeOp), so one graph and one session serve every phase and the weights are
+packed once. Whole decode calls against onnxruntime's kernel, alternating in one process: 1.02-1.07x at 40-100
+cached tokens, 1.10-1.28x at 714; end to end (benchmarks/ab.py, 10 rounds): decode 1.06x on the short chat prompt,
+1.08x on the 650-token one.
 
-How it gets into an engine:
-- `compile_library` builds the kernel with the machine's C compiler into the artifact (a Linux x86-64 shared
-  library; its hot loop is compiled twice, for AVX2 + FMA and for any x86-64, and picked at load);
-- `write_decode_graph` copies the step graph with each layer's GroupQueryAttention replaced by DecodeAttention
-  (same inputs but the ones a one-token row does not need), sharing the step graph's weights file;
-- the manifest's decode phase runs that graph, whose GraphSpec names the library; the backend registers it.
-Without a C compiler, on another platform, or for an int8 KV cache (not implemented in the kernel), the build says
-why and the decode phase keeps the step graph.
-
-The cost, and why it is not the default: the decode graph is a second onnxruntime session, which packs the quantized
-weights for its own MatMulNBits kernels (onnxruntime's Python API cannot share packed weights between sessions, and
-without packing a decode call took 311 ms instead of 7.8): peak RSS 219 -> 340 MiB for the int4 default model, and
-a second copy of the packed weights for any model.
+How it gets into an engine (builder/build.py): `compile_library` builds the kernel with the machine's C compiler into
+the artifact (a Linux x86-64 shared library; its hot loop is compiled for AVX2 + FMA and for any x86-64, picked at
+load), `use_in_graph` rewrites the step graph's attention nodes, and the step graph's GraphSpec names the library,
+which the backend registers. Without a C compiler, on another platform, or for an int8 KV cache (not implemented in
+the kernel), the build says why and keeps GroupQueryAttention.
 """
 
 from __future__ import annotations
@@ -50,12 +44,13 @@ def unavailable_reason() -> str | None:
 
 
 def compile_library(out_dir: Path) -> Path:
-    """Build the kernel into `out_dir`; raises RuntimeError with the compiler's message if it fails."""
+    """Build the kernel into `out_dir`; a ValueError with the compiler's message if it fails."""
     target = out_dir / LIBRARY_NAME
     command = ["cc", "-O3", "-shared", "-fPIC", "-o", str(target), str(SOURCE), "-lm"]
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode != 0:
-        raise RuntimeError(f"compiling {SOURCE.name} failed:\n{result.stderr[-2000:]}")
+        raise ValueError(f"compiling {SOURCE.name} failed (build with --onnxruntime-decode-attention to do without "
+                         f"it):\n{result.stderr[-2000:]}")
     return target
 
 

@@ -31,8 +31,8 @@ class Executor:
         self.min_rows = 1
         self.probe_runs = 0  # step graph runs that probe made before any request's (a profile leaves them out)
         self.max_chunk = max(self.prefill_phase.steps)
-        # every phase's graph reads and writes the same cache buffers (the decode phase may have a graph of its own)
-        self.cache = KVCache(manifest.kv_cache, self.max_rows, manifest.max_seq_len, _headroom(list(manifest.phases.values())))
+        phases = [p for p in manifest.phases.values() if p.graph == self.decode_phase.graph]
+        self.cache = KVCache(manifest.kv_cache, self.max_rows, manifest.max_seq_len, _headroom(phases))
         self._bound: dict[tuple[str, int, int], object] = {}  # (graph, rows) -> graph with those cache rows bound
         # the step graph's outputs besides the cache, [rows, logits_index count, *size]: their arrays are bound per run
         step = {t.name: t for t in manifest.graphs[self.decode_phase.graph].outputs}

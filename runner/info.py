@@ -37,7 +37,7 @@ def describe(artifact: Artifact) -> list[str]:
 def _decode_attention(manifest) -> str:
     decode = manifest.graphs[manifest.phases["decode"].graph]
     if decode.native_library:
-        return f"our DecodeAttention kernel ({decode.native_library}, graph {manifest.phases['decode'].graph})"
+        return f"our DecodeAttention kernel ({decode.native_library})"
     return "onnxruntime's GroupQueryAttention"
 
 

@@ -84,7 +84,4 @@ def profile_decode(
         while not request.finished:
             engine.step()
         traces = engine.executor.backend.end_profiling()
-        executor = engine.executor
-        graph = executor.decode_phase.graph  # the step graph, or the decode phase's own (plugins/decode_attention.py)
-        earlier = executor.probe_runs + (prefill_runs if graph == executor.prefill_phase.graph else 0)
-        return read_trace(traces[graph], earlier + SKIPPED_DECODE_RUNS)
+        return read_trace(traces["step"], engine.executor.probe_runs + prefill_runs + SKIPPED_DECODE_RUNS)

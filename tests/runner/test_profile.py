@@ -32,7 +32,7 @@ def test_read_trace_aggregates_the_kernels_of_the_kept_runs(tmp_path):
         read_trace(trace, skip_runs=3)
 
 
-@pytest.mark.parametrize("native", [False, True], ids=["step graph", "native decode graph"])
+@pytest.mark.parametrize("native", [False, True], ids=["onnxruntime attention", "our decode attention"])
 def test_profile_decode_of_a_tiny_engine(engine_factory, native):
     from plugins.decode_attention import unavailable_reason
 
