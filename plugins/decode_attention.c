@@ -1,18 +1,20 @@
-/* DecodeAttention: attention over the runner's KV cache for rows that each add one token, as an onnxruntime CPU
- * custom op. It computes what com.microsoft::GroupQueryAttention computes under plugins/attention.py's contract
- * (rotary embedding, grouped-query attention, the new K/V written into the cache in place) when every row's query
- * is one token, which is every decode step. Each cached K and V row is read once for all the query heads that share
- * it, the positions are split into chunks over the session's threads (flash-decoding), and the rows are prefetched
- * ahead of use: after a step's weights have streamed through the caches, the cache rows come from memory.
- * Measured against onnxruntime's kernel in the int4 default model's decode call (2 threads, Zen 3 VM): the whole
- * call 1.02-1.07x faster at 40-100 cached tokens and 1.10-1.28x at 714 (plugins/decode_attention.py).
+/* DecodeAttention: attention over the runner's KV cache as an onnxruntime CPU custom op, in the place of
+ * com.microsoft::GroupQueryAttention under plugins/attention.py's contract (rotary embedding, grouped-query
+ * attention, the new K/V written into the cache in place). A call where every row adds one token (every decode
+ * step) runs this file's kernel: each cached K and V row is read once for all the query heads that share it, the
+ * positions are split into chunks over the session's threads (flash-decoding), and the rows are prefetched ahead of
+ * use (after a step's weights have streamed through the caches, the cache rows come from memory). Any other call
+ * (prompt chunks, verify trees) runs onnxruntime's own GroupQueryAttention on the same inputs and outputs
+ * (InvokeOp). Measured against onnxruntime's kernel in the int4 default model's decode call (2 threads, Zen 3 VM):
+ * the whole call 1.02-1.07x faster at 40-100 cached tokens and 1.10-1.28x at 714 (plugins/decode_attention.py).
  *
- * Inputs: qkv [B, 1, (H + 2 KVH) D] f32, past_key / past_value [B, KVH, L, D] f32, seqlens_k [B] i32 (P_b + Q_b - 1),
- * cos_cache / sin_cache [positions, D / 2] f32, position_ids [B, 1] i64, attention_bias [B, 1, 1, W] f32 (W >= P_b + 1),
- * query_lens [B] i32 (1, or 0 for a row that takes no part). Outputs: out [B, 1, H D] f32, present_key /
- * present_value [B, KVH, L, D]: the past buffers with row b's new K/V at position P_b (the runner binds present to
- * past, so only that position is written; otherwise the past is copied first). Attributes: num_heads,
- * kv_num_heads, scale.
+ * Inputs (GroupQueryAttention's that an fp32 cache with rotary embedding uses): qkv [B, T, (H + 2 KVH) D] f32,
+ * past_key / past_value [B, KVH, L, D] f32, seqlens_k [B] i32 (P_b + Q_b - 1), total_sequence_length [] i32,
+ * cos_cache / sin_cache [positions, D / 2] f32, position_ids [B, T] i64, attention_bias [B, 1, T, W] f32,
+ * query_lens [B] i32 (Q_b; 0 for a row that takes no part). Outputs: out [B, T, H D] f32, present_key /
+ * present_value [B, KVH, L, D]: the past buffers with the new K/V written (the runner binds present to past, so
+ * only those positions are written; otherwise the past is copied first). Attributes: num_heads, kv_num_heads,
+ * scale. With T = 1 a row that takes no part gets a zero output.
  *
  * onnxruntime's C ABI is used through the positions of the few functions this needs in its OrtApi table, which
  * only ever grows at the end (checked against onnxruntime 1.32 by tests/plugins/test_decode_attention.py).
