@@ -300,13 +300,16 @@ def write_perplexity_text(engine: str, path: Path) -> None:
 def engine_label(engine: Path) -> str:
     manifest = json.loads((engine / "manifest.json").read_text())
     q = manifest.get("quantization", {})
-    kv_cache = ", int8 KV cache" if manifest["kv_cache"]["dtype"] == "int8" else ""
-    # engines whose decode attention is onnxruntime's where ours could be (built before it, or without it)
     decode = manifest["graphs"][manifest["phases"]["decode"]["graph"]]
-    kv_cache += ", onnxruntime attention" if not kv_cache and not decode.get("native_library") else ""
+    if manifest["kv_cache"]["dtype"] == "int8":
+        variant = ", int8 KV cache"
+    elif not decode.get("native_library"):  # onnxruntime's attention where ours could be (built before it, or without)
+        variant = ", onnxruntime attention"
+    else:
+        variant = ""
     if q.get("method", "none") == "none":
-        return f"ours {manifest['dtype']}{kv_cache}"
-    return f"ours int{q['bits']} {q['method']} g{q['group_size']}{kv_cache}"
+        return f"ours {manifest['dtype']}{variant}"
+    return f"ours int{q['bits']} {q['method']} g{q['group_size']}{variant}"
 
 
 def check_agreement(results: dict[str, dict], reference: str) -> list[str]:

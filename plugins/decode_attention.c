@@ -299,8 +299,8 @@ static OrtStatus *compute(Kernel *kernel, OrtKernelContext *context) {
   for (int i = 0; i < 2; i++) {
     if (get_output(context, 1 + i, dims[IN_PAST_KEY], 4, &present[i]) || !tensor(api, present[i], &present_data[i], ignored))
       return fail(api, "DecodeAttention: cannot allocate the present cache");
-    if (present_data[i] != data[1 + i]) /* not bound in place: the present cache starts as a copy of the past */
-      memcpy(present_data[i], data[1 + i], sizeof(float) * batch * kv_heads * length * head_dim);
+    if (present_data[i] != data[IN_PAST_KEY + i]) /* not bound in place: the present cache starts as a copy of the past */
+      memcpy(present_data[i], data[IN_PAST_KEY + i], sizeof(float) * batch * kv_heads * length * head_dim);
   }
   float *keys = present_data[0], *values = present_data[1];
 

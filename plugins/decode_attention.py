@@ -32,6 +32,8 @@ DOMAIN = "llm_engine_builder"
 # GroupQueryAttention's inputs (plugins/attention.py) that DecodeAttention takes, in its order: qkv, past_key,
 # past_value, seqlens_k, total_sequence_length, cos_cache, sin_cache, position_ids, attention_bias, query_seqlens
 GQA_INPUTS_TAKEN = (0, 3, 4, 5, 6, 7, 8, 9, 10, 16)
+GQA_INPUTS_NOT_COVERED = (11, 12, 13)  # head_sink, k_scale, v_scale (an int8 cache): the kernel has none of them
+GQA_INPUT_COUNT = 17
 
 
 def unavailable_reason() -> str | None:
@@ -67,9 +69,9 @@ def use_in_graph(graph_file: Path) -> int:
         if node.op_type != "GroupQueryAttention" or node.domain != "com.microsoft":
             nodes.append(node)
             continue
-        inputs = list(node.input) + [""] * (17 - len(node.input))
+        inputs = list(node.input) + [""] * (GQA_INPUT_COUNT - len(node.input))
         attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        if inputs[11] or inputs[12] or inputs[13] or attributes.get("kv_cache_bit_width", 0) or not attributes.get("do_rotary"):
+        if any(inputs[i] for i in GQA_INPUTS_NOT_COVERED) or attributes.get("kv_cache_bit_width", 0) or not attributes.get("do_rotary"):
             raise ValueError(f"{node.name}: DecodeAttention covers fp32 caches with rotary embedding only")
         nodes.append(helper.make_node(
             "DecodeAttention", [inputs[i] for i in GQA_INPUTS_TAKEN], list(node.output), name=node.name, domain=DOMAIN,

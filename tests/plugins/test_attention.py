@@ -39,7 +39,8 @@ def case(past: list[int], query: list[int], steps: int, length: int = 48, trees:
         mask = (trees or {}).get(row, np.tril(np.ones((q, q), bool)))
         positions[row, :q] = p + mask.sum(axis=1) - 1
         bias[row, 0, :q, p:p + q][~mask] = MASKED
-    angles = np.arange(POSITIONS)[:, None] * (1.0 / 10000 ** (np.arange(0, HEAD_DIM, 2) / HEAD_DIM))[None]
+    # rotary rows for every position the cache can hold (at least POSITIONS)
+    angles = np.arange(max(POSITIONS, length))[:, None] * (1.0 / 10000 ** (np.arange(0, HEAD_DIM, 2) / HEAD_DIM))[None]
     seqlens = np.maximum(np.array(past) + np.array(query) - 1, 0).astype(np.int32)
     return {
         "qkv": qkv, "past_key": cache[0], "past_value": cache[1], "seqlens_k": seqlens,

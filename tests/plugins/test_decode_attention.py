@@ -114,19 +114,11 @@ DECODE_CASES = {
 }
 
 
-def decode_case(name: str) -> dict:
-    """test_attention's case, with rotary tables as long as its cache (its own stop at 64 positions)."""
-    inputs = case(**DECODE_CASES[name])
-    length = inputs["past_key"].shape[2]
-    angles = np.arange(length)[:, None] * (1.0 / 10000 ** (np.arange(0, HEAD_DIM, 2) / HEAD_DIM))[None]
-    return inputs | {"cos": np.cos(angles).astype(np.float32), "sin": np.sin(angles).astype(np.float32)}
-
-
 @needs_compiler
 @pytest.mark.parametrize("in_place", [True, False], ids=["cache bound in place", "cache copied"])
 @pytest.mark.parametrize("name", sorted(DECODE_CASES))
 def test_the_kernel_computes_what_the_reference_computes(tmp_path, library, name, in_place):
-    inputs = decode_case(name)
+    inputs = case(**DECODE_CASES[name])
     inputs["bias"][0, 0, 0, :3] = MASKED  # row 0 may not see its first positions (a bias the graph could pass)
     out, keys, values = run_kernel(tmp_path, library, inputs, in_place)
     ref_out, ref_keys, ref_values = (t.numpy() for t in OneAttention()(*(torch.from_numpy(v) for v in inputs.values())))
@@ -138,7 +130,7 @@ def test_the_kernel_computes_what_the_reference_computes(tmp_path, library, name
         else:  # a row that takes no part: zeros (the reference leaves it unspecified)
             assert not out[row].any()
     if not in_place:  # the inputs stay as they were
-        assert np.array_equal(inputs["past_key"], decode_case(name)["past_key"])
+        assert np.array_equal(inputs["past_key"], case(**DECODE_CASES[name])["past_key"])
 
 
 @needs_compiler
