@@ -27,7 +27,8 @@ from runner.llm_engine import LLMEngine
 @click.option("--new-tokens", default=128, show_default=True)
 @click.option("--long-prompt-tokens", default=0, show_default=True, help="0: the short chat prompt.")
 def main(engine_a: str, engine_b: str, runs: int, threads: int, new_tokens: int, long_prompt_tokens: int) -> None:
-    engines = {"A": LLMEngine(engine_a, threads=threads), "B": LLMEngine(engine_b, threads=threads)}
+    # one stream, as `runner generate` and compare_peers.py run it: no padding of one-row calls for batch invariance
+    engines = {name: LLMEngine(path, threads=threads, max_batch=1) for name, path in (("A", engine_a), ("B", engine_b))}
     prompts = chat_prompts(engines["A"].codec, long_prompt_tokens)
     prompt = prompts["long"] if long_prompt_tokens else prompts["short"]
     for engine in engines.values():

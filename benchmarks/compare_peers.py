@@ -301,12 +301,16 @@ def engine_label(engine: Path) -> str:
     manifest = json.loads((engine / "manifest.json").read_text())
     q = manifest.get("quantization", {})
     decode = manifest["graphs"][manifest["phases"]["decode"]["graph"]]
+    # our kernels the engine runs (engines built before Int4MatMul name only the library, which had DecodeAttention)
+    ops = decode.get("native_ops", ["DecodeAttention"] if decode.get("native_library") else [])
+    variants = []
     if manifest["kv_cache"]["dtype"] == "int8":
-        variant = ", int8 KV cache"
-    elif not decode.get("native_library"):  # onnxruntime's attention where ours could be (built before it, or without)
-        variant = ", onnxruntime attention"
-    else:
-        variant = ""
+        variants.append("int8 KV cache")
+    elif "DecodeAttention" not in ops:  # onnxruntime's attention where ours could be (built before it, or without)
+        variants.append("onnxruntime attention")
+    if q.get("bits") == 4 and "Int4MatMul" not in ops:
+        variants.append("onnxruntime matmul")
+    variant = "".join(f", {v}" for v in variants)
     if q.get("method", "none") == "none":
         return f"ours {manifest['dtype']}{variant}"
     return f"ours int{q['bits']} {q['method']} g{q['group_size']}{variant}"

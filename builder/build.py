@@ -24,7 +24,7 @@ from builder.sampler import TOP_LOGPROBS
 from builder.loaders.default import DEFAULT_MODEL_NAME
 from builder.phases import STEP_GRAPH, BuildShapes, default_prefill_chunk, plan_phases
 from builder.weights import kept_block_specs, linear_sources, load_model
-from plugins import decode_attention
+from plugins import decode_attention, int4_matmul, native_ops
 from plugins.attention import check_head_dim
 from plugins.quant_linear import QuantSpec
 from engines.resources import peak_rss_mb
@@ -93,8 +93,10 @@ class BuildOptions:
     min_draft_prob: float = 0.1
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES: "auto" = the model's dtype; "int8" (builder/kv_quant.py)
     kv_calibration: KVCalibration = field(default_factory=KVCalibration)
-    # decode steps run our DecodeAttention kernel (plugins/decode_attention.py) where this machine can compile it
+    # our kernels (plugins/native_ops.py) where this machine can compile them: DecodeAttention for decode steps'
+    # attention, Int4MatMul for int4 weights with int8 activations
     native_decode_attention: bool = True
+    native_int4_matmul: bool = True
 
     def __post_init__(self) -> None:
         if self.draft_len is None:
@@ -288,7 +290,7 @@ def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> B
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         step(3, "tracing the step and sampler graphs with torch.export and emitting ONNX")
-        graphs = {STEP_GRAPH: _native_decode_attention(options, export_step_graph(model, staging, max_seq_len), staging, log)}
+        graphs = {STEP_GRAPH: _native_kernels(options, export_step_graph(model, staging, max_seq_len), staging, log)}
         del model
         graphs[SAMPLER_GRAPH] = export_sampler_graph(config.vocab_size, options.tree_depth, staging)
         if drafter is not None:
@@ -336,23 +338,33 @@ def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> B
     return report
 
 
-def _native_decode_attention(options: BuildOptions, step: GraphSpec, staging: Path, log: Callable[[str], None]) -> GraphSpec:
-    """The step graph with our DecodeAttention node in each layer and the kernel library beside it, or as it is
-    (onnxruntime's GroupQueryAttention) where that cannot be had, saying why."""
-    if not options.native_decode_attention:
+def _native_kernels(options: BuildOptions, step: GraphSpec, staging: Path, log: Callable[[str], None]) -> GraphSpec:
+    """The step graph with the nodes our kernels cover rewritten to them and their library beside it, or as it is
+    (onnxruntime's own ops) where that cannot be had, saying why."""
+    wanted = {"DecodeAttention": options.native_decode_attention, "Int4MatMul": options.native_int4_matmul}
+    if not any(wanted.values()):
         return step
-    reason = decode_attention.unavailable_reason()
-    if options.kv_cache_dtype == "int8":
-        reason = "the int8 KV cache is not implemented in it"
-    elif options.dtype != "fp32":
-        reason = f"it computes in fp32 only, not {options.dtype}"
+    reason = native_ops.unavailable_reason()
     if reason is not None:
-        log(f"      decode attention: onnxruntime's GroupQueryAttention ({reason})")
+        log(f"      kernels: onnxruntime's own ops ({reason})")
         return step
-    library = decode_attention.compile_library(staging)
-    layers = decode_attention.use_in_graph(staging / step.file)
-    log(f"      decode attention: our DecodeAttention kernel in {layers} layers ({library.name})")
-    return replace(step, native_library=library.name)
+    if wanted["DecodeAttention"] and options.kv_cache_dtype == "int8":
+        log("      decode attention: onnxruntime's GroupQueryAttention (the int8 KV cache is not implemented in ours)")
+        wanted["DecodeAttention"] = False
+    elif wanted["DecodeAttention"] and options.dtype != "fp32":
+        log(f"      decode attention: onnxruntime's GroupQueryAttention (ours computes in fp32 only, not {options.dtype})")
+        wanted["DecodeAttention"] = False
+    rewrites = {"DecodeAttention": decode_attention.use_in_graph, "Int4MatMul": int4_matmul.use_in_graph}
+    used = []
+    for op, rewrite in rewrites.items():
+        count = rewrite(staging / step.file) if wanted[op] else 0
+        if count:
+            used.append(op)
+            log(f"      {op}: our kernel in {count} nodes")
+    if not used:
+        return step
+    library = native_ops.compile_library(staging)
+    return replace(step, native_library=library.name, native_ops=used)
 
 
 def _numpy_dtype(dtype: str) -> str:

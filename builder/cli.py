@@ -73,10 +73,13 @@ def main() -> None:
 @click.option("--native-decode-attention/--onnxruntime-decode-attention", default=True, show_default=True,
               help="Decode steps run our DecodeAttention CPU kernel, compiled here with cc, instead of onnxruntime's "
                    "GroupQueryAttention (fp32 caches on Linux x86-64; the build says when it cannot).")
+@click.option("--native-int4-matmul/--onnxruntime-int4-matmul", default=True, show_default=True,
+              help="int4 weights with int8 activations run our Int4MatMul CPU kernel (batch-invariant; AVX2 + FMA), "
+                   "compiled here with cc, instead of onnxruntime's MatMulNBits.")
 def build(checkpoint, out, dtype, max_seq_len, max_batch, prefill_chunk, overwrite, quant, group_size, quant_lm_head,
           int8_compute, gptq_damping, gptq_act_order, gptq_samples, gptq_sample_len, calibration_text, keep_gguf_blocks,
           speculative, draft_model, draft_head, beam_width, draft_len, draft_quant, kv_cache_dtype,
-          prompt_lookup_len, min_draft_prob, native_decode_attention) -> None:
+          prompt_lookup_len, min_draft_prob, native_decode_attention, native_int4_matmul) -> None:
     """Build an engine from CHECKPOINT: a Hugging Face directory, a .gguf file, or `default`."""
     with exit_on(ValueError):
         gptq = GPTQOptions(gptq_damping, gptq_act_order, gptq_samples, gptq_sample_len,
@@ -88,6 +91,7 @@ def build(checkpoint, out, dtype, max_seq_len, max_batch, prefill_chunk, overwri
         speculative=speculative, draft_head=draft_head, beam_width=beam_width, draft_len=draft_len,
         draft_quant=draft_quant, prompt_lookup_len=prompt_lookup_len, min_draft_prob=min_draft_prob, draft_model=draft_model,
         kv_cache_dtype=kv_cache_dtype, native_decode_attention=native_decode_attention,
+        native_int4_matmul=native_int4_matmul,
     )
     with exit_on(CheckpointError, FileExistsError, ValueError):
         report = build_engine(options, log=lambda line: click.echo(line, err=True))

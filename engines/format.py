@@ -40,8 +40,9 @@ class GraphSpec:
     file: str
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
-    # a file of the artifact: the onnxruntime custom-op library this graph's own ops need (plugins/decode_attention.py)
+    # a file of the artifact: the onnxruntime custom-op library this graph's own ops need (plugins/native_ops.py)
     native_library: str | None = None
+    native_ops: list[str] = field(default_factory=list)  # which of its ops the graph runs ("DecodeAttention", ...)
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,8 @@ class Manifest:
                 inputs=[TensorSpec(**t) for t in g["inputs"]],
                 outputs=[TensorSpec(**t) for t in g["outputs"]],
                 native_library=g.get("native_library"),
+                # engines built before Int4MatMul had one op in their library
+                native_ops=g.get("native_ops", ["DecodeAttention"] if g.get("native_library") else []),
             )
             for key, g in data["graphs"].items()
         }

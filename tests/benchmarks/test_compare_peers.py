@@ -42,18 +42,21 @@ def test_standing_picks_the_best_of_each_side_and_says_who_is_ahead():
     assert rows["short", "ttft_ms"]["ours"] == "ours int4 rtn g32"
 
 
-def test_engine_label_names_an_int8_kv_cache_and_onnxruntimes_attention(tmp_path):
-    def label(kv_dtype: str, quantization: dict, native_library: str | None) -> str:
+def test_engine_label_names_an_int8_kv_cache_and_onnxruntimes_own_kernels(tmp_path):
+    def label(kv_dtype: str, quantization: dict, step: dict) -> str:
         manifest = {"dtype": "fp32", "kv_cache": {"dtype": kv_dtype}, "quantization": quantization,
-                    "graphs": {"step": {"native_library": native_library}}, "phases": {"decode": {"graph": "step"}}}
+                    "graphs": {"step": step}, "phases": {"decode": {"graph": "step"}}}
         (tmp_path / "manifest.json").write_text(json.dumps(manifest))
         return engine_label(tmp_path)
 
     int4 = {"method": "rtn", "bits": 4, "group_size": 32}
-    assert label("int8", int4, None) == "ours int4 rtn g32, int8 KV cache"
-    assert label("float32", int4, "libdecode_attention.so") == "ours int4 rtn g32"
-    assert label("float32", int4, None) == "ours int4 rtn g32, onnxruntime attention"
-    assert label("float32", {"method": "none"}, "libdecode_attention.so") == "ours fp32"
+    both = {"native_library": "libnative_ops.so", "native_ops": ["DecodeAttention", "Int4MatMul"]}
+    assert label("float32", int4, both) == "ours int4 rtn g32"
+    assert label("int8", int4, {"native_library": "libnative_ops.so", "native_ops": ["Int4MatMul"]}) == "ours int4 rtn g32, int8 KV cache"
+    assert label("float32", int4, {"native_library": None}) == "ours int4 rtn g32, onnxruntime attention, onnxruntime matmul"
+    # built before Int4MatMul: the library held DecodeAttention alone
+    assert label("float32", int4, {"native_library": "libdecode_attention.so"}) == "ours int4 rtn g32, onnxruntime matmul"
+    assert label("float32", {"method": "none"}, {"native_library": "libnative_ops.so", "native_ops": ["DecodeAttention"]}) == "ours fp32"
 
 
 def test_fp32_engines_must_agree_on_first_tokens_and_perplexity_quantized_ones_are_reported():

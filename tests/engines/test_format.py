@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from engines.format import SCHEMA_VERSION, ArtifactError, PhaseSpec, open_artifact
-from plugins import decode_attention
+from plugins import native_ops
 
 
 @pytest.fixture
@@ -22,10 +22,10 @@ def test_a_fresh_build_opens_and_records_every_file(engine_copy):
     artifact = open_artifact(engine_copy)
     manifest = artifact.manifest
     assert manifest.schema_version == SCHEMA_VERSION
-    # our decode attention kernel's library where this machine could compile it (plugins/decode_attention.py)
-    kernel = set() if decode_attention.unavailable_reason() else {decode_attention.LIBRARY_NAME}
+    # our kernels' library where this machine could compile it (plugins/native_ops.py)
+    kernel = set() if native_ops.unavailable_reason() else {native_ops.LIBRARY_NAME}
     assert set(manifest.files) == {"model.onnx", "model.onnx.data", "sampler.onnx", "tokenizer.json"} | kernel
-    assert manifest.graphs["step"].native_library == (decode_attention.LIBRARY_NAME if kernel else None)
+    assert manifest.graphs["step"].native_library == (native_ops.LIBRARY_NAME if kernel else None)
     assert {"prefill", "decode", "verify"} <= set(manifest.phases)
     # every phase runs the one graph, so the weights exist once on disk
     assert {p.graph for p in manifest.phases.values()} == {"step"}

@@ -12,17 +12,17 @@ import numpy as np
 import pytest
 import torch
 
-from plugins import decode_attention
+from plugins import decode_attention, native_ops
 from tests.plugins.test_attention import CASES, HEAD_DIM, HEADS, KV_HEADS, MASKED, OneAttention, case, run_in_place
 from tests.reference import load_reference, reference_greedy
 
-needs_compiler = pytest.mark.skipif(decode_attention.unavailable_reason() is not None,
-                                    reason=f"DecodeAttention cannot be built here: {decode_attention.unavailable_reason()}")
+needs_compiler = pytest.mark.skipif(native_ops.unavailable_reason() is not None,
+                                    reason=f"our kernels cannot be built here: {native_ops.unavailable_reason()}")
 
 
 @pytest.fixture(scope="module")
 def library(tmp_path_factory) -> Path:
-    return decode_attention.compile_library(tmp_path_factory.mktemp("decode_attention"))
+    return native_ops.compile_library(tmp_path_factory.mktemp("native_ops"))
 
 
 def onnxruntime_api():
@@ -38,7 +38,7 @@ def onnxruntime_api():
 
 
 def kernel_positions() -> dict[str, int]:
-    return {name: int(index) for name, index in re.findall(r"API_(\w+) = (\d+)", decode_attention.SOURCE.read_text())}
+    return {name: int(index) for name, index in re.findall(r"API_(\w+) = (\d+)", native_ops.ABI_HEADER.read_text())}
 
 
 def test_the_onnxruntime_functions_the_kernel_calls_sit_where_it_calls_them():
@@ -85,11 +85,11 @@ def one_node_graph(path: Path, inputs: dict) -> None:
 
     types = {np.float32: TensorProto.FLOAT, np.int32: TensorProto.INT32, np.int64: TensorProto.INT64}
     node = helper.make_node("DecodeAttention", NAMES, ["out", "present_key", "present_value"],
-                            domain=decode_attention.DOMAIN, num_heads=HEADS, kv_num_heads=KV_HEADS, scale=HEAD_DIM ** -0.5)
+                            domain=native_ops.DOMAIN, num_heads=HEADS, kv_num_heads=KV_HEADS, scale=HEAD_DIM ** -0.5)
     graph = helper.make_graph(
         [node], "one", [helper.make_tensor_value_info(n, types[inputs[n].dtype.type], inputs[n].shape) for n in NAMES],
         [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("out", "present_key", "present_value")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(decode_attention.DOMAIN, 1)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(native_ops.DOMAIN, 1)])
     onnx.save(model, str(path))
 
 
@@ -153,7 +153,8 @@ def test_an_engine_decoding_with_it_matches_transformers_alone_and_batched(engin
     engine = engine_factory()  # the default build
     llm = LLM(str(engine), max_batch=2)
     manifest = llm.engine.manifest
-    assert manifest.graphs["step"].native_library == decode_attention.LIBRARY_NAME
+    assert manifest.graphs["step"].native_library == native_ops.LIBRARY_NAME
+    assert "DecodeAttention" in manifest.graphs["step"].native_ops
     assert {phase.graph for phase in manifest.phases.values()} == {"step"}  # one graph, one session: weights packed once
     reference = load_reference(checkpoint_factory("gqa"))
     prompts = [[5, 6, 7, 8, 9], [11, 3, 4]]
@@ -168,10 +169,11 @@ def test_where_it_cannot_be_built_the_build_says_why_and_decodes_on_the_step_gra
     from builder.build import BuildOptions, build_engine
     from engines.format import open_artifact
 
-    monkeypatch.setattr(decode_attention, "unavailable_reason", lambda: "no C compiler (cc) on this machine")
+    monkeypatch.setattr(native_ops, "unavailable_reason", lambda: "no C compiler (cc) on this machine")
     lines = []
     build_engine(BuildOptions(str(checkpoint_factory("gqa")), tmp_path / "engine", max_seq_len=64, max_batch=2,
                               prefill_chunk=16, native_decode_attention=True), log=lines.append)
     manifest = open_artifact(tmp_path / "engine").manifest
     assert manifest.graphs["step"].native_library is None
-    assert any("GroupQueryAttention (no C compiler (cc) on this machine)" in line for line in lines)
+    assert manifest.graphs["step"].native_ops == []
+    assert any("onnxruntime's own ops (no C compiler (cc) on this machine)" in line for line in lines)

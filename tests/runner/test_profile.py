@@ -34,10 +34,10 @@ def test_read_trace_aggregates_the_kernels_of_the_kept_runs(tmp_path):
 
 @pytest.mark.parametrize("native", [False, True], ids=["onnxruntime attention", "our decode attention"])
 def test_profile_decode_of_a_tiny_engine(engine_factory, native):
-    from plugins.decode_attention import unavailable_reason
+    from plugins.native_ops import unavailable_reason
 
     if native and unavailable_reason():
-        pytest.skip(f"DecodeAttention cannot be built here: {unavailable_reason()}")
+        pytest.skip(f"our kernels cannot be built here: {unavailable_reason()}")
     engine_dir = engine_factory("gqa", native_decode_attention=native)
     ids = LLMEngine(engine_dir).codec.encode("hello there")
     profile = profile_decode(engine_dir, ids, new_tokens=12, threads=1)

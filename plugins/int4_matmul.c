@@ -1,0 +1,276 @@
+/* Int4MatMul: Y = A W^T for int4 weights in onnxruntime's MatMulNBits layout, as an onnxruntime CPU custom op in the
+ * place of com.microsoft::MatMulNBits (bits 4, accuracy_level 4: int8 activations) under the same contract
+ * (plugins/quant_linear.py). Inputs: A [..., K] f32; B uint8 [N, K / block, block / 2] (two weights per byte, low
+ * nibble first, zero point 8); scales f32 [N * K / block]. Output [..., N] f32. Attributes: K, N, block_size (a
+ * power of 2 of at least 32 that divides K).
+ *
+ * Why our own: a row's result here does not depend on the other rows of the call. onnxruntime's kernel takes
+ * another path for one row than for several, which rounds differently, so an engine that must give a request the
+ * same greedy tokens alone or in a batch padded one-row decode calls to two rows (runner/executor.py's probe): the
+ * int4 default model decoded 83 against 111 tokens/s at batch 1 that way. Here every output is the same sequence of
+ * operations whatever the tile around it, so one row runs alone. Decode speed equals onnxruntime's (both stream the
+ * weights from memory as fast as it serves them); prompt chunks run within ~5-10% of it.
+ *
+ * How: each row of A is quantized per block of 32 to int8 (scale max|a| / 127, as onnxruntime's int8 path does)
+ * into the layout the nibbles want: per pair of blocks, the even-indexed values of both, then the odd ones, so a
+ * 32-byte load of weights meets its activations without shuffles. unsigned nibble x signed int8 products
+ * (vpmaddubsw), summed to int32 per 8 weights, less 8 x the activations' sum (the zero point), times the weight
+ * and activation scales, accumulate in float per column. Columns are split over the session's threads in chunks,
+ * rows in blocks whose quantized activations stay in cache while the chunk's columns pass; a tile of 4 rows x 2
+ * columns unpacks each weight once for 4 rows. The weights are prefetched ahead of use: they come from memory.
+ * Needs AVX2 and FMA (kernel creation fails without them).
+ */
+#include <immintrin.h>
+
+#include "ort_abi.h"
+
+#define ROW_BLOCK 64     /* rows of A per unit of work */
+/* columns per unit of work: enough units that the session's threads share a small matrix evenly (N = 576: 36) */
+#define COLUMN_CHUNK(n) ((n) >= 2048 ? 64 : 16)
+#define PREFETCH_BYTES 2048 /* how far ahead of use the weights are fetched (each column's are contiguous) */
+#define AVX2 __attribute__((target("avx2,fma")))
+#define INLINE_AVX2 __attribute__((always_inline, target("avx2,fma"))) static inline
+
+/* A's rows quantized: per row, per pair of 32-blocks ("group"; the last holds one block where K / 32 is odd) */
+typedef struct QuantizedRows {
+  int8_t *x;     /* [m][groups][64]: the even-indexed values of both blocks, then the odd ones */
+  int32_t *corr; /* [m][groups][8]: per int32 lane of the dot product, 8 x the sum of the values it pairs with */
+  float *scale;  /* [m][groups][8]: lanes 0-3 the first block's scale, 4-7 the second's */
+} QuantizedRows;
+
+typedef struct Work {
+  const float *a;
+  const uint8_t *w;
+  const float *wscale;
+  float *y;
+  QuantizedRows q;
+  int64_t m, k, n, block_size, groups, row_blocks, column_chunks;
+} Work;
+
+/* A's rows [unit * ROW_BLOCK, ...) into w->q: per block of 32, scale max|a| / 127, values rounded to nearest even */
+AVX2 static void quantize_rows(void *data, size_t unit) {
+  const Work *w = data;
+  const int64_t first = (int64_t)unit * ROW_BLOCK, last = first + ROW_BLOCK < w->m ? first + ROW_BLOCK : w->m;
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  /* after packing to bytes: the 32 values back in order, then each 128-bit lane's even bytes before its odd ones */
+  const __m256i in_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  const __m256i evens_first = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                               0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  for (int64_t r = first; r < last; r++) {
+    for (int64_t b = 0; b < w->k / 32; b++) {
+      const float *v = w->a + r * w->k + b * 32;
+      __m256 x[4], amax = _mm256_setzero_ps();
+      for (int i = 0; i < 4; i++) {
+        x[i] = _mm256_loadu_ps(v + 8 * i);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, x[i]));
+      }
+      __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+      m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+      const float largest = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+      const __m256 inverse = _mm256_set1_ps(largest > 0.0f ? 127.0f / largest : 0.0f);
+      __m256i q[4];
+      for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(x[i], inverse));
+      const __m256i bytes = _mm256_permutevar8x32_epi32(
+          _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), in_order);
+      /* [evens of values 0-15, odds of 0-15 | evens of 16-31, odds of 16-31] -> [all 16 evens | all 16 odds] */
+      const __m256i split = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(bytes, evens_first), 0xD8);
+      const int64_t g = r * w->groups + b / 2, half = b % 2;
+      _mm_storeu_si128((__m128i *)(w->q.x + g * 64 + half * 16), _mm256_castsi256_si128(split));
+      _mm_storeu_si128((__m128i *)(w->q.x + g * 64 + 32 + half * 16), _mm256_extracti128_si256(split, 1));
+      /* lane l of the dot product pairs with values 8l .. 8l + 7: the sums of q[0..3] */
+      const __m256i sums = _mm256_hadd_epi32(_mm256_hadd_epi32(q[0], q[1]), _mm256_hadd_epi32(q[2], q[3]));
+      const __m128i lanes = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
+      _mm_storeu_si128((__m128i *)(w->q.corr + g * 8 + half * 4), _mm_slli_epi32(lanes, 3));
+      _mm_storeu_ps(w->q.scale + g * 8 + half * 4, _mm_set1_ps(largest / 127.0f));
+    }
+    if ((w->k / 32) % 2) { /* the last group's second block does not exist: it adds zero */
+      const int64_t g = r * w->groups + w->groups - 1;
+      memset(w->q.x + g * 64 + 16, 0, 16);
+      memset(w->q.x + g * 64 + 48, 0, 16);
+      memset(w->q.corr + g * 8 + 4, 0, 4 * sizeof(int32_t));
+      memset(w->q.scale + g * 8 + 4, 0, 4 * sizeof(float));
+    }
+  }
+}
+
+INLINE_AVX2 float horizontal_sum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* The weight scales of group g of a column for its two blocks, lanes 0-3 and 4-7: for blocks of 32 one each, for
+ * larger blocks (a power of 2) the one they share */
+INLINE_AVX2 __m256 group_scales(const float *column_scales, int64_t g, int blocks_of_32, int shift) {
+  if (blocks_of_32)
+    return _mm256_permutevar8x32_ps(_mm256_castpd_ps(_mm256_broadcast_sd((const double *)(column_scales + 2 * g))),
+                                    _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+  return _mm256_broadcast_ss(column_scales + (g >> shift));
+}
+
+/* Group g of ROWS rows against COLS columns into acc. TAIL: the last group of a K with an odd number of 32-blocks,
+ * which holds one block (16 bytes of weights, one scale; its second half of the activations is zero). */
+#define ACCUMULATE_GROUP(ROWS, COLS, BLOCKS_OF_32, TAIL)                                                             \
+  for (int j = 0; j < COLS; j++) {                                                                                  \
+    const uint8_t *p = weights[j] + g * 32;                                                                         \
+    _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);                                                    \
+    const __m256i bytes = TAIL ? _mm256_inserti128_si256(_mm256_setzero_si256(), _mm_loadu_si128((const __m128i *)p), 0) \
+                               : _mm256_loadu_si256((const __m256i *)p);                                            \
+    const __m256 ws = TAIL ? _mm256_insertf128_ps(_mm256_setzero_ps(), _mm_broadcast_ss(scales[j] + 2 * g), 0)      \
+                           : group_scales(scales[j], g, BLOCKS_OF_32, shift);                                       \
+    const __m256i lo = _mm256_and_si256(bytes, low), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);       \
+    for (int i = 0; i < ROWS; i++) {                                                                                \
+      const int64_t at = i * groups + g;                                                                            \
+      const __m256i even = _mm256_loadu_si256((const __m256i *)(x + at * 64));                                      \
+      const __m256i odd = _mm256_loadu_si256((const __m256i *)(x + at * 64 + 32));                                  \
+      const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, even), _mm256_maddubs_epi16(hi, odd));       \
+      const __m256i dots = _mm256_sub_epi32(_mm256_madd_epi16(pairs, ones),                                         \
+                                            _mm256_loadu_si256((const __m256i *)(corr + at * 8)));                  \
+      const __m256 scale = _mm256_mul_ps(ws, _mm256_loadu_ps(xscale + at * 8));                                     \
+      acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), scale, acc[i][j]);                                      \
+    }                                                                                                               \
+  }
+
+/* Y[r .. r + ROWS, c .. c + COLS] for weights in blocks of 32 (BLOCKS_OF_32) or of 64 << shift: each output is the
+ * same operations in the same order whatever ROWS and COLS are */
+#define DEFINE_TILE(NAME, ROWS, COLS, BLOCKS_OF_32)                                                                 \
+  AVX2 static void NAME(const Work *w, int64_t r, int64_t c) {                                                      \
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);                                        \
+    const int64_t groups = w->groups, full = w->k / 64, n = w->n;                                                   \
+    const int shift = BLOCKS_OF_32 ? 0 : __builtin_ctzll((unsigned long long)(w->block_size / 64));                 \
+    const uint8_t *weights[COLS];                                                                                   \
+    const float *scales[COLS];                                                                                      \
+    for (int j = 0; j < COLS; j++) {                                                                                \
+      weights[j] = w->w + (c + j) * (w->k / 2);                                                                     \
+      scales[j] = w->wscale + (c + j) * (w->k / w->block_size);                                                     \
+    }                                                                                                               \
+    const int8_t *x = w->q.x + r * groups * 64;                                                                     \
+    const int32_t *corr = w->q.corr + r * groups * 8;                                                               \
+    const float *xscale = w->q.scale + r * groups * 8;                                                              \
+    __m256 acc[ROWS][COLS];                                                                                         \
+    for (int i = 0; i < ROWS; i++)                                                                                  \
+      for (int j = 0; j < COLS; j++) acc[i][j] = _mm256_setzero_ps();                                               \
+    int64_t g = 0;                                                                                                  \
+    for (; g < full; g++) ACCUMULATE_GROUP(ROWS, COLS, BLOCKS_OF_32, 0)                                             \
+    if (BLOCKS_OF_32 && g < groups) ACCUMULATE_GROUP(ROWS, COLS, BLOCKS_OF_32, 1)                                   \
+    for (int i = 0; i < ROWS; i++)                                                                                  \
+      for (int j = 0; j < COLS; j++) w->y[(r + i) * n + c + j] = horizontal_sum(acc[i][j]);                         \
+  }
+
+DEFINE_TILE(tile_4x2_32, 4, 2, 1)
+DEFINE_TILE(tile_4x1_32, 4, 1, 1)
+DEFINE_TILE(tile_1x4_32, 1, 4, 1)
+DEFINE_TILE(tile_1x1_32, 1, 1, 1)
+DEFINE_TILE(tile_4x2_shared, 4, 2, 0)
+DEFINE_TILE(tile_4x1_shared, 4, 1, 0)
+DEFINE_TILE(tile_1x4_shared, 1, 4, 0)
+DEFINE_TILE(tile_1x1_shared, 1, 1, 0)
+
+typedef void (*Tile)(const Work *w, int64_t r, int64_t c);
+
+/* one unit: a block of rows against a chunk of columns */
+static void multiply_unit(void *data, size_t unit) {
+  const Work *w = data;
+  const int64_t row_block = (int64_t)unit / w->column_chunks, chunk = (int64_t)unit % w->column_chunks;
+  const int64_t r0 = row_block * ROW_BLOCK, r1 = r0 + ROW_BLOCK < w->m ? r0 + ROW_BLOCK : w->m;
+  const int64_t c0 = chunk * COLUMN_CHUNK(w->n), c1 = c0 + COLUMN_CHUNK(w->n) < w->n ? c0 + COLUMN_CHUNK(w->n) : w->n;
+  const int b32 = w->block_size == 32;
+  const Tile tile_4x2 = b32 ? tile_4x2_32 : tile_4x2_shared, tile_4x1 = b32 ? tile_4x1_32 : tile_4x1_shared;
+  const Tile tile_1x4 = b32 ? tile_1x4_32 : tile_1x4_shared, tile_1x1 = b32 ? tile_1x1_32 : tile_1x1_shared;
+  int64_t r = r0;
+  for (; r + 4 <= r1; r += 4) {
+    int64_t c = c0;
+    for (; c + 2 <= c1; c += 2) tile_4x2(w, r, c);
+    for (; c < c1; c++) tile_4x1(w, r, c);
+  }
+  for (; r < r1; r++) {
+    int64_t c = c0;
+    for (; c + 4 <= c1; c += 4) tile_1x4(w, r, c);
+    for (; c < c1; c++) tile_1x1(w, r, c);
+  }
+}
+
+typedef struct Kernel {
+  OrtApiTable api;
+  int64_t k, n, block_size;
+} Kernel;
+
+static OrtStatus *compute(void *kernel_state, OrtKernelContext *context) {
+  const Kernel *kernel = kernel_state;
+  OrtApiTable api = kernel->api;
+  const OrtValue *inputs[3];
+  void *data[3];
+  int64_t dims[3][4];
+  size_t rank = 0;
+  for (size_t i = 0; i < 3; i++)
+    if (API(api, KernelContext_GetInput, OrtStatus *(*)(const OrtKernelContext *, size_t, const OrtValue **))(
+            context, i, &inputs[i]) || !inputs[i] || !tensor_of_rank(api, inputs[i], &data[i], dims[i], i ? NULL : &rank))
+      return fail(api, "Int4MatMul: cannot read its inputs");
+  int64_t m = 1;
+  for (size_t i = 0; i + 1 < rank; i++) m *= dims[0][i];
+  if (rank < 1 || dims[0][rank - 1] != kernel->k || dims[1][0] != kernel->n || dims[1][1] * dims[1][2] * 2 != kernel->k)
+    return fail(api, "Int4MatMul: the input's last axis or the weight's shape does not match K and N");
+  int64_t out_dims[4];
+  memcpy(out_dims, dims[0], sizeof(out_dims));
+  out_dims[rank - 1] = kernel->n;
+  OrtValue *output = NULL;
+  void *y = NULL;
+  int64_t ignored[4];
+  if (API(api, KernelContext_GetOutput, OrtStatus *(*)(OrtKernelContext *, size_t, const int64_t *, size_t, OrtValue **))(
+          context, 0, out_dims, rank, &output) || !tensor(api, output, &y, ignored))
+    return fail(api, "Int4MatMul: cannot allocate its output");
+  if (m == 0) return NULL;
+  const int64_t groups = (kernel->k / 32 + 1) / 2;
+  char *buffer = malloc((size_t)(m * groups * (64 + 8 * sizeof(int32_t) + 8 * sizeof(float))));
+  if (!buffer) return fail(api, "Int4MatMul: out of memory");
+  Work work = {data[0], data[1], data[2], y,
+               {(int8_t *)buffer, (int32_t *)(buffer + m * groups * 64), (float *)(buffer + m * groups * 96)},
+               m, kernel->k, kernel->n, kernel->block_size, groups, (m + ROW_BLOCK - 1) / ROW_BLOCK,
+               (kernel->n + COLUMN_CHUNK(kernel->n) - 1) / COLUMN_CHUNK(kernel->n)};
+  OrtStatus *(*parallel_for)(const OrtKernelContext *, void (*)(void *, size_t), size_t, size_t, void *) =
+      API(api, KernelContext_ParallelFor, OrtStatus *(*)(const OrtKernelContext *, void (*)(void *, size_t), size_t, size_t, void *));
+  OrtStatus *status = parallel_for(context, quantize_rows, (size_t)work.row_blocks, 0, &work);
+  if (!status) status = parallel_for(context, multiply_unit, (size_t)(work.row_blocks * work.column_chunks), 0, &work);
+  free(buffer);
+  return status;
+}
+
+static OrtStatus *create_kernel(const OrtCustomOp *op, OrtApiTable api, const OrtKernelInfo *info, void **out) {
+  (void)op;
+  Kernel *kernel = calloc(1, sizeof(Kernel));
+  if (!kernel) return fail(api, "Int4MatMul: out of memory");
+  kernel->api = api;
+  OrtStatus *(*get_int)(const OrtKernelInfo *, const char *, int64_t *) =
+      API(api, KernelInfoGetAttribute_int64, OrtStatus *(*)(const OrtKernelInfo *, const char *, int64_t *));
+  OrtStatus *status = get_int(info, "K", &kernel->k);
+  if (!status) status = get_int(info, "N", &kernel->n);
+  if (!status) status = get_int(info, "block_size", &kernel->block_size);
+  if (!status && (kernel->n <= 0 || kernel->k <= 0 || kernel->block_size < 32 ||
+                  (kernel->block_size & (kernel->block_size - 1)) || kernel->k % kernel->block_size))
+    status = fail(api, "Int4MatMul: block_size must be a power of 2 of at least 32 that divides K");
+  if (!status && !(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")))
+    status = fail(api, "Int4MatMul: this CPU lacks AVX2 or FMA, which the kernel needs (build the engine with "
+                       "--onnxruntime-int4-matmul to run onnxruntime's MatMulNBits instead)");
+  if (status) {
+    free(kernel);
+    return status;
+  }
+  *out = kernel;
+  return NULL;
+}
+
+static void destroy_kernel(void *kernel) { free(kernel); }
+static const char *op_name(const OrtCustomOp *op) { (void)op; return "Int4MatMul"; }
+static const int input_types[3] = {ELEMENT_FLOAT, ELEMENT_UINT8, ELEMENT_FLOAT};
+static int input_type(const OrtCustomOp *op, size_t index) { (void)op; return input_types[index]; }
+static size_t input_count(const OrtCustomOp *op) { (void)op; return 3; }
+static int output_type(const OrtCustomOp *op, size_t index) { (void)op; (void)index; return ELEMENT_FLOAT; }
+static size_t output_count(const OrtCustomOp *op) { (void)op; return 1; }
+
+OrtCustomOp int4_matmul_op = {
+    .version = CUSTOM_OP_VERSION, .GetName = op_name, .GetExecutionProviderType = op_provider,
+    .GetInputType = input_type, .GetInputTypeCount = input_count, .GetOutputType = output_type,
+    .GetOutputTypeCount = output_count, .KernelDestroy = destroy_kernel, .GetInputCharacteristic = required,
+    .GetOutputCharacteristic = required, .GetInputMemoryType = default_memory, .GetVariadicInputMinArity = one,
+    .GetVariadicInputHomogeneity = one, .GetVariadicOutputMinArity = one, .GetVariadicOutputHomogeneity = one,
+    .CreateKernelV2 = create_kernel, .KernelComputeV2 = compute};

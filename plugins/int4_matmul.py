@@ -1,0 +1,44 @@
+"""Int4 weight-only matmuls: our own onnxruntime CPU kernel (int4_matmul.c), a custom op `Int4MatMul` that takes
+com.microsoft::MatMulNBits's place in the step graph for int4 weights with int8 activations (accuracy_level 4), on
+the same weight layout (plugins/quant_linear.py).
+
+Why: its result for a row does not depend on the other rows of the call (batch invariance), where onnxruntime's
+kernel rounds one row differently from several, so an engine had to pad one-row decode calls to two rows to keep a
+request's greedy tokens the same alone and in a batch (`Executor.pad_single_rows_if_they_round_differently`). The
+int4 default model, 2 threads, Zen 3 VM, as `runner serve` and `LLM` open it (rows up to 8): 83 tokens/s at batch 1
+with onnxruntime's kernel padded to two rows, 111 with ours. Opened for one stream (nothing to pad) the two decode
+alike (1.00x: both stream the weights as fast as memory serves them); prompt chunks run within ~5-10% of it.
+Results match onnxruntime's int8 path to ~1e-7 relative (the same per-32 activation quantization).
+
+Covered: bits 4, accuracy_level 4, blocks of a multiple of 32 that divides K; other nodes (int8 weights, fp32
+compute, blocks of 16) keep MatMulNBits. The kernel needs AVX2 + FMA at run time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from plugins.native_ops import DOMAIN, rewrite_nodes
+
+
+def covers(attributes: dict, input_count: int) -> bool:
+    """Whether Int4MatMul computes what a MatMulNBits node with these attributes and inputs computes."""
+    block, k = attributes.get("block_size", 0), attributes.get("K", 0)
+    return (attributes.get("bits") == 4 and attributes.get("accuracy_level") == 4 and input_count == 3
+            and block > 0 and block % 32 == 0 and k % block == 0)
+
+
+def use_in_graph(graph_file: Path) -> int:
+    """Replace every MatMulNBits node of `graph_file` the kernel covers by Int4MatMul; returns how many."""
+    from onnx import helper
+
+    def replace(node):
+        if node.op_type != "MatMulNBits" or node.domain != "com.microsoft":
+            return None
+        attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if not covers(attributes, len(node.input)):
+            return None
+        return helper.make_node("Int4MatMul", list(node.input), list(node.output), name=node.name, domain=DOMAIN,
+                                K=attributes["K"], N=attributes["N"], block_size=attributes["block_size"])
+
+    return rewrite_nodes(graph_file, replace)

@@ -1,0 +1,115 @@
+/* What our onnxruntime custom ops (decode_attention.c, int4_matmul.c, registered by native_ops.c) need of
+ * onnxruntime's C ABI, declared here rather than taken from onnxruntime's header (which is not vendored): the
+ * positions of the few functions they call in its OrtApi table, which only ever grows at the end (checked against
+ * the installed onnxruntime by tests/plugins/test_decode_attention.py), and the OrtCustomOp layout of version 16.
+ */
+#ifndef ORT_ABI_H
+#define ORT_ABI_H
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct OrtStatus OrtStatus;
+typedef struct OrtValue OrtValue;
+typedef struct OrtKernelInfo OrtKernelInfo;
+typedef struct OrtKernelContext OrtKernelContext;
+typedef struct OrtSessionOptions OrtSessionOptions;
+typedef struct OrtCustomOpDomain OrtCustomOpDomain;
+typedef struct OrtTensorTypeAndShapeInfo OrtTensorTypeAndShapeInfo;
+typedef struct OrtOp OrtOp;
+typedef struct OrtOpAttr OrtOpAttr;
+typedef void *const *OrtApiTable;
+
+typedef struct OrtApiBase {
+  OrtApiTable (*GetApi)(uint32_t version);
+  const char *(*GetVersionString)(void);
+} OrtApiBase;
+
+enum { ORT_FAIL = 1, ELEMENT_FLOAT = 1, ELEMENT_UINT8 = 2, ELEMENT_INT32 = 6, ELEMENT_INT64 = 7, ATTR_INT = 1, ATTR_FLOAT = 3 };
+/* the OrtApi version that has every function below (KernelContext_ParallelFor came with 1.17) */
+#define ORT_API_VERSION_NEEDED 17
+/* positions in the OrtApi table */
+enum {
+  API_CreateStatus = 0,
+  API_CreateCustomOpDomain = 26,
+  API_CustomOpDomain_Add = 27,
+  API_AddCustomOpDomain = 28,
+  API_GetTensorMutableData = 51,
+  API_GetDimensionsCount = 61,
+  API_GetDimensions = 62,
+  API_GetTensorTypeAndShape = 65,
+  API_KernelInfoGetAttribute_float = 85,
+  API_KernelInfoGetAttribute_int64 = 86,
+  API_KernelContext_GetInput = 90,
+  API_KernelContext_GetOutput = 91,
+  API_ReleaseStatus = 93,
+  API_ReleaseTensorTypeAndShapeInfo = 99,
+  API_CreateOpAttr = 211,
+  API_ReleaseOpAttr = 212,
+  API_CreateOp = 213,
+  API_InvokeOp = 214,
+  API_ReleaseOp = 215,
+  API_KernelContext_ParallelFor = 274,
+};
+#define API(table, name, type) ((type)(table)[API_##name])
+
+/* onnxruntime's OrtCustomOp as of version 16: the callbacks in their order; the ones later versions added after
+ * KernelComputeV2 are not read for a version 16 op */
+typedef struct OrtCustomOp {
+  uint32_t version;
+  void *(*CreateKernel)(const struct OrtCustomOp *op, OrtApiTable api, const OrtKernelInfo *info);
+  const char *(*GetName)(const struct OrtCustomOp *op);
+  const char *(*GetExecutionProviderType)(const struct OrtCustomOp *op);
+  int (*GetInputType)(const struct OrtCustomOp *op, size_t index);
+  size_t (*GetInputTypeCount)(const struct OrtCustomOp *op);
+  int (*GetOutputType)(const struct OrtCustomOp *op, size_t index);
+  size_t (*GetOutputTypeCount)(const struct OrtCustomOp *op);
+  void (*KernelCompute)(void *kernel, OrtKernelContext *context);
+  void (*KernelDestroy)(void *kernel);
+  int (*GetInputCharacteristic)(const struct OrtCustomOp *op, size_t index);
+  int (*GetOutputCharacteristic)(const struct OrtCustomOp *op, size_t index);
+  int (*GetInputMemoryType)(const struct OrtCustomOp *op, size_t index);
+  int (*GetVariadicInputMinArity)(const struct OrtCustomOp *op);
+  int (*GetVariadicInputHomogeneity)(const struct OrtCustomOp *op);
+  int (*GetVariadicOutputMinArity)(const struct OrtCustomOp *op);
+  int (*GetVariadicOutputHomogeneity)(const struct OrtCustomOp *op);
+  OrtStatus *(*CreateKernelV2)(const struct OrtCustomOp *op, OrtApiTable api, const OrtKernelInfo *info, void **kernel);
+  OrtStatus *(*KernelComputeV2)(void *kernel, OrtKernelContext *context);
+} OrtCustomOp;
+#define CUSTOM_OP_VERSION 16 /* the first with CreateKernelV2 / KernelComputeV2, which return a status */
+
+#define DOMAIN "llm_engine_builder"
+
+static inline OrtStatus *fail(OrtApiTable api, const char *message) {
+  return API(api, CreateStatus, OrtStatus *(*)(int, const char *))(ORT_FAIL, message);
+}
+
+/* the tensor's data, up to 4 dimensions (0 where it has fewer) and its rank (where `rank` is not NULL) */
+static inline int tensor_of_rank(OrtApiTable api, const OrtValue *value, void **data, int64_t dims[4], size_t *rank) {
+  OrtTensorTypeAndShapeInfo *info = NULL;
+  size_t count = 0;
+  memset(dims, 0, sizeof(int64_t) * 4);
+  if (API(api, GetTensorTypeAndShape, OrtStatus *(*)(const OrtValue *, OrtTensorTypeAndShapeInfo **))(value, &info))
+    return 0;
+  int ok = !API(api, GetDimensionsCount, OrtStatus *(*)(const OrtTensorTypeAndShapeInfo *, size_t *))(info, &count) &&
+           count <= 4 &&
+           !API(api, GetDimensions, OrtStatus *(*)(const OrtTensorTypeAndShapeInfo *, int64_t *, size_t))(info, dims, count) &&
+           !API(api, GetTensorMutableData, OrtStatus *(*)(const OrtValue *, void **))(value, data);
+  API(api, ReleaseTensorTypeAndShapeInfo, void (*)(OrtTensorTypeAndShapeInfo *))(info);
+  if (rank) *rank = count;
+  return ok;
+}
+
+static inline int tensor(OrtApiTable api, const OrtValue *value, void **data, int64_t dims[4]) {
+  return tensor_of_rank(api, value, data, dims, NULL);
+}
+
+/* the callbacks every op here answers alike */
+static inline const char *op_provider(const OrtCustomOp *op) { (void)op; return "CPUExecutionProvider"; }
+static inline int required(const OrtCustomOp *op, size_t index) { (void)op; (void)index; return 0; /* not optional */ }
+static inline int default_memory(const OrtCustomOp *op, size_t index) { (void)op; (void)index; return 0; /* the CPU's */ }
+static inline int one(const OrtCustomOp *op) { (void)op; return 1; /* no variadic inputs or outputs */ }
+
+extern OrtCustomOp decode_attention_op, int4_matmul_op;
+#endif

@@ -1,0 +1,123 @@
+"""Int4MatMul, our onnxruntime CPU kernel for int4 weights: against a float reference and onnxruntime's MatMulNBits
+on the same weights, bit for bit the same for a row alone and in any batch, which nodes it replaces, and an int4
+engine that therefore decodes a lone row without padding it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from plugins import int4_matmul, native_ops
+from plugins.native_ops import DOMAIN
+
+needs_kernel = pytest.mark.skipif(native_ops.unavailable_reason() is not None,
+                                  reason=f"our kernels cannot be built here: {native_ops.unavailable_reason()}")
+pytestmark = needs_kernel
+
+
+@pytest.fixture(scope="module")
+def library(tmp_path_factory) -> Path:
+    return native_ops.compile_library(tmp_path_factory.mktemp("native_ops"))
+
+
+def weights(n: int, k: int, block: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Random int4 weights in MatMulNBits's layout (every nibble value, scales of both signs)."""
+    rng = np.random.default_rng(seed)
+    packed = rng.integers(0, 256, (n, k // block, block // 2), dtype=np.uint8)
+    return packed, (rng.random(n * k // block, dtype=np.float32) * 0.02 - 0.01)
+
+
+def dequantized(packed: np.ndarray, scales: np.ndarray, k: int) -> np.ndarray:
+    n, blocks, _ = packed.shape
+    values = np.stack([packed & 15, packed >> 4], axis=-1).reshape(n, blocks, -1).astype(np.float32) - 8
+    return (values * scales.reshape(n, blocks, 1)).reshape(n, k)
+
+
+def session(library: Path, op: str, packed: np.ndarray, scales: np.ndarray, k: int, n: int, block: int, rank: int = 2):
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    if op == "Int4MatMul":
+        node = helper.make_node(op, ["a", "w", "s"], ["y"], domain=DOMAIN, K=k, N=n, block_size=block)
+    else:
+        node = helper.make_node(op, ["a", "w", "s"], ["y"], domain="com.microsoft", K=k, N=n, bits=4, block_size=block,
+                                accuracy_level=4)
+    leading = ["rows"] if rank == 2 else ["batch", "rows"]
+    graph = helper.make_graph([node], "one", [helper.make_tensor_value_info("a", TensorProto.FLOAT, [*leading, k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [*leading, n])],
+                              [numpy_helper.from_array(packed, "w"), numpy_helper.from_array(scales, "s")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1),
+                                                    helper.make_opsetid(DOMAIN, 1)])
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 2
+    options.register_custom_ops_library(str(library))
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+SHAPES = {  # n, k, block: tiles of 4 columns and a tail, K with an odd number of 32-blocks, blocks sharing scales
+    "default model's MLP": (96, 576, 32),
+    "odd 32-blocks and column tail": (37, 96, 32),
+    "blocks of 64": (70, 576, 64),
+    "blocks of 128": (9, 512, 128),
+}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("rows", [1, 3, 70])  # one, a partial tile of 4, more than one block of 64 rows
+def test_it_computes_what_onnxruntimes_int8_path_computes(library, shape, rows):
+    n, k, block = SHAPES[shape]
+    packed, scales = weights(n, k, block)
+    a = np.random.default_rng(rows).standard_normal((rows, k), dtype=np.float32)
+    a[:, ::13] *= 30  # outliers, as hidden states have
+    reference = a @ dequantized(packed, scales, k).T
+    ours = session(library, "Int4MatMul", packed, scales, k, n, block).run(None, {"a": a})[0]
+    theirs = session(library, "MatMulNBits", packed, scales, k, n, block).run(None, {"a": a})[0]
+    scale = np.abs(reference).max()
+    # int8 activations: ~1% of the output's scale against the float product, as onnxruntime's own int8 path
+    assert np.abs(ours - reference).max() <= 0.03 * scale
+    if block == 32:  # the same quantization of the activations: the same result up to float summation order
+        np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-5 * scale)
+
+
+def test_a_row_computes_the_same_alone_and_in_any_batch(library):
+    n, k, block = SHAPES["odd 32-blocks and column tail"]
+    packed, scales = weights(n, k, block)
+    run = session(library, "Int4MatMul", packed, scales, k, n, block, rank=3)
+    a = np.random.default_rng(0).standard_normal((2, 70, k), dtype=np.float32)
+    everything = run.run(None, {"a": a})[0]
+    for batch, rows in ((0, slice(0, 1)), (1, slice(69, 70)), (0, slice(2, 7)), (1, slice(30, 70))):
+        np.testing.assert_array_equal(run.run(None, {"a": a[batch:batch + 1, rows]})[0][0], everything[batch, rows])
+    assert run.run(None, {"a": a[:, :0]})[0].shape == (2, 0, n)
+
+
+def test_it_covers_int4_with_int8_activations_in_blocks_of_32_and_more():
+    base = {"bits": 4, "accuracy_level": 4, "block_size": 32, "K": 576}
+    assert int4_matmul.covers(base, 3)
+    assert int4_matmul.covers(base | {"block_size": 64}, 3)
+    assert not int4_matmul.covers(base | {"bits": 8}, 3)
+    assert not int4_matmul.covers(base | {"accuracy_level": 0}, 3)  # fp32 compute rounds differently
+    assert not int4_matmul.covers(base | {"block_size": 16}, 3)
+    assert not int4_matmul.covers(base | {"block_size": 128}, 3)  # does not divide 576
+    assert not int4_matmul.covers(base, 4)  # zero points
+
+
+def test_an_int4_engine_runs_it_in_every_matmul_and_pads_no_lone_row(engine_factory):
+    from runner import LLM, SamplingParams
+
+    llm = LLM(str(engine_factory("gqa", quant="int4")))
+    step = llm.engine.manifest.graphs["step"]
+    assert step.native_ops == ["DecodeAttention", "Int4MatMul"]
+    assert llm.engine.executor.min_rows == 1  # the probe found a lone row rounds as it does in a batch
+    prompts = [[5, 6, 7, 8, 9], [11, 3, 4], [1, 2]]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    alone = [llm.generate(prompt_token_ids=[p], sampling_params=params)[0].token_ids for p in prompts]
+    assert [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)] == alone
+
+
+def test_engines_keep_onnxruntimes_matmul_when_told(engine_factory):
+    from engines.format import open_artifact
+
+    step = open_artifact(engine_factory("gqa", quant="int4", native_int4_matmul=False)).manifest.graphs["step"]
+    assert "Int4MatMul" not in step.native_ops
