@@ -95,8 +95,11 @@ class BareDecodeLoop:
         return tokens
 
 
+QUANTIZED_MATMULS = ("Int4MatMul", "MatMulNBits")  # ours (plugins/int4_matmul.py) and onnxruntime's
+
+
 class MatmulsAlone:
-    """The decode graph's weight matmuls (MatMulNBits, or MatMul with a constant weight) alone, in their order, each
+    """The decode graph's weight matmuls (Int4MatMul, MatMulNBits, or MatMul with a constant weight) alone, in their order, each
     on one row of its own fixed input, in a session with the engine's options: what a decode call's matmuls cost with
     nothing between them. The graph is written to `scratch` (the weights once more: ~80 MiB for the int4 default)."""
 
@@ -113,7 +116,7 @@ class MatmulsAlone:
         made_by = {out: node for node in model.graph.node for out in node.output}
         nodes, shapes, used = [], [], []  # shapes: each matmul's (K, N)
         for node in model.graph.node:
-            weight = node.input[1] if node.op_type in ("MatMulNBits", "MatMul") and len(node.input) > 1 else None
+            weight = node.input[1] if node.op_type in QUANTIZED_MATMULS + ("MatMul",) and len(node.input) > 1 else None
             attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
             transpose = made_by.get(weight)
             if transpose is not None and transpose.op_type == "Transpose" and transpose.input[0] in constants:
@@ -121,7 +124,7 @@ class MatmulsAlone:
                 used.append(transpose.input[0])
                 shapes.append(tuple(reversed(constants[transpose.input[0]].dims)))
             elif weight in constants:
-                shapes.append((attributes["K"], attributes["N"]) if node.op_type == "MatMulNBits" else tuple(constants[weight].dims))
+                shapes.append((attributes["K"], attributes["N"]) if node.op_type in QUANTIZED_MATMULS else tuple(constants[weight].dims))
             else:
                 continue
             nodes.append(helper.make_node(node.op_type, [f"x{shapes[-1][0]}", *node.input[1:]], [f"y{len(shapes)}"],
@@ -139,8 +142,11 @@ class MatmulsAlone:
         onnx.save(helper.make_model(graph, opset_imports=model.opset_import, ir_version=model.ir_version), str(path),
                   save_as_external_data=True, location=path.name + ".data")
         del model, graph, constants  # the whole decode graph's weights, in memory while the copy was made
-        self.session = ort.InferenceSession(str(path), session_options(ort, threads, spinning=True),
-                                            providers=["CPUExecutionProvider"])
+        options = session_options(ort, threads, spinning=True)
+        step = engine.manifest.graphs[engine.executor.decode_phase.graph]
+        if step.native_library:  # our Int4MatMul (plugins/native_ops.py)
+            options.register_custom_ops_library(str(engine.artifact.path(step.native_library)))
+        self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         rng = np.random.default_rng(0)
         self.arrays = {f"x{k}": rng.standard_normal((1, k), np.float32) for k in features}
         self.arrays |= {f"y{i + 1}": np.empty((1, n), np.float32) for i, (_, n) in enumerate(shapes)}
