@@ -354,6 +354,9 @@ def _native_kernels(options: BuildOptions, step: GraphSpec, staging: Path, log: 
     elif wanted["DecodeAttention"] and options.dtype != "fp32":
         log(f"      decode attention: onnxruntime's GroupQueryAttention (ours computes in fp32 only, not {options.dtype})")
         wanted["DecodeAttention"] = False
+    if wanted["Int4MatMul"] and (cpu := int4_matmul.unavailable_reason()):
+        log(f"      int4 matmuls: onnxruntime's MatMulNBits ({cpu})")
+        wanted["Int4MatMul"] = False
     rewrites = {"DecodeAttention": decode_attention.use_in_graph, "Int4MatMul": int4_matmul.use_in_graph}
     used = []
     for op, rewrite in rewrites.items():

@@ -10,7 +10,7 @@ with onnxruntime's kernel padded to two rows, 111 with ours. Opened for one stre
 alike (1.00x: both stream the weights as fast as memory serves them); prompt chunks run within ~5-10% of it.
 Results match onnxruntime's int8 path to ~1e-7 relative (the same per-32 activation quantization).
 
-Covered: bits 4, accuracy_level 4, blocks of a multiple of 32 that divides K; other nodes (int8 weights, fp32
+Covered: bits 4, accuracy_level 4, blocks of a power of 2 from 32 that divides K; other nodes (int8 weights, fp32
 compute, blocks of 16) keep MatMulNBits. The kernel needs AVX2 + FMA at run time.
 """
 
@@ -21,11 +21,19 @@ from pathlib import Path
 from plugins.native_ops import DOMAIN, rewrite_nodes
 
 
+def unavailable_reason(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
+    """Why an engine built on this machine should not run the kernel (it needs AVX2 and FMA), or None."""
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.read_text().splitlines()
+                  if line.startswith("flags")), []) if cpuinfo.is_file() else []
+    missing = [flag for flag in ("avx2", "fma") if flag not in flags]
+    return f"this CPU lacks {' and '.join(f.upper() for f in missing)}, which the kernel needs" if missing else None
+
+
 def covers(attributes: dict, input_count: int) -> bool:
     """Whether Int4MatMul computes what a MatMulNBits node with these attributes and inputs computes."""
     block, k = attributes.get("block_size", 0), attributes.get("K", 0)
     return (attributes.get("bits") == 4 and attributes.get("accuracy_level") == 4 and input_count == 3
-            and block > 0 and block % 32 == 0 and k % block == 0)
+            and block >= 32 and block & (block - 1) == 0 and k % block == 0)
 
 
 def use_in_graph(graph_file: Path) -> int:

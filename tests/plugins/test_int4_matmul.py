@@ -100,6 +100,7 @@ def test_it_covers_int4_with_int8_activations_in_blocks_of_32_and_more():
     assert not int4_matmul.covers(base | {"accuracy_level": 0}, 3)  # fp32 compute rounds differently
     assert not int4_matmul.covers(base | {"block_size": 16}, 3)
     assert not int4_matmul.covers(base | {"block_size": 128}, 3)  # does not divide 576
+    assert not int4_matmul.covers(base | {"block_size": 96}, 3)  # not a power of 2
     assert not int4_matmul.covers(base, 4)  # zero points
 
 
@@ -114,6 +115,14 @@ def test_an_int4_engine_runs_it_in_every_matmul_and_pads_no_lone_row(engine_fact
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     alone = [llm.generate(prompt_token_ids=[p], sampling_params=params)[0].token_ids for p in prompts]
     assert [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)] == alone
+
+
+def test_a_build_machine_without_avx2_keeps_onnxruntimes_matmul(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx fma\n")
+    assert int4_matmul.unavailable_reason(cpuinfo) == "this CPU lacks AVX2, which the kernel needs"
+    cpuinfo.write_text("flags\t\t: fpu sse2 avx avx2 fma\n")
+    assert int4_matmul.unavailable_reason(cpuinfo) is None
 
 
 def test_engines_keep_onnxruntimes_matmul_when_told(engine_factory):
