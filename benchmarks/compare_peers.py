@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.compare_transformers import contender_ours, contender_transformers, load_transformers_model, write_prompts  # noqa: E402
 from benchmarks.graph_parity import parity_markdown  # noqa: E402
 from benchmarks.interleave import Generate, decode_rate, interleaved_runs, serve  # noqa: E402
+from engines.format import native_ops_of  # noqa: E402
 from runner.machine import cpu_model, memory_bandwidth_gbs  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -301,8 +302,7 @@ def engine_label(engine: Path) -> str:
     manifest = json.loads((engine / "manifest.json").read_text())
     q = manifest.get("quantization", {})
     decode = manifest["graphs"][manifest["phases"]["decode"]["graph"]]
-    # our kernels the engine runs (engines built before Int4MatMul name only the library, which had DecodeAttention)
-    ops = decode.get("native_ops", ["DecodeAttention"] if decode.get("native_library") else [])
+    ops = native_ops_of(decode)  # our kernels the engine runs
     variants = []
     if manifest["kv_cache"]["dtype"] == "int8":
         variants.append("int8 KV cache")

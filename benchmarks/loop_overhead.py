@@ -108,7 +108,7 @@ class MatmulsAlone:
         import onnxruntime as ort
         from onnx import helper
 
-        from engines.backends.onnxruntime import session_options
+        from engines.backends.onnxruntime import register_native_libraries, session_options
 
         graph_file = engine.artifact.path(engine.manifest.graphs[engine.executor.decode_phase.graph].file)
         model = onnx.load(str(graph_file))
@@ -143,9 +143,7 @@ class MatmulsAlone:
                   save_as_external_data=True, location=path.name + ".data")
         del model, graph, constants  # the whole decode graph's weights, in memory while the copy was made
         options = session_options(ort, threads, spinning=True)
-        step = engine.manifest.graphs[engine.executor.decode_phase.graph]
-        if step.native_library:  # our Int4MatMul (plugins/native_ops.py)
-            options.register_custom_ops_library(str(engine.artifact.path(step.native_library)))
+        register_native_libraries(options, engine.artifact)  # our Int4MatMul
         self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         rng = np.random.default_rng(0)
         self.arrays = {f"x{k}": rng.standard_normal((1, k), np.float32) for k in features}

@@ -138,8 +138,7 @@ class Manifest:
                 inputs=[TensorSpec(**t) for t in g["inputs"]],
                 outputs=[TensorSpec(**t) for t in g["outputs"]],
                 native_library=g.get("native_library"),
-                # engines built before Int4MatMul had one op in their library
-                native_ops=g.get("native_ops", ["DecodeAttention"] if g.get("native_library") else []),
+                native_ops=native_ops_of(g),
             )
             for key, g in data["graphs"].items()
         }
@@ -231,3 +230,9 @@ def open_artifact(directory: str | Path, verify_checksums: bool = True) -> Artif
         if name not in manifest.files:
             raise ArtifactError(f"{manifest_path} references {name}, which has no checksum entry")
     return Artifact(directory, manifest)
+
+
+def native_ops_of(graph: dict[str, Any]) -> list[str]:
+    """Our ops a manifest's graph entry runs: engines built before Int4MatMul name only the library, which then held
+    DecodeAttention alone."""
+    return graph.get("native_ops", ["DecodeAttention"] if graph.get("native_library") else [])

@@ -322,13 +322,7 @@ static const int input_types[INPUTS] = {ELEMENT_FLOAT, ELEMENT_FLOAT, ELEMENT_FL
                                         ELEMENT_FLOAT, ELEMENT_FLOAT, ELEMENT_INT64, ELEMENT_FLOAT, ELEMENT_INT32};
 static int input_type(const OrtCustomOp *op, size_t index) { (void)op; return input_types[index]; }
 static size_t input_count(const OrtCustomOp *op) { (void)op; return INPUTS; }
-static int output_type(const OrtCustomOp *op, size_t index) { (void)op; (void)index; return ELEMENT_FLOAT; }
 static size_t output_count(const OrtCustomOp *op) { (void)op; return 3; }
 
-OrtCustomOp decode_attention_op = {
-    .version = CUSTOM_OP_VERSION, .GetName = op_name, .GetExecutionProviderType = op_provider,
-    .GetInputType = input_type, .GetInputTypeCount = input_count, .GetOutputType = output_type,
-    .GetOutputTypeCount = output_count, .KernelDestroy = kernel_destroy, .GetInputCharacteristic = required,
-    .GetOutputCharacteristic = required, .GetInputMemoryType = default_memory, .GetVariadicInputMinArity = one,
-    .GetVariadicInputHomogeneity = one, .GetVariadicOutputMinArity = one, .GetVariadicOutputHomogeneity = one,
-    .CreateKernelV2 = create_kernel, .KernelComputeV2 = kernel_compute};
+OrtCustomOp decode_attention_op =
+    CPU_CUSTOM_OP(op_name, input_type, input_count, output_count, create_kernel, kernel_compute, kernel_destroy);

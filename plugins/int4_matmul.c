@@ -264,13 +264,7 @@ static const char *op_name(const OrtCustomOp *op) { (void)op; return "Int4MatMul
 static const int input_types[3] = {ELEMENT_FLOAT, ELEMENT_UINT8, ELEMENT_FLOAT};
 static int input_type(const OrtCustomOp *op, size_t index) { (void)op; return input_types[index]; }
 static size_t input_count(const OrtCustomOp *op) { (void)op; return 3; }
-static int output_type(const OrtCustomOp *op, size_t index) { (void)op; (void)index; return ELEMENT_FLOAT; }
 static size_t output_count(const OrtCustomOp *op) { (void)op; return 1; }
 
-OrtCustomOp int4_matmul_op = {
-    .version = CUSTOM_OP_VERSION, .GetName = op_name, .GetExecutionProviderType = op_provider,
-    .GetInputType = input_type, .GetInputTypeCount = input_count, .GetOutputType = output_type,
-    .GetOutputTypeCount = output_count, .KernelDestroy = destroy_kernel, .GetInputCharacteristic = required,
-    .GetOutputCharacteristic = required, .GetInputMemoryType = default_memory, .GetVariadicInputMinArity = one,
-    .GetVariadicInputHomogeneity = one, .GetVariadicOutputMinArity = one, .GetVariadicOutputHomogeneity = one,
-    .CreateKernelV2 = create_kernel, .KernelComputeV2 = compute};
+OrtCustomOp int4_matmul_op =
+    CPU_CUSTOM_OP(op_name, input_type, input_count, output_count, create_kernel, compute, destroy_kernel);

@@ -110,6 +110,17 @@ static inline const char *op_provider(const OrtCustomOp *op) { (void)op; return 
 static inline int required(const OrtCustomOp *op, size_t index) { (void)op; (void)index; return 0; /* not optional */ }
 static inline int default_memory(const OrtCustomOp *op, size_t index) { (void)op; (void)index; return 0; /* the CPU's */ }
 static inline int one(const OrtCustomOp *op) { (void)op; return 1; /* no variadic inputs or outputs */ }
+static inline int float_output(const OrtCustomOp *op, size_t index) { (void)op; (void)index; return ELEMENT_FLOAT; }
+
+/* an OrtCustomOp (version 16) for the CPU execution provider with float outputs, all its inputs and outputs
+ * required: the op's own callbacks, the rest answered alike */
+#define CPU_CUSTOM_OP(GET_NAME, INPUT_TYPE, INPUT_COUNT, OUTPUT_COUNT, CREATE, COMPUTE, DESTROY)                      \
+  {.version = CUSTOM_OP_VERSION, .GetName = GET_NAME, .GetExecutionProviderType = op_provider,                      \
+   .GetInputType = INPUT_TYPE, .GetInputTypeCount = INPUT_COUNT, .GetOutputType = float_output,                     \
+   .GetOutputTypeCount = OUTPUT_COUNT, .KernelDestroy = DESTROY, .GetInputCharacteristic = required,                \
+   .GetOutputCharacteristic = required, .GetInputMemoryType = default_memory, .GetVariadicInputMinArity = one,      \
+   .GetVariadicInputHomogeneity = one, .GetVariadicOutputMinArity = one, .GetVariadicOutputHomogeneity = one,       \
+   .CreateKernelV2 = CREATE, .KernelComputeV2 = COMPUTE}
 
 extern OrtCustomOp decode_attention_op, int4_matmul_op;
 #endif

@@ -31,12 +31,7 @@ class OnnxRuntimeBackend:
         for profiled in (options, side_options) if profile_prefix else ():
             profiled.enable_profiling = True
             profiled.profile_file_prefix = profile_prefix
-        for library in sorted({g.native_library for g in manifest.graphs.values() if g.native_library}):
-            try:  # our own ops (plugins/native_ops.py): registered for the graphs that use them
-                options.register_custom_ops_library(str(artifact.path(library)))
-            except Exception as err:  # onnxruntime raises its own exception types for a library it cannot load
-                raise ArtifactError(f"onnxruntime cannot load the engine's kernel library {library}: "
-                                    f"{str(err).splitlines()[0]}") from None
+        register_native_libraries(options, artifact)
         side_graphs = {manifest.sampler.graph}
         if manifest.speculation and "graph" in manifest.speculation:
             side_graphs.add(manifest.speculation["graph"])
@@ -78,6 +73,18 @@ def session_options(ort, threads: int | None, spinning: bool):
         # about twice as long on 2 cores: 50.8 + 39.5 ms per step, 29.8 + 19.0 with this; no change to a plain engine)
         options.add_session_config_entry("session.force_spinning_stop", "1")
     return options
+
+
+def register_native_libraries(options, artifact: Artifact) -> None:
+    """Register with these session options the kernel libraries of our own ops (plugins/native_ops.py) that the
+    artifact's graphs use; an ArtifactError names a library onnxruntime cannot load."""
+    manifest = artifact.manifest
+    for library in sorted({g.native_library for g in manifest.graphs.values() if g.native_library}):
+        try:
+            options.register_custom_ops_library(str(artifact.path(library)))
+        except Exception as err:  # onnxruntime raises its own exception types for a library it cannot load
+            raise ArtifactError(f"onnxruntime cannot load the engine's kernel library {library}: "
+                                f"{str(err).splitlines()[0]}") from None
 
 
 class BoundGraph:
