@@ -1,8 +1,9 @@
 /* Int4MatMul: Y = A W^T for int4 weights in onnxruntime's MatMulNBits layout, as an onnxruntime CPU custom op in the
  * place of com.microsoft::MatMulNBits (bits 4, accuracy_level 4: int8 activations) under the same contract
- * (plugins/quant_linear.py). Inputs: A [..., K] f32; B uint8 [N, K / block, block / 2] (two weights per byte, low
- * nibble first, zero point 8); scales f32 [N * K / block]. Output [..., N] f32. Attributes: K, N, block_size (a
- * power of 2 of at least 32 that divides K).
+ * (plugins/quant_linear.py), except that the scales may be float16 as well as float (engines store them as float16:
+ * a weight then streams 4.5 bits from memory, not 5). Inputs: A [..., K] f32; B uint8 [N, K / block, block / 2] (two
+ * weights per byte, low nibble first, zero point 8); scales f32 or f16 [N * K / block]. Output [..., N] f32.
+ * Attributes: K, N, block_size (a power of 2 of at least 32 that divides K).
  *
  * Why our own: a row's result here does not depend on the other rows of the call. onnxruntime's kernel takes
  * another path for one row than for several, which rounds differently, so an engine that must give a request the
@@ -18,7 +19,7 @@
  * and activation scales, accumulate in float per column. Columns are split over the session's threads in chunks,
  * rows in blocks whose quantized activations stay in cache while the chunk's columns pass; a tile of 4 rows x 2
  * columns unpacks each weight once for 4 rows. The weights are prefetched ahead of use: they come from memory.
- * Needs AVX2 and FMA (kernel creation fails without them).
+ * Needs AVX2, FMA and F16C (kernel creation fails without them).
  */
 #include <immintrin.h>
 
@@ -28,8 +29,8 @@
 /* columns per unit of work: enough units that the session's threads share a small matrix evenly (N = 576: 36) */
 #define COLUMN_CHUNK(n) ((n) >= 2048 ? 64 : 16)
 #define PREFETCH_BYTES 2048 /* how far ahead of use the weights are fetched (each column's are contiguous) */
-#define AVX2 __attribute__((target("avx2,fma")))
-#define INLINE_AVX2 __attribute__((always_inline, target("avx2,fma"))) static inline
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+#define INLINE_AVX2 __attribute__((always_inline, target("avx2,fma,f16c"))) static inline
 
 /* A's rows quantized: per row, per pair of 32-blocks ("group"; the last holds one block where K / 32 is odd) */
 typedef struct QuantizedRows {
@@ -41,10 +42,11 @@ typedef struct QuantizedRows {
 typedef struct Work {
   const float *a;
   const uint8_t *w;
-  const float *wscale;
+  const void *wscale; /* float, or float16 (scales_f16) */
   float *y;
   QuantizedRows q;
   int64_t m, k, n, block_size, groups, row_blocks, column_chunks;
+  int scales_f16;
 } Work;
 
 /* A's rows [unit * ROW_BLOCK, ...) into w->q: per block of 32, scale max|a| / 127, values rounded to nearest even */
@@ -99,25 +101,40 @@ INLINE_AVX2 float horizontal_sum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-/* The weight scales of group g of a column for its two blocks, lanes 0-3 and 4-7: for blocks of 32 one each, for
- * larger blocks (a power of 2) the one they share */
-INLINE_AVX2 __m256 group_scales(const float *column_scales, int64_t g, int blocks_of_32, int shift) {
+/* The weight scales (float, or float16 where F16) of group g of a column for its two blocks, lanes 0-3 and 4-7: for
+ * blocks of 32 one each, for larger blocks (a power of 2) the one they share */
+INLINE_AVX2 __m256 group_scales(const void *column_scales, int64_t g, int blocks_of_32, int shift, int f16) {
+  const __m256i first_four_second_four = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+  if (f16) {
+    const uint16_t *s = column_scales;
+    if (!blocks_of_32) return _mm256_set1_ps(_cvtsh_ss(s[g >> shift]));
+    int32_t pair;
+    memcpy(&pair, s + 2 * g, sizeof(pair));
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128(pair))), first_four_second_four);
+  }
+  const float *s = column_scales;
   if (blocks_of_32)
-    return _mm256_permutevar8x32_ps(_mm256_castpd_ps(_mm256_broadcast_sd((const double *)(column_scales + 2 * g))),
-                                    _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
-  return _mm256_broadcast_ss(column_scales + (g >> shift));
+    return _mm256_permutevar8x32_ps(_mm256_castpd_ps(_mm256_broadcast_sd((const double *)(s + 2 * g))),
+                                    first_four_second_four);
+  return _mm256_broadcast_ss(s + (g >> shift));
+}
+
+/* the scale of the lone block of a column's last group (blocks of 32, an odd number of them), in lanes 0-3 */
+INLINE_AVX2 __m256 tail_scale(const void *column_scales, int64_t g, int f16) {
+  const __m128 scale = f16 ? _mm_set1_ps(_cvtsh_ss(((const uint16_t *)column_scales)[2 * g]))
+                           : _mm_broadcast_ss((const float *)column_scales + 2 * g);
+  return _mm256_insertf128_ps(_mm256_setzero_ps(), scale, 0);
 }
 
 /* Group g of ROWS rows against COLS columns into acc. TAIL: the last group of a K with an odd number of 32-blocks,
  * which holds one block (16 bytes of weights, one scale; its second half of the activations is zero). */
-#define ACCUMULATE_GROUP(ROWS, COLS, BLOCKS_OF_32, TAIL)                                                             \
+#define ACCUMULATE_GROUP(ROWS, COLS, BLOCKS_OF_32, F16, TAIL)                                                        \
   for (int j = 0; j < COLS; j++) {                                                                                  \
     const uint8_t *p = weights[j] + g * 32;                                                                         \
     _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);                                                    \
     const __m256i bytes = TAIL ? _mm256_inserti128_si256(_mm256_setzero_si256(), _mm_loadu_si128((const __m128i *)p), 0) \
                                : _mm256_loadu_si256((const __m256i *)p);                                            \
-    const __m256 ws = TAIL ? _mm256_insertf128_ps(_mm256_setzero_ps(), _mm_broadcast_ss(scales[j] + 2 * g), 0)      \
-                           : group_scales(scales[j], g, BLOCKS_OF_32, shift);                                       \
+    const __m256 ws = TAIL ? tail_scale(scales[j], g, F16) : group_scales(scales[j], g, BLOCKS_OF_32, shift, F16);   \
     const __m256i lo = _mm256_and_si256(bytes, low), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);       \
     for (int i = 0; i < ROWS; i++) {                                                                                \
       const int64_t at = i * groups + g;                                                                            \
@@ -131,18 +148,18 @@ INLINE_AVX2 __m256 group_scales(const float *column_scales, int64_t g, int block
     }                                                                                                               \
   }
 
-/* Y[r .. r + ROWS, c .. c + COLS] for weights in blocks of 32 (BLOCKS_OF_32) or of 64 << shift: each output is the
- * same operations in the same order whatever ROWS and COLS are */
-#define DEFINE_TILE(NAME, ROWS, COLS, BLOCKS_OF_32)                                                                 \
+/* Y[r .. r + ROWS, c .. c + COLS] for weights in blocks of 32 (BLOCKS_OF_32) or of 64 << shift, with float16 scales
+ * (F16) or float: each output is the same operations in the same order whatever ROWS and COLS are */
+#define DEFINE_TILE(NAME, ROWS, COLS, BLOCKS_OF_32, F16)                                                            \
   AVX2 static void NAME(const Work *w, int64_t r, int64_t c) {                                                      \
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);                                        \
     const int64_t groups = w->groups, full = w->k / 64, n = w->n;                                                   \
     const int shift = BLOCKS_OF_32 ? 0 : __builtin_ctzll((unsigned long long)(w->block_size / 64));                 \
     const uint8_t *weights[COLS];                                                                                   \
-    const float *scales[COLS];                                                                                      \
+    const void *scales[COLS];                                                                                       \
     for (int j = 0; j < COLS; j++) {                                                                                \
       weights[j] = w->w + (c + j) * (w->k / 2);                                                                     \
-      scales[j] = w->wscale + (c + j) * (w->k / w->block_size);                                                     \
+      scales[j] = (const char *)w->wscale + (c + j) * (w->k / w->block_size) * (F16 ? 2 : 4);                       \
     }                                                                                                               \
     const int8_t *x = w->q.x + r * groups * 64;                                                                     \
     const int32_t *corr = w->q.corr + r * groups * 8;                                                               \
@@ -151,22 +168,30 @@ INLINE_AVX2 __m256 group_scales(const float *column_scales, int64_t g, int block
     for (int i = 0; i < ROWS; i++)                                                                                  \
       for (int j = 0; j < COLS; j++) acc[i][j] = _mm256_setzero_ps();                                               \
     int64_t g = 0;                                                                                                  \
-    for (; g < full; g++) ACCUMULATE_GROUP(ROWS, COLS, BLOCKS_OF_32, 0)                                             \
-    if (BLOCKS_OF_32 && g < groups) ACCUMULATE_GROUP(ROWS, COLS, BLOCKS_OF_32, 1)                                   \
+    for (; g < full; g++) ACCUMULATE_GROUP(ROWS, COLS, BLOCKS_OF_32, F16, 0)                                        \
+    if (BLOCKS_OF_32 && g < groups) ACCUMULATE_GROUP(ROWS, COLS, BLOCKS_OF_32, F16, 1)                              \
     for (int i = 0; i < ROWS; i++)                                                                                  \
       for (int j = 0; j < COLS; j++) w->y[(r + i) * n + c + j] = horizontal_sum(acc[i][j]);                         \
   }
 
-DEFINE_TILE(tile_4x2_32, 4, 2, 1)
-DEFINE_TILE(tile_4x1_32, 4, 1, 1)
-DEFINE_TILE(tile_1x4_32, 1, 4, 1)
-DEFINE_TILE(tile_1x1_32, 1, 1, 1)
-DEFINE_TILE(tile_4x2_shared, 4, 2, 0)
-DEFINE_TILE(tile_4x1_shared, 4, 1, 0)
-DEFINE_TILE(tile_1x4_shared, 1, 4, 0)
-DEFINE_TILE(tile_1x1_shared, 1, 1, 0)
+/* the four tile shapes of each kind of weights: [blocks of 32][float16 scales] */
+#define DEFINE_TILES(SUFFIX, BLOCKS_OF_32, F16)                                                                     \
+  DEFINE_TILE(tile_4x2_##SUFFIX, 4, 2, BLOCKS_OF_32, F16)                                                           \
+  DEFINE_TILE(tile_4x1_##SUFFIX, 4, 1, BLOCKS_OF_32, F16)                                                           \
+  DEFINE_TILE(tile_1x4_##SUFFIX, 1, 4, BLOCKS_OF_32, F16)                                                           \
+  DEFINE_TILE(tile_1x1_##SUFFIX, 1, 1, BLOCKS_OF_32, F16)
+DEFINE_TILES(shared, 0, 0)
+DEFINE_TILES(shared_f16, 0, 1)
+DEFINE_TILES(32, 1, 0)
+DEFINE_TILES(32_f16, 1, 1)
 
 typedef void (*Tile)(const Work *w, int64_t r, int64_t c);
+enum { TILE_4x2, TILE_4x1, TILE_1x4, TILE_1x1 };
+static const Tile tiles[2][2][4] = {
+    {{tile_4x2_shared, tile_4x1_shared, tile_1x4_shared, tile_1x1_shared},
+     {tile_4x2_shared_f16, tile_4x1_shared_f16, tile_1x4_shared_f16, tile_1x1_shared_f16}},
+    {{tile_4x2_32, tile_4x1_32, tile_1x4_32, tile_1x1_32}, {tile_4x2_32_f16, tile_4x1_32_f16, tile_1x4_32_f16, tile_1x1_32_f16}},
+};
 
 /* one unit: a block of rows against a chunk of columns */
 static void multiply_unit(void *data, size_t unit) {
@@ -174,19 +199,17 @@ static void multiply_unit(void *data, size_t unit) {
   const int64_t row_block = (int64_t)unit / w->column_chunks, chunk = (int64_t)unit % w->column_chunks;
   const int64_t r0 = row_block * ROW_BLOCK, r1 = r0 + ROW_BLOCK < w->m ? r0 + ROW_BLOCK : w->m;
   const int64_t c0 = chunk * COLUMN_CHUNK(w->n), c1 = c0 + COLUMN_CHUNK(w->n) < w->n ? c0 + COLUMN_CHUNK(w->n) : w->n;
-  const int b32 = w->block_size == 32;
-  const Tile tile_4x2 = b32 ? tile_4x2_32 : tile_4x2_shared, tile_4x1 = b32 ? tile_4x1_32 : tile_4x1_shared;
-  const Tile tile_1x4 = b32 ? tile_1x4_32 : tile_1x4_shared, tile_1x1 = b32 ? tile_1x1_32 : tile_1x1_shared;
+  const Tile *tile = tiles[w->block_size == 32][w->scales_f16];
   int64_t r = r0;
   for (; r + 4 <= r1; r += 4) {
     int64_t c = c0;
-    for (; c + 2 <= c1; c += 2) tile_4x2(w, r, c);
-    for (; c < c1; c++) tile_4x1(w, r, c);
+    for (; c + 2 <= c1; c += 2) tile[TILE_4x2](w, r, c);
+    for (; c < c1; c++) tile[TILE_4x1](w, r, c);
   }
   for (; r < r1; r++) {
     int64_t c = c0;
-    for (; c + 4 <= c1; c += 4) tile_1x4(w, r, c);
-    for (; c < c1; c++) tile_1x1(w, r, c);
+    for (; c + 4 <= c1; c += 4) tile[TILE_1x4](w, r, c);
+    for (; c < c1; c++) tile[TILE_1x1](w, r, c);
   }
 }
 
@@ -201,23 +224,28 @@ static OrtStatus *compute(void *kernel_state, OrtKernelContext *context) {
   const OrtValue *inputs[3];
   void *data[3];
   int64_t dims[3][4];
-  size_t rank = 0;
+  size_t rank[3];
+  int element_type[3];
   for (size_t i = 0; i < 3; i++)
     if (API(api, KernelContext_GetInput, OrtStatus *(*)(const OrtKernelContext *, size_t, const OrtValue **))(
-            context, i, &inputs[i]) || !inputs[i] || !tensor_of_rank(api, inputs[i], &data[i], dims[i], i ? NULL : &rank))
+            context, i, &inputs[i]) || !inputs[i] || !tensor_typed(api, inputs[i], &data[i], dims[i], &rank[i], &element_type[i]))
       return fail(api, "Int4MatMul: cannot read its inputs");
-  int64_t m = 1;
-  for (size_t i = 0; i + 1 < rank; i++) m *= dims[0][i];
-  if (rank < 1 || dims[0][rank - 1] != kernel->k || dims[1][0] != kernel->n || dims[1][1] * dims[1][2] * 2 != kernel->k)
+  int64_t m = 1, scale_count = 1;
+  for (size_t i = 0; i + 1 < rank[0]; i++) m *= dims[0][i];
+  for (size_t i = 0; i < rank[2]; i++) scale_count *= dims[2][i];
+  if (rank[0] < 1 || dims[0][rank[0] - 1] != kernel->k || dims[1][0] != kernel->n || dims[1][1] * dims[1][2] * 2 != kernel->k)
     return fail(api, "Int4MatMul: the input's last axis or the weight's shape does not match K and N");
+  if ((element_type[2] != ELEMENT_FLOAT && element_type[2] != ELEMENT_FLOAT16) ||
+      scale_count != kernel->n * (kernel->k / kernel->block_size))
+    return fail(api, "Int4MatMul: the scales must be N * K / block_size floats or float16s");
   int64_t out_dims[4];
   memcpy(out_dims, dims[0], sizeof(out_dims));
-  out_dims[rank - 1] = kernel->n;
+  out_dims[rank[0] - 1] = kernel->n;
   OrtValue *output = NULL;
   void *y = NULL;
   int64_t ignored[4];
   if (API(api, KernelContext_GetOutput, OrtStatus *(*)(OrtKernelContext *, size_t, const int64_t *, size_t, OrtValue **))(
-          context, 0, out_dims, rank, &output) || !tensor(api, output, &y, ignored))
+          context, 0, out_dims, rank[0], &output) || !tensor(api, output, &y, ignored))
     return fail(api, "Int4MatMul: cannot allocate its output");
   if (m == 0) return NULL;
   const int64_t groups = (kernel->k / 32 + 1) / 2;
@@ -226,7 +254,7 @@ static OrtStatus *compute(void *kernel_state, OrtKernelContext *context) {
   Work work = {data[0], data[1], data[2], y,
                {(int8_t *)buffer, (int32_t *)(buffer + m * groups * 64), (float *)(buffer + m * groups * 96)},
                m, kernel->k, kernel->n, kernel->block_size, groups, (m + ROW_BLOCK - 1) / ROW_BLOCK,
-               (kernel->n + COLUMN_CHUNK(kernel->n) - 1) / COLUMN_CHUNK(kernel->n)};
+               (kernel->n + COLUMN_CHUNK(kernel->n) - 1) / COLUMN_CHUNK(kernel->n), element_type[2] == ELEMENT_FLOAT16};
   OrtStatus *(*parallel_for)(const OrtKernelContext *, void (*)(void *, size_t), size_t, size_t, void *) =
       API(api, KernelContext_ParallelFor, OrtStatus *(*)(const OrtKernelContext *, void (*)(void *, size_t), size_t, size_t, void *));
   OrtStatus *status = parallel_for(context, quantize_rows, (size_t)work.row_blocks, 0, &work);
@@ -248,8 +276,8 @@ static OrtStatus *create_kernel(const OrtCustomOp *op, OrtApiTable api, const Or
   if (!status && (kernel->n <= 0 || kernel->k <= 0 || kernel->block_size < 32 ||
                   (kernel->block_size & (kernel->block_size - 1)) || kernel->k % kernel->block_size))
     status = fail(api, "Int4MatMul: block_size must be a power of 2 of at least 32 that divides K");
-  if (!status && !(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")))
-    status = fail(api, "Int4MatMul: this CPU lacks AVX2 or FMA, which the kernel needs (build the engine with "
+  if (!status && !(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")))
+    status = fail(api, "Int4MatMul: this CPU lacks AVX2, FMA or F16C, which the kernel needs (build the engine with "
                        "--onnxruntime-int4-matmul to run onnxruntime's MatMulNBits instead)");
   if (status) {
     free(kernel);
@@ -261,7 +289,7 @@ static OrtStatus *create_kernel(const OrtCustomOp *op, OrtApiTable api, const Or
 
 static void destroy_kernel(void *kernel) { free(kernel); }
 static const char *op_name(const OrtCustomOp *op) { (void)op; return "Int4MatMul"; }
-static const int input_types[3] = {ELEMENT_FLOAT, ELEMENT_UINT8, ELEMENT_FLOAT};
+static const int input_types[3] = {ELEMENT_FLOAT, ELEMENT_UINT8, ELEMENT_ANY}; /* scales: float or float16 */
 static int input_type(const OrtCustomOp *op, size_t index) { (void)op; return input_types[index]; }
 static size_t input_count(const OrtCustomOp *op) { (void)op; return 3; }
 static size_t output_count(const OrtCustomOp *op) { (void)op; return 1; }

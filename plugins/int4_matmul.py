@@ -1,6 +1,6 @@
 """Int4 weight-only matmuls: our own onnxruntime CPU kernel (int4_matmul.c), a custom op `Int4MatMul` that takes
 com.microsoft::MatMulNBits's place in the step graph for int4 weights with int8 activations (accuracy_level 4), on
-the same weight layout (plugins/quant_linear.py).
+the same nibble layout (plugins/quant_linear.py), its scales stored as float16 (`half_scales`).
 
 Why: its result for a row does not depend on the other rows of the call (batch invariance), where onnxruntime's
 kernel rounds one row differently from several, so an engine had to pad one-row decode calls to two rows to keep a
@@ -11,21 +11,23 @@ alike (1.00x: both stream the weights as fast as memory serves them); prompt chu
 Results match onnxruntime's int8 path to ~1e-7 relative (the same per-32 activation quantization).
 
 Covered: bits 4, accuracy_level 4, blocks of a power of 2 from 32 that divides K; other nodes (int8 weights, fp32
-compute, blocks of 16) keep MatMulNBits. The kernel needs AVX2 + FMA at run time.
+compute, blocks of 16) keep MatMulNBits. The kernel needs AVX2, FMA and F16C at run time.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from plugins.native_ops import DOMAIN, rewrite_nodes
+import numpy as np
+
+from plugins.native_ops import DOMAIN, rewrite_initializers, rewrite_nodes
 
 
 def unavailable_reason(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
-    """Why an engine built on this machine should not run the kernel (it needs AVX2 and FMA), or None."""
+    """Why an engine built on this machine should not run the kernel (it needs AVX2, FMA and F16C), or None."""
     flags = next((line.split(":", 1)[1].split() for line in cpuinfo.read_text().splitlines()
                   if line.startswith("flags")), []) if cpuinfo.is_file() else []
-    missing = [flag for flag in ("avx2", "fma") if flag not in flags]
+    missing = [flag for flag in ("avx2", "fma", "f16c") if flag not in flags]
     return f"this CPU lacks {' and '.join(f.upper() for f in missing)}, which the kernel needs" if missing else None
 
 
@@ -37,16 +39,29 @@ def covers(attributes: dict, input_count: int) -> bool:
 
 
 def use_in_graph(graph_file: Path) -> int:
-    """Replace every MatMulNBits node of `graph_file` the kernel covers by Int4MatMul; returns how many."""
+    """Replace every MatMulNBits node of `graph_file` the kernel covers by Int4MatMul, and store those nodes' scales
+    as float16 (`half_scales`); returns how many nodes."""
     from onnx import helper
 
+    scales, read_by_others = set(), set()
+
     def replace(node):
-        if node.op_type != "MatMulNBits" or node.domain != "com.microsoft":
-            return None
         attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        if not covers(attributes, len(node.input)):
+        if node.op_type != "MatMulNBits" or node.domain != "com.microsoft" or not covers(attributes, len(node.input)):
+            read_by_others.update(node.input)
             return None
+        scales.add(node.input[2])
         return helper.make_node("Int4MatMul", list(node.input), list(node.output), name=node.name, domain=DOMAIN,
                                 K=attributes["K"], N=attributes["N"], block_size=attributes["block_size"])
 
-    return rewrite_nodes(graph_file, replace)
+    count = rewrite_nodes(graph_file, replace)
+    rewrite_initializers(graph_file, scales - read_by_others, half_scales)
+    return count
+
+
+def half_scales(scales: np.ndarray) -> np.ndarray | None:
+    """The scales as float16, which the kernel reads as well as float: a weight streams 4.5 bits from memory instead
+    of 5, and decode is bound by that stream. Their rounding (relative 2^-11) is ~1/100 of the int4 rounding of the
+    weights they scale (a step of 1/7 of a block's largest magnitude); None where one would overflow float16."""
+    half = scales.astype(np.float16)
+    return half if np.isfinite(half).all() else None

@@ -11,10 +11,14 @@ build says why and keeps onnxruntime's own ops.
 
 from __future__ import annotations
 
+import os
 import platform
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
+
+import numpy as np
 
 HERE = Path(__file__).parent
 SOURCES = (HERE / "decode_attention.c", HERE / "int4_matmul.c", HERE / "native_ops.c")
@@ -62,3 +66,68 @@ def rewrite_nodes(graph_file: Path, replace) -> int:
         model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
     onnx.save(model, str(graph_file))
     return replaced
+
+
+def rewrite_initializers(graph_file: Path, names: set[str], convert: Callable[[np.ndarray], np.ndarray | None]) -> set[str]:
+    """Store the initializers `names` of `graph_file` as `convert(array)` returns them (another dtype or shape; None
+    keeps one as it is). The weights files the graph points to are written anew one tensor at a time, so no more
+    than the largest converted tensor is ever in memory. Returns the names converted."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    model = onnx.load(str(graph_file), load_external_data=False)
+    converted = set()
+    files: dict[str, list] = {}
+    for tensor in model.graph.initializer:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            files.setdefault(_external(tensor)["location"], []).append(tensor)
+        elif tensor.name in names and (new := convert(numpy_helper.to_array(tensor))) is not None:
+            tensor.CopyFrom(numpy_helper.from_array(new, tensor.name))
+            converted.add(tensor.name)
+    for location, tensors in files.items():
+        source = graph_file.parent / location
+        staged = source.with_name(source.name + ".rewriting")
+        with open(source, "rb") as old, open(staged, "wb") as new_file:
+            for tensor in sorted(tensors, key=lambda t: int(_external(t).get("offset", 0))):
+                entries = _external(tensor)
+                old.seek(int(entries.get("offset", 0)))
+                length = int(entries["length"])
+                new = None
+                if tensor.name in names:
+                    array = np.frombuffer(old.read(length), helper.tensor_dtype_to_np_dtype(tensor.data_type))
+                    new = convert(array.reshape(tuple(tensor.dims)))
+                    if new is None:
+                        old.seek(-length, os.SEEK_CUR)
+                offset = new_file.tell()
+                if new is None:
+                    _copy(old, new_file, length)
+                else:
+                    new_file.write(np.ascontiguousarray(new).tobytes())
+                    tensor.data_type = helper.np_dtype_to_tensor_dtype(new.dtype)
+                    del tensor.dims[:]
+                    tensor.dims.extend(new.shape)
+                    converted.add(tensor.name)
+                _set_external(tensor, offset=offset, length=new_file.tell() - offset)
+        os.replace(staged, source)
+    onnx.save(model, str(graph_file))
+    return converted
+
+
+def _external(tensor) -> dict[str, str]:
+    return {entry.key: entry.value for entry in tensor.external_data}
+
+
+def _set_external(tensor, **values: int) -> None:
+    entries = _external(tensor) | {key: str(value) for key, value in values.items()}
+    del tensor.external_data[:]
+    for key, value in entries.items():
+        tensor.external_data.add(key=key, value=value)
+
+
+def _copy(source, target, length: int, chunk: int = 64 << 20) -> None:
+    while length > 0:
+        data = source.read(min(chunk, length))
+        if not data:
+            raise ValueError(f"{source.name} ends before the tensors its graph points to")
+        target.write(data)
+        length -= len(data)

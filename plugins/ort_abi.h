@@ -26,7 +26,8 @@ typedef struct OrtApiBase {
   const char *(*GetVersionString)(void);
 } OrtApiBase;
 
-enum { ORT_FAIL = 1, ELEMENT_FLOAT = 1, ELEMENT_UINT8 = 2, ELEMENT_INT32 = 6, ELEMENT_INT64 = 7, ATTR_INT = 1, ATTR_FLOAT = 3 };
+enum { ORT_FAIL = 1, ELEMENT_ANY = 0, ELEMENT_FLOAT = 1, ELEMENT_UINT8 = 2, ELEMENT_INT32 = 6, ELEMENT_INT64 = 7,
+       ELEMENT_FLOAT16 = 10, ATTR_INT = 1, ATTR_FLOAT = 3 };
 /* the OrtApi version that has every function below (KernelContext_ParallelFor came with 1.17) */
 #define ORT_API_VERSION_NEEDED 17
 /* positions in the OrtApi table */
@@ -36,6 +37,7 @@ enum {
   API_CustomOpDomain_Add = 27,
   API_AddCustomOpDomain = 28,
   API_GetTensorMutableData = 51,
+  API_GetTensorElementType = 60,
   API_GetDimensionsCount = 61,
   API_GetDimensions = 62,
   API_GetTensorTypeAndShape = 65,
@@ -85,8 +87,10 @@ static inline OrtStatus *fail(OrtApiTable api, const char *message) {
   return API(api, CreateStatus, OrtStatus *(*)(int, const char *))(ORT_FAIL, message);
 }
 
-/* the tensor's data, up to 4 dimensions (0 where it has fewer) and its rank (where `rank` is not NULL) */
-static inline int tensor_of_rank(OrtApiTable api, const OrtValue *value, void **data, int64_t dims[4], size_t *rank) {
+/* the tensor's data, up to 4 dimensions (0 where it has fewer), its rank (where `rank` is not NULL) and its element
+ * type (where `element_type` is not NULL) */
+static inline int tensor_typed(OrtApiTable api, const OrtValue *value, void **data, int64_t dims[4], size_t *rank,
+                               int *element_type) {
   OrtTensorTypeAndShapeInfo *info = NULL;
   size_t count = 0;
   memset(dims, 0, sizeof(int64_t) * 4);
@@ -95,14 +99,16 @@ static inline int tensor_of_rank(OrtApiTable api, const OrtValue *value, void **
   int ok = !API(api, GetDimensionsCount, OrtStatus *(*)(const OrtTensorTypeAndShapeInfo *, size_t *))(info, &count) &&
            count <= 4 &&
            !API(api, GetDimensions, OrtStatus *(*)(const OrtTensorTypeAndShapeInfo *, int64_t *, size_t))(info, dims, count) &&
-           !API(api, GetTensorMutableData, OrtStatus *(*)(const OrtValue *, void **))(value, data);
+           !API(api, GetTensorMutableData, OrtStatus *(*)(const OrtValue *, void **))(value, data) &&
+           !(element_type && API(api, GetTensorElementType, OrtStatus *(*)(const OrtTensorTypeAndShapeInfo *, int *))(
+                                 info, element_type));
   API(api, ReleaseTensorTypeAndShapeInfo, void (*)(OrtTensorTypeAndShapeInfo *))(info);
   if (rank) *rank = count;
   return ok;
 }
 
 static inline int tensor(OrtApiTable api, const OrtValue *value, void **data, int64_t dims[4]) {
-  return tensor_of_rank(api, value, data, dims, NULL);
+  return tensor_typed(api, value, data, dims, NULL, NULL);
 }
 
 /* the callbacks every op here answers alike */

@@ -63,6 +63,9 @@ def test_the_onnxruntime_functions_the_kernel_calls_sit_where_it_calls_them():
     assert call(at["GetTensorTypeAndShape"], p, p, ctypes.POINTER(p))(value, ctypes.byref(info)) is None
     assert call(at["GetDimensionsCount"], p, p, ctypes.POINTER(size))(info, ctypes.byref(rank)) is None and rank.value == 2
     assert call(at["GetDimensions"], p, p, p, size)(info, dims, 2) is None and list(dims) == [2, 3]
+    element_type = ctypes.c_int()
+    assert call(at["GetTensorElementType"], p, p, ctypes.POINTER(ctypes.c_int))(info, ctypes.byref(element_type)) is None
+    assert element_type.value == 1  # float
     call(at["ReleaseTensorTypeAndShapeInfo"], None, p)(info)
     options, domain = p(), p()
     assert call(10, p, ctypes.POINTER(p))(ctypes.byref(options)) is None  # CreateSessionOptions

@@ -81,6 +81,33 @@ def test_it_computes_what_onnxruntimes_int8_path_computes(library, shape, rows):
         np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-5 * scale)
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+def test_float16_scales_compute_exactly_what_the_same_scales_in_float_compute(library, shape):
+    """Engines store Int4MatMul's scales as float16 (int4_matmul.half_scales); the kernel widens them exactly."""
+    n, k, block = SHAPES[shape]
+    packed, scales = weights(n, k, block)
+    half = scales.astype(np.float16)
+    a = np.random.default_rng(1).standard_normal((70, k), dtype=np.float32)
+    widened = session(library, "Int4MatMul", packed, half.astype(np.float32), k, n, block).run(None, {"a": a})[0]
+    np.testing.assert_array_equal(session(library, "Int4MatMul", packed, half, k, n, block).run(None, {"a": a})[0], widened)
+
+
+def test_scales_of_the_wrong_size_or_type_are_refused(library):
+    import onnxruntime as ort
+
+    n, k, block = SHAPES["default model's MLP"]
+    packed, scales = weights(n, k, block)
+    a = np.ones((1, k), np.float32)
+    for bad in (scales[:-1], scales.astype(np.float64)):
+        with pytest.raises(ort.capi.onnxruntime_pybind11_state.Fail, match="scales must be N"):
+            session(library, "Int4MatMul", packed, bad, k, n, block).run(None, {"a": a})
+
+
+def test_half_scales_keeps_float_where_float16_would_overflow():
+    assert int4_matmul.half_scales(np.array([1e-3, 0.5], np.float32)).dtype == np.float16
+    assert int4_matmul.half_scales(np.array([1e-3, 1e5], np.float32)) is None
+
+
 def test_a_row_computes_the_same_alone_and_in_any_batch(library):
     n, k, block = SHAPES["odd 32-blocks and column tail"]
     packed, scales = weights(n, k, block)
@@ -105,12 +132,17 @@ def test_it_covers_int4_with_int8_activations_in_blocks_of_32_and_more():
 
 
 def test_an_int4_engine_runs_it_in_every_matmul_and_pads_no_lone_row(engine_factory):
+    import onnx
+
     from runner import LLM, SamplingParams
 
     llm = LLM(str(engine_factory("gqa", quant="int4")))
     step = llm.engine.manifest.graphs["step"]
     assert step.native_ops == ["DecodeAttention", "Int4MatMul"]
     assert llm.engine.executor.min_rows == 1  # the probe found a lone row rounds as it does in a batch
+    graph = onnx.load(str(llm.engine.artifact.path(step.file)), load_external_data=False)
+    scales = {node.input[2] for node in graph.graph.node if node.op_type == "Int4MatMul"}
+    assert scales and {t.data_type for t in graph.graph.initializer if t.name in scales} == {onnx.TensorProto.FLOAT16}
     prompts = [[5, 6, 7, 8, 9], [11, 3, 4], [1, 2]]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     alone = [llm.generate(prompt_token_ids=[p], sampling_params=params)[0].token_ids for p in prompts]
@@ -120,8 +152,10 @@ def test_an_int4_engine_runs_it_in_every_matmul_and_pads_no_lone_row(engine_fact
 def test_a_build_machine_without_avx2_keeps_onnxruntimes_matmul(tmp_path):
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx fma\n")
-    assert int4_matmul.unavailable_reason(cpuinfo) == "this CPU lacks AVX2, which the kernel needs"
+    assert int4_matmul.unavailable_reason(cpuinfo) == "this CPU lacks AVX2 and F16C, which the kernel needs"
     cpuinfo.write_text("flags\t\t: fpu sse2 avx avx2 fma\n")
+    assert int4_matmul.unavailable_reason(cpuinfo) == "this CPU lacks F16C, which the kernel needs"
+    cpuinfo.write_text("flags\t\t: fpu sse2 avx avx2 fma f16c\n")
     assert int4_matmul.unavailable_reason(cpuinfo) is None
 
 
