@@ -62,7 +62,7 @@ class Timing:
     ttft_ms: float  # prefill of the whole prompt + first token
     decode_tok_s: float  # tokens after the first, per second
     first_tokens: list[int]
-    decode_steps_per_s: float = 0.0  # engine steps after the first token (one weight read each; < tokens/s if speculative)
+    decode_steps_per_s: float = 0.0  # decode graph calls after the first token (one weight read each; < tokens/s if speculative)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -77,14 +77,12 @@ def time_generation(engine: LLMEngine, prompt_ids: list[int], new_tokens: int) -
     start = time.perf_counter()
     request = engine.add_request(None, prompt_ids, greedy_fixed_length(new_tokens))
     first = None
-    steps = 0
     while not request.finished:
         engine.step()
         if first is None and request.output_token_ids:
-            first = time.perf_counter()
-        elif first is not None:
-            steps += 1
+            first, calls_before = time.perf_counter(), engine.executor.step_calls
     seconds = time.perf_counter() - first
+    steps = engine.executor.step_calls - calls_before
     decoded = len(request.output_token_ids) - 1
     return Timing(
         len(prompt_ids), len(request.output_token_ids), (first - start) * 1000, decoded / seconds if decoded else 0.0,
@@ -109,23 +107,23 @@ def median_timing(engine: LLMEngine, prompt_ids: list[int], new_tokens: int, run
 class BatchRate:
     batch: int
     decode_tok_s: float  # tokens of all rows together, per second
-    steps_per_s: float  # engine steps (one weight read each) per second, while every row decodes
+    steps_per_s: float  # decode graph calls (one weight read each) per second, while every row decodes
 
 
 def time_batch_decode(engine: LLMEngine, prompt_ids: list[int], batch: int, new_tokens: int) -> BatchRate:
     """`batch` copies of one request decoded together: the window runs from the step after which every row has
     its first token (prefills done; rows prefilled earlier have decoded a few tokens meanwhile) to the first row
-    that finishes, so every step in it decodes all `batch` rows."""
+    that finishes, so every decode call in it decodes all `batch` rows."""
     requests = [engine.add_request(None, prompt_ids, greedy_fixed_length(new_tokens)) for _ in range(batch)]
     while not all(r.output_token_ids for r in requests):
         engine.step()
     produced = sum(len(r.output_token_ids) for r in requests)
-    steps = 0
+    calls_before = engine.executor.step_calls
     start = time.perf_counter()
     while not any(r.finished for r in requests):
         engine.step()
-        steps += 1
     seconds = time.perf_counter() - start
+    steps = engine.executor.step_calls - calls_before
     decoded = sum(len(r.output_token_ids) for r in requests) - produced
     while not all(r.finished for r in requests):
         engine.step()

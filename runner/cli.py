@@ -12,7 +12,8 @@ from engines.format import ArtifactError, open_artifact
 from runner.cli_errors import exit_on
 from runner.info import describe
 from runner.llm import LLM
-from runner.llm_engine import DEFAULT_SHARED_PREFILL_CHUNK, DEFAULT_SPECULATIVE_MAX_ROWS, LLMEngine, PromptError
+from runner.llm_engine import (DEFAULT_NUM_SCHEDULER_STEPS, DEFAULT_SHARED_PREFILL_CHUNK, DEFAULT_SPECULATIVE_MAX_ROWS,
+                               LLMEngine, PromptError)
 from runner.request import Request
 from runner.sampling import SamplingParams
 from runner.structured import StructuredOutputs
@@ -205,6 +206,11 @@ def served_engine_options(command):
                      show_default=True, help="Prompt tokens per step while other requests generate (they wait for "
                      "each chunk); a prompt computed alone goes in the engine's largest chunks (builder --prefill-chunk). "
                      "0: always the largest."),
+        click.option("--num-scheduler-steps", type=click.IntRange(min=1), default=DEFAULT_NUM_SCHEDULER_STEPS,
+                     show_default=True, help="The most decode calls a step makes in a row while every request decodes "
+                     "greedily and none waits (vLLM's flag): the engine's Python between calls is paid once per burst; "
+                     "tokens stream in groups of this many, and a request that arrives waits for the burst. 1: one call "
+                     "per step."),
         click.option("--tool-call-parser", type=click.Choice(list(PARSERS)), default=None,
                      help="Read the tool calls the model makes in its family's syntax, which serves tool_choice \"auto\" "
                           "(hermes: <tool_call> blocks, Qwen2.5 / Hermes; llama3_json: Llama 3.1+; pythonic: [f(x=1)], "
@@ -223,8 +229,8 @@ def served_engine_options(command):
 
 
 def open_served_engine(engine, max_batch, threads, model_name, enable_prefix_caching, speculative_max_rows,
-                       max_verify_nodes, shared_prefill_chunk, tool_call_parser, enable_auto_tool_choice, chat_template,
-                       generation_config, max_model_len):
+                       max_verify_nodes, shared_prefill_chunk, num_scheduler_steps, tool_call_parser,
+                       enable_auto_tool_choice, chat_template, generation_config, max_model_len):
     """-> (LLMEngine, the name requests use) from the served_engine_options, with what the engine says at start
     on stderr."""
     if enable_auto_tool_choice and tool_call_parser is None:
@@ -234,7 +240,7 @@ def open_served_engine(engine, max_batch, threads, model_name, enable_prefix_cac
                                speculative_max_rows=speculative_max_rows or None, chat_template=chat_template,
                                generation_config=generation_config, max_model_len=max_model_len,
                                max_verify_nodes="auto" if max_verify_nodes is None else max_verify_nodes or None,
-                               shared_prefill_chunk=shared_prefill_chunk or None)
+                               shared_prefill_chunk=shared_prefill_chunk or None, num_scheduler_steps=num_scheduler_steps)
     if llm_engine.executor.min_rows > 1:
         click.echo(PADDED_ROWS_NOTE, err=True)
     if llm_engine.speculation is not None and llm_engine.max_verify_nodes is not None:

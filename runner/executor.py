@@ -30,6 +30,7 @@ class Executor:
         # one (see `pad_single_rows_if_they_round_differently`)
         self.min_rows = 1
         self.probe_runs = 0  # step graph runs that probe made before any request's (a profile leaves them out)
+        self.step_calls = 0  # step graph runs so far (benchmarks count a window's decode calls by it)
         self.max_chunk = max(self.prefill_phase.steps)
         phases = [p for p in manifest.phases.values() if p.graph == self.decode_phase.graph]
         self.cache = KVCache(manifest.kv_cache, self.max_rows, manifest.max_seq_len, _headroom(phases))
@@ -40,20 +41,18 @@ class Executor:
         self._per_token_outputs = {"logits": ((config.vocab_size,), np.dtype(step["logits"].dtype)),
                                    "argmax": ((), np.dtype(step["argmax"].dtype)),
                                    "hidden": ((config.hidden_size,), np.dtype(step["hidden"].dtype))}
+        self.max_seq_len = manifest.max_seq_len
+        self._greedy_loops: dict[int, GreedyDecodeLoop] = {}  # batch bucket -> its loop, bound once
 
     def _run(self, phase: PhaseSpec, input_ids, positions, past_lens, query_lens, attention_bias, logits_index,
              start_row: int) -> Scored:
         """One call over cache rows [start_row, start_row + batch): those rows' buffers are bound as the graph's cache
         inputs and outputs, so the new K/V land in them. Rows with query_lens 0 take no part."""
+        self.step_calls += 1
         key = (phase.graph, start_row, start_row + len(input_ids))
         bound = self._bound.get(key)
         if bound is None:
-            keys, values = self.cache.views(*key[1:])
-            buffers = {}
-            for i, (k, v) in enumerate(zip(keys, values)):
-                buffers[f"past_key.{i}"] = buffers[f"present_key.{i}"] = k
-                buffers[f"past_value.{i}"] = buffers[f"present_value.{i}"] = v
-            bound = self._bound[key] = self.backend.bind(phase.graph, buffers)
+            bound = self._bound[key] = self.backend.bind(phase.graph, self._cache_buffers(*key[1:]))
         batch, count = logits_index.shape
         outputs = {name: np.empty((batch, count, *size), dtype) for name, (size, dtype) in self._per_token_outputs.items()}
         bound.run({
@@ -105,6 +104,29 @@ class Executor:
         zeros = np.zeros((batch, 1), np.int64)
         decoded = self._run(self.decode_phase, input_ids, past_lens[:, None], past_lens, query_lens, bias, zeros, 0)
         return decoded[_select(rows), 0]
+
+    def decode_greedy(self, rows: list[int], token_ids: list[int], positions: list[int], steps: int,
+                      stop: np.ndarray) -> np.ndarray:
+        """Up to `steps` decode calls in a row, each row's argmax fed back as its next token: the tokens [len(rows),
+        calls made]. Stops before a call whose argmax is a `stop` token (a bool per vocabulary id) in any row: that
+        call's choice is the sampler's (a stop token may be banned, min_tokens), so its tokens are left out, and its
+        K/V, written where the next call for the row writes the same again, do no harm."""
+        batch = self._batch_bucket(rows, self.decode_phase)
+        loop = self._greedy_loops.get(batch)
+        if loop is None:
+            loop = self._greedy_loops[batch] = GreedyDecodeLoop(self, batch)
+        tokens = loop.run(rows, token_ids, positions, steps, stop)
+        self.step_calls += min(steps, tokens.shape[1] + 1)  # and the call that chose a stop token, if one did
+        return tokens
+
+    def _cache_buffers(self, start_row: int, stop_row: int) -> dict[str, np.ndarray]:
+        """The graph's cache inputs and outputs for rows [start_row, stop_row): each layer's view, bound as both."""
+        keys, values = self.cache.views(start_row, stop_row)
+        buffers = {}
+        for i, (k, v) in enumerate(zip(keys, values)):
+            buffers[f"past_key.{i}"] = buffers[f"present_key.{i}"] = k
+            buffers[f"past_value.{i}"] = buffers[f"present_value.{i}"] = v
+        return buffers
 
     def verify(self, rows: list[int], trees: list[tuple[list[int], np.ndarray]], starts: list[int]) -> Scored:
         """Score a token tree per row, all rows in one call: trees are (node tokens, ancestors mask [n, n]), each
@@ -177,6 +199,46 @@ class Executor:
         out = self.backend.run(self.speculation["graph"], {"hidden": padded_hidden, "last_token": tokens})
         scores = out["draft_scores"]
         return out["draft_tokens"][:count], scores[:count] if scores.ndim == 3 else None
+
+
+class GreedyDecodeLoop:
+    """Greedy decode calls in a row over cache rows [0, batch) of one batch bucket, with every input and output of the
+    decode phase in arrays of its own, bound once and refilled in place: a call binds only its attention bias (whose
+    length grows). Between two calls only the argmax goes back in, so the Python between them is a few array
+    operations, where a whole engine step (schedule, sample, detokenize, stop checks) costs ~0.4 ms of cache misses a
+    token after the weights stream through the caches."""
+
+    def __init__(self, executor: Executor, batch: int) -> None:
+        self.input_ids = np.zeros((batch, 1), np.int64)
+        self.past_lens = np.zeros(batch, np.int64)  # also the positions input: a one-token row sits at its past length
+        self.query_lens = np.zeros(batch, np.int64)
+        outputs = {name: np.empty((batch, 1, *size), dtype) for name, (size, dtype) in executor._per_token_outputs.items()}
+        self.argmax = outputs["argmax"]
+        # every bias a decode call needs is zeros (a row sees its whole past): one buffer viewed at each call's length
+        self.zero_bias = np.zeros(batch * (executor.max_seq_len + 1), np.float32)
+        self.bound = executor.backend.bind(executor.decode_phase.graph, executor._cache_buffers(0, batch) | outputs | {
+            "input_ids": self.input_ids, "positions": self.past_lens.reshape(batch, 1), "past_lens": self.past_lens,
+            "query_lens": self.query_lens, "logits_index": np.zeros((batch, 1), np.int64)})
+
+    def run(self, rows: list[int], token_ids: list[int], positions: list[int], steps: int, stop: np.ndarray) -> np.ndarray:
+        index = np.asarray(rows)
+        for array in (self.input_ids, self.past_lens, self.query_lens):
+            array.fill(0)  # rows left out take no part
+        self.input_ids[index, 0] = token_ids
+        self.past_lens[index] = positions
+        self.query_lens[index] = 1
+        batch, length = len(self.past_lens), int(self.past_lens.max()) + 1
+        tokens = np.empty((len(rows), steps), np.int64)
+        for step in range(steps):
+            self.bound.run({"attention_bias": self.zero_bias[:batch * length].reshape(batch, 1, 1, length)}, {})
+            chosen = self.argmax[index, 0]
+            if stop[chosen].any():
+                return tokens[:, :step]
+            tokens[:, step] = chosen
+            self.input_ids[index, 0] = chosen
+            self.past_lens[index] += 1
+            length += 1
+        return tokens
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from runner.llm_engine import DEFAULT_SHARED_PREFILL_CHUNK, DEFAULT_SPECULATIVE_MAX_ROWS, LLMEngine, PromptError
+from runner.llm_engine import (DEFAULT_NUM_SCHEDULER_STEPS, DEFAULT_SHARED_PREFILL_CHUNK, DEFAULT_SPECULATIVE_MAX_ROWS,
+                               LLMEngine, PromptError)
 from runner.request import RequestOutput, request_output
 from runner.sampling import SamplingParams
 
@@ -24,7 +25,7 @@ class LLM:
         self, model: str | Path, threads: int | None = None, verify_checksums: bool = True, max_batch: int | None = None,
         enable_prefix_caching: bool = False, speculative_max_rows: int | None = DEFAULT_SPECULATIVE_MAX_ROWS,
         chat_template: str | None = None, generation_config: str = "auto", max_verify_nodes: int | str | None = "auto",
-        shared_prefill_chunk: int | None = DEFAULT_SHARED_PREFILL_CHUNK,
+        shared_prefill_chunk: int | None = DEFAULT_SHARED_PREFILL_CHUNK, num_scheduler_steps: int = DEFAULT_NUM_SCHEDULER_STEPS,
     ) -> None:
         """`model`: the engine directory (vLLM's name for what to load). `enable_prefix_caching`: a prompt starts
         after the longest prefix whose K/V a cache row holds from an earlier or running request
@@ -34,11 +35,13 @@ class LLM:
         use the ones the model recommends (get_default_sampling_params); "vllm": SamplingParams().
         `max_verify_nodes`: the most nodes of a speculative engine's draft trees ("auto": what one pass of this CPU's
         fp32 matmul kernel takes, for fp32 targets; None: the engine's whole trees). `shared_prefill_chunk`: prompt
-        tokens per step while other requests generate (a prompt alone goes in the engine's largest chunks)."""
+        tokens per step while other requests generate (a prompt alone goes in the engine's largest chunks).
+        `num_scheduler_steps`: the most greedy decode calls a step makes in a row (vLLM's flag; 1: one per step)."""
         self.engine = LLMEngine(model, threads=threads, verify_checksums=verify_checksums, max_batch=max_batch,
                                 enable_prefix_caching=enable_prefix_caching, speculative_max_rows=speculative_max_rows,
                                 chat_template=chat_template, generation_config=generation_config,
-                                max_verify_nodes=max_verify_nodes, shared_prefill_chunk=shared_prefill_chunk)
+                                max_verify_nodes=max_verify_nodes, shared_prefill_chunk=shared_prefill_chunk,
+                                num_scheduler_steps=num_scheduler_steps)
 
     @property
     def tokenizer(self):

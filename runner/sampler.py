@@ -35,6 +35,13 @@ class Sampler:
         params = request.params
         return set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
 
+    @staticmethod
+    def may_walk(request: Request) -> bool:
+        """Whether a greedy request's tokens may come from the argmax (`greedy_walk`) rather than the sampler graph."""
+        params = request.params
+        return (params.greedy and params.logprobs is None and not params.penalised and not params.logit_bias
+                and params.allowed_token_ids is None)
+
     def greedy_walk(self, request: Request, tree: TokenTree, argmax: np.ndarray, logits: np.ndarray) -> SampledRow | None:
         """The sampler graph's choice for a greedy request, from the step graph's argmax at every node of its tree
         (`argmax` [>= nodes]): from the root, take the child whose token is the target's argmax while there is one,
@@ -46,8 +53,7 @@ class Sampler:
         `logits` [>= 1, vocab] among the tokens allowed next, which is what the graph does with the others at -inf
         (a larger tree comes with each node's mask on its logits and `argmax`, see LLMEngine._verify)."""
         params = request.params
-        if (not params.greedy or params.logprobs is not None or params.penalised or params.logit_bias
-                or params.allowed_token_ids is not None):
+        if not self.may_walk(request):
             return None
         if request.masked and len(tree.tokens) == 1:
             argmax = [int(np.argmax(np.where(request.allowed_next(self.vocab_size), logits[0], -np.inf)))]
