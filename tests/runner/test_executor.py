@@ -40,3 +40,26 @@ def test_a_decode_result_is_not_overwritten_by_the_next_call(engine_factory):
     executor.decode([0], [12], [3])
     np.testing.assert_array_equal(first.logits, logits)
     np.testing.assert_array_equal(first.hidden, hidden)
+
+
+def test_greedy_calls_in_a_row_match_single_calls_and_leave_other_rows_alone(engine_factory):
+    """Executor.decode_greedy feeds each argmax back as the next token, as one decode call at a time would, over a
+    row that is not the bucket's first; it stops before a call that picks a stop token."""
+    engines = [LLMEngine(engine_factory(), threads=1, max_batch=2) for _ in range(2)]
+    for engine in engines:
+        engine.executor.prefill(0, [5, 6, 7], 0)
+        engine.executor.prefill(1, [8, 9, 10], 0)
+    bursting, single = (engine.executor for engine in engines)
+    keys = bursting.cache.keys[:, 0].copy()
+    nothing_stops = np.zeros(engines[0].manifest.model.vocab_size, bool)
+    tokens = bursting.decode_greedy([1], [12], [3], 6, nothing_stops)
+    expected, token = [], 12
+    for position in range(3, 9):
+        token = int(single.decode([1], [token], [position]).argmax[0])
+        expected.append(token)
+    assert tokens.tolist() == [expected]
+    np.testing.assert_array_equal(bursting.cache.keys[:, 0], keys)
+    stops = nothing_stops.copy()
+    stops[expected[0]] = True  # the first call picks it: no tokens (the stop inside a burst: test_llm_engine.py)
+    calls = bursting.step_calls
+    assert bursting.decode_greedy([1], [12], [3], 6, stops).shape == (1, 0) and bursting.step_calls == calls + 1
