@@ -206,11 +206,11 @@ def served_engine_options(command):
                      show_default=True, help="Prompt tokens per step while other requests generate (they wait for "
                      "each chunk); a prompt computed alone goes in the engine's largest chunks (builder --prefill-chunk). "
                      "0: always the largest."),
-        click.option("--num-scheduler-steps", type=click.IntRange(min=1), default=DEFAULT_NUM_SCHEDULER_STEPS,
-                     show_default=True, help="The most decode calls a step makes in a row while every request decodes "
-                     "greedily and none waits (vLLM's flag): the engine's Python between calls is paid once per burst; "
-                     "tokens stream in groups of this many, and a request that arrives waits for the burst. 1: one call "
-                     "per step."),
+        click.option("--num-scheduler-steps", type=click.IntRange(min=1), default=None,
+                     help="The most decode calls a step makes in a row while every request decodes greedily and none "
+                          "waits (vLLM's flag): the engine's Python between calls is paid once per burst, but tokens "
+                          "stream in groups of this many and a request that arrives waits for the burst to end. "
+                          f"Default: 1 for serve (as vLLM), {DEFAULT_NUM_SCHEDULER_STEPS} for run-batch."),
         click.option("--tool-call-parser", type=click.Choice(list(PARSERS)), default=None,
                      help="Read the tool calls the model makes in its family's syntax, which serves tool_choice \"auto\" "
                           "(hermes: <tool_call> blocks, Qwen2.5 / Hermes; llama3_json: Llama 3.1+; pythonic: [f(x=1)], "
@@ -280,12 +280,13 @@ def serve(engine, host, port, max_waiting, shutdown_grace, api_key, allowed_orig
     if (ssl_keyfile is None) != (ssl_certfile is None):
         raise click.UsageError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
     origins = origin_list(allowed_origins)
+    engine_options["num_scheduler_steps"] = engine_options["num_scheduler_steps"] or 1  # streams token by token
     llm_engine, name = open_served_engine(engine, tool_call_parser=tool_call_parser, **engine_options)
     app = create_app(AsyncEngine(llm_engine, max_waiting=max_waiting), name, shutdown_grace, api_key, tool_call_parser,
                      origins)
     scheme = "https" if ssl_certfile else "http"
-    click.echo(f"serving {name!r} ({llm_engine.scheduler.max_rows} rows, max_seq_len {llm_engine.max_seq_len}) on "
-               f"{scheme}://{host}:{port}/v1", err=True)
+    click.echo(f"serving {name!r} ({llm_engine.scheduler.max_rows} rows, max_seq_len {llm_engine.max_seq_len}, "
+               f"num_scheduler_steps {llm_engine.num_scheduler_steps}) on {scheme}://{host}:{port}/v1", err=True)
     uvicorn.run(app, host=host, port=port, log_level=uvicorn_log_level, timeout_graceful_shutdown=shutdown_grace,
                 root_path=root_path, ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile)
 
@@ -307,6 +308,7 @@ def run_batch(engine, input_file, output_file, max_in_flight, tool_call_parser, 
     from runner.batch import run_batch as answer_batch
     from runner.server import create_app
 
+    engine_options["num_scheduler_steps"] = engine_options["num_scheduler_steps"] or DEFAULT_NUM_SCHEDULER_STEPS
     llm_engine, name = open_served_engine(engine, tool_call_parser=tool_call_parser, **engine_options)
     async_engine = AsyncEngine(llm_engine, max_waiting=max_in_flight)
     app = create_app(async_engine, name, tool_call_parser=tool_call_parser)

@@ -193,6 +193,7 @@ def test_serve_answers_and_stops_cleanly_on_sigint(engine_factory):
         _, stderr = proc.communicate(timeout=30)
     assert proc.returncode == 0, stderr
     assert "serving 'tiny'" in stderr and "Traceback" not in stderr
+    assert "num_scheduler_steps 1)" in stderr  # a server streams token by token unless told to burst
 
 
 def test_build_quantized_from_the_command_line(checkpoint_factory, tmp_path):
