@@ -117,7 +117,8 @@ class MatmulsAlone:
         nodes, shapes, used = [], [], []  # shapes: each matmul's (K, N)
         for node in model.graph.node:
             weight = node.input[1] if node.op_type in QUANTIZED_MATMULS + ("MatMul",) and len(node.input) > 1 else None
-            attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+            # the matmul alone: an activation folded into it (Int4MatMul's swiglu) is not part of a matmul's cost
+            attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute if a.name != "swiglu"}
             transpose = made_by.get(weight)
             if transpose is not None and transpose.op_type == "Transpose" and transpose.input[0] in constants:
                 nodes.append(transpose)  # a tied LM head's transposed embedding (onnxruntime folds it once)

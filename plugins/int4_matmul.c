@@ -3,7 +3,11 @@
  * (plugins/quant_linear.py), except that the scales may be float16 as well as float (engines store them as float16:
  * a weight then streams 4.5 bits from memory, not 5). Inputs: A [..., K] f32; B uint8 [N, K / block, block / 2] (two
  * weights per byte, low nibble first, zero point 8); scales f32 or f16 [N * K / block]. Output [..., N] f32.
- * Attributes: K, N, block_size (a power of 2 of at least 32 that divides K).
+ * Attributes: K, N, block_size (a power of 2 of at least 32 that divides K), swiglu (optional, 0 or 1).
+ *
+ * With swiglu = 1 the node is also the MLP's activation: W holds the gate's N / 2 columns, then the up projection's,
+ * and the output [..., N / 2] is silu(gate) * up, which the step graph otherwise computes in four more nodes (Split,
+ * Sigmoid, Mul, Mul: three kernels a layer after onnxruntime fuses two).
  *
  * Why our own: a row's result here does not depend on the other rows of the call. onnxruntime's kernel takes
  * another path for one row than for several, which rounds differently, so an engine that must give a request the
@@ -41,6 +45,7 @@ typedef struct QuantizedRows {
 
 typedef struct Work {
   const float *a;
+  float *out; /* the node's output: y itself, or for swiglu silu(gate) * up of y's halves */
   const uint8_t *w;
   const void *wscale; /* float, or float16 (scales_f16) */
   float *y;
@@ -48,6 +53,40 @@ typedef struct Work {
   int64_t m, k, n, block_size, groups, row_blocks, column_chunks;
   int scales_f16;
 } Work;
+
+/* e^x for x in [-87, 88] (clamped there), within ~2 float ulps: x = n ln2 + r with |r| <= ln2 / 2 (ln2 in two parts,
+ * as Cephes), e^r by its Taylor series to r^6, 2^n through the exponent bits */
+INLINE_AVX2 __m256 exp_ps(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  static const float taylor[] = {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
+  __m256 p = _mm256_set1_ps(taylor[0]);
+  for (int i = 1; i < 7; i++) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(taylor[i]));
+  const __m256i two_to_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_to_n));
+}
+
+/* rows [unit * ROW_BLOCK, ...) of a swiglu node: out[r, j] = silu(y[r, j]) * y[r, n / 2 + j], silu(g) = g / (1 + e^-g) */
+AVX2 static void silu_times_up(void *data, size_t unit) {
+  const Work *w = data;
+  const int64_t first = (int64_t)unit * ROW_BLOCK, last = first + ROW_BLOCK < w->m ? first + ROW_BLOCK : w->m;
+  const int64_t half = w->n / 2;
+  const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+  for (int64_t r = first; r < last; r++) {
+    const float *gate = w->y + r * w->n, *up = gate + half;
+    float *out = w->out + r * half;
+    int64_t j = 0;
+    for (; j + 8 <= half; j += 8) {
+      const __m256 g = _mm256_loadu_ps(gate + j);
+      const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp_ps(_mm256_xor_ps(g, sign))));
+      _mm256_storeu_ps(out + j, _mm256_mul_ps(silu, _mm256_loadu_ps(up + j)));
+    }
+    for (; j < half; j++) out[j] = gate[j] / (1.0f + expf(-gate[j])) * up[j];
+  }
+}
 
 /* A's rows [unit * ROW_BLOCK, ...) into w->q: per block of 32, scale max|a| / 127, values rounded to nearest even */
 AVX2 static void quantize_rows(void *data, size_t unit) {
@@ -215,7 +254,7 @@ static void multiply_unit(void *data, size_t unit) {
 
 typedef struct Kernel {
   OrtApiTable api;
-  int64_t k, n, block_size;
+  int64_t k, n, block_size, swiglu;
 } Kernel;
 
 static OrtStatus *compute(void *kernel_state, OrtKernelContext *context) {
@@ -240,7 +279,7 @@ static OrtStatus *compute(void *kernel_state, OrtKernelContext *context) {
     return fail(api, "Int4MatMul: the scales must be N * K / block_size floats or float16s");
   int64_t out_dims[4];
   memcpy(out_dims, dims[0], sizeof(out_dims));
-  out_dims[rank[0] - 1] = kernel->n;
+  out_dims[rank[0] - 1] = kernel->swiglu ? kernel->n / 2 : kernel->n;
   OrtValue *output = NULL;
   void *y = NULL;
   int64_t ignored[4];
@@ -249,9 +288,11 @@ static OrtStatus *compute(void *kernel_state, OrtKernelContext *context) {
     return fail(api, "Int4MatMul: cannot allocate its output");
   if (m == 0) return NULL;
   const int64_t groups = (kernel->k / 32 + 1) / 2;
-  char *buffer = malloc((size_t)(m * groups * (64 + 8 * sizeof(int32_t) + 8 * sizeof(float))));
+  const size_t quantized_bytes = (size_t)(m * groups * (64 + 8 * sizeof(int32_t) + 8 * sizeof(float)));
+  /* a swiglu node's product goes to scratch after the quantized rows (an offset that keeps floats aligned) */
+  char *buffer = malloc(quantized_bytes + (kernel->swiglu ? (size_t)(m * kernel->n) * sizeof(float) : 0));
   if (!buffer) return fail(api, "Int4MatMul: out of memory");
-  Work work = {data[0], data[1], data[2], y,
+  Work work = {data[0], y, data[1], data[2], kernel->swiglu ? (float *)(buffer + quantized_bytes) : y,
                {(int8_t *)buffer, (int32_t *)(buffer + m * groups * 64), (float *)(buffer + m * groups * 96)},
                m, kernel->k, kernel->n, kernel->block_size, groups, (m + ROW_BLOCK - 1) / ROW_BLOCK,
                (kernel->n + COLUMN_CHUNK(kernel->n) - 1) / COLUMN_CHUNK(kernel->n), element_type[2] == ELEMENT_FLOAT16};
@@ -259,6 +300,7 @@ static OrtStatus *compute(void *kernel_state, OrtKernelContext *context) {
       API(api, KernelContext_ParallelFor, OrtStatus *(*)(const OrtKernelContext *, void (*)(void *, size_t), size_t, size_t, void *));
   OrtStatus *status = parallel_for(context, quantize_rows, (size_t)work.row_blocks, 0, &work);
   if (!status) status = parallel_for(context, multiply_unit, (size_t)(work.row_blocks * work.column_chunks), 0, &work);
+  if (!status && kernel->swiglu) status = parallel_for(context, silu_times_up, (size_t)work.row_blocks, 0, &work);
   free(buffer);
   return status;
 }
@@ -273,6 +315,13 @@ static OrtStatus *create_kernel(const OrtCustomOp *op, OrtApiTable api, const Or
   OrtStatus *status = get_int(info, "K", &kernel->k);
   if (!status) status = get_int(info, "N", &kernel->n);
   if (!status) status = get_int(info, "block_size", &kernel->block_size);
+  OrtStatus *absent = status ? NULL : get_int(info, "swiglu", &kernel->swiglu);
+  if (absent) { /* an optional attribute: a plain matmul */
+    API(api, ReleaseStatus, void (*)(OrtStatus *))(absent);
+    kernel->swiglu = 0;
+  }
+  if (!status && (kernel->swiglu < 0 || kernel->swiglu > 1 || (kernel->swiglu && kernel->n % 2)))
+    status = fail(api, "Int4MatMul: swiglu must be 0 or 1, and 1 needs an even N (gate columns, then up columns)");
   if (!status && (kernel->n <= 0 || kernel->k <= 0 || kernel->block_size < 32 ||
                   (kernel->block_size & (kernel->block_size - 1)) || kernel->k % kernel->block_size))
     status = fail(api, "Int4MatMul: block_size must be a power of 2 of at least 32 that divides K");

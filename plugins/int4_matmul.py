@@ -1,6 +1,7 @@
 """Int4 weight-only matmuls: our own onnxruntime CPU kernel (int4_matmul.c), a custom op `Int4MatMul` that takes
 com.microsoft::MatMulNBits's place in the step graph for int4 weights with int8 activations (accuracy_level 4), on
-the same nibble layout (plugins/quant_linear.py), its scales stored as float16 (`half_scales`).
+the same nibble layout (plugins/quant_linear.py), its scales stored as float16 (`half_scales`), and the MLP's
+activation folded into the gate / up projection's node (`fuse_swiglu`).
 
 Why: its result for a row does not depend on the other rows of the call (batch invariance), where onnxruntime's
 kernel rounds one row differently from several, so an engine had to pad one-row decode calls to two rows to keep a
@@ -56,7 +57,59 @@ def use_in_graph(graph_file: Path) -> int:
 
     count = rewrite_nodes(graph_file, replace)
     rewrite_initializers(graph_file, scales - read_by_others, half_scales)
+    fuse_swiglu(graph_file)
     return count
+
+
+def fuse_swiglu(graph_file: Path) -> int:
+    """Fold each MLP activation after an Int4MatMul into it (its `swiglu` attribute): the product's halves split,
+    silu(gate) * up as the exporter writes it (Split -> Sigmoid, Mul(gate, sigmoid), Mul(silu, up)), nothing else
+    reading what is in between. Three fewer kernels a layer. Returns how many it folded."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    model = onnx.load(str(graph_file), load_external_data=False)
+    graph = model.graph
+    readers: dict[str, list] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    outputs = {value.name for value in graph.output}
+    constants = {t.name: t for t in graph.initializer}
+
+    def only_reader(name: str, op: str):
+        found = readers.get(name, [])
+        return found[0] if len(found) == 1 and found[0].op_type == op and name not in outputs else None
+
+    removed, fused = set(), {}
+    for node in graph.node:
+        if node.op_type != "Int4MatMul" or node.domain != DOMAIN:
+            continue
+        half = next(a.i for a in node.attribute if a.name == "N") // 2
+        split = only_reader(node.output[0], "Split")
+        if split is None or len(split.output) != 2 or any(a.name == "axis" and a.i not in (-1, 2) for a in split.attribute):
+            continue
+        if len(split.input) > 1 and (split.input[1] not in constants
+                                     or numpy_helper.to_array(constants[split.input[1]]).tolist() != [half, half]):
+            continue
+        gate, up = split.output
+        gate_readers, up_reader = readers.get(gate, []), only_reader(up, "Mul")
+        sigmoid = next((r for r in gate_readers if r.op_type == "Sigmoid"), None)
+        silu = next((r for r in gate_readers if r.op_type == "Mul"), None)
+        if (len(gate_readers) != 2 or sigmoid is None or silu is None or gate in outputs or up_reader is None
+                or set(silu.input) != {gate, sigmoid.output[0]} or only_reader(sigmoid.output[0], "Mul") is not silu
+                or only_reader(silu.output[0], "Mul") is not up_reader or set(up_reader.input) != {silu.output[0], up}):
+            continue
+        fused[id(node)] = helper.make_node(
+            "Int4MatMul", list(node.input), list(up_reader.output), name=node.name, domain=DOMAIN,
+            **{a.name: helper.get_attribute_value(a) for a in node.attribute}, swiglu=1)
+        removed.update(id(n) for n in (split, sigmoid, silu, up_reader))
+    if fused:
+        nodes = [fused.get(id(n), n) for n in graph.node if id(n) not in removed]
+        del graph.node[:]
+        graph.node.extend(nodes)
+        onnx.save(model, str(graph_file))
+    return len(fused)
 
 
 def half_scales(scales: np.ndarray) -> np.ndarray | None:

@@ -35,18 +35,20 @@ def dequantized(packed: np.ndarray, scales: np.ndarray, k: int) -> np.ndarray:
     return (values * scales.reshape(n, blocks, 1)).reshape(n, k)
 
 
-def session(library: Path, op: str, packed: np.ndarray, scales: np.ndarray, k: int, n: int, block: int, rank: int = 2):
+def session(library: Path, op: str, packed: np.ndarray, scales: np.ndarray, k: int, n: int, block: int, rank: int = 2,
+            swiglu: int = 0):
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
     if op == "Int4MatMul":
-        node = helper.make_node(op, ["a", "w", "s"], ["y"], domain=DOMAIN, K=k, N=n, block_size=block)
+        extra = {"swiglu": swiglu} if swiglu else {}
+        node = helper.make_node(op, ["a", "w", "s"], ["y"], domain=DOMAIN, K=k, N=n, block_size=block, **extra)
     else:
         node = helper.make_node(op, ["a", "w", "s"], ["y"], domain="com.microsoft", K=k, N=n, bits=4, block_size=block,
                                 accuracy_level=4)
     leading = ["rows"] if rank == 2 else ["batch", "rows"]
     graph = helper.make_graph([node], "one", [helper.make_tensor_value_info("a", TensorProto.FLOAT, [*leading, k])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [*leading, n])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [*leading, n // 2 if swiglu else n])],
                               [numpy_helper.from_array(packed, "w"), numpy_helper.from_array(scales, "s")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1),
                                                     helper.make_opsetid(DOMAIN, 1)])
@@ -90,6 +92,36 @@ def test_float16_scales_compute_exactly_what_the_same_scales_in_float_compute(li
     a = np.random.default_rng(1).standard_normal((70, k), dtype=np.float32)
     widened = session(library, "Int4MatMul", packed, half.astype(np.float32), k, n, block).run(None, {"a": a})[0]
     np.testing.assert_array_equal(session(library, "Int4MatMul", packed, half, k, n, block).run(None, {"a": a})[0], widened)
+
+
+@pytest.mark.parametrize("n", [192, 2 * 37])  # the tiny models' MLP; halves of 37 columns (a scalar tail)
+def test_swiglu_nodes_compute_silu_of_the_gate_times_up(library, n):
+    k, block = 96, 32
+    packed, scales = weights(n, k, block)
+    a = np.random.default_rng(2).standard_normal((70, k), dtype=np.float32) * 30
+    product = session(library, "Int4MatMul", packed, scales, k, n, block).run(None, {"a": a})[0].astype(np.float64)
+    gate, up = product[:, :n // 2], product[:, n // 2:]
+    fused = session(library, "Int4MatMul", packed, scales, k, n, block, swiglu=1)
+    out = fused.run(None, {"a": a})[0]
+    np.testing.assert_allclose(out, gate / (1 + np.exp(-gate)) * up, rtol=2e-6, atol=1e-6 * np.abs(up).max())
+    for rows in (slice(0, 1), slice(3, 7)):  # a row alone or in any batch: bit for bit
+        np.testing.assert_array_equal(fused.run(None, {"a": a[rows]})[0], out[rows])
+
+
+def test_the_build_folds_the_mlp_activation_into_the_gate_and_up_matmul(engine_factory):
+    step = open_step_graph(engine_factory("gqa", quant="int4"))
+    swiglu = [n for n in step.graph.node if n.op_type == "Int4MatMul" and any(a.name == "swiglu" for a in n.attribute)]
+    assert len(swiglu) == 2  # a layer each
+    assert not [n for n in step.graph.node if n.op_type in ("Split", "Sigmoid")]
+
+
+def open_step_graph(engine: Path):
+    import onnx
+
+    from engines.format import open_artifact
+
+    artifact = open_artifact(engine)
+    return onnx.load(str(artifact.path(artifact.manifest.graphs["step"].file)), load_external_data=False)
 
 
 def test_scales_of_the_wrong_size_or_type_are_refused(library):
