@@ -40,8 +40,9 @@ def covers(attributes: dict, input_count: int) -> bool:
 
 
 def use_in_graph(graph_file: Path) -> int:
-    """Replace every MatMulNBits node of `graph_file` the kernel covers by Int4MatMul, and store those nodes' scales
-    as float16 (`half_scales`); returns how many nodes."""
+    """Replace every MatMulNBits node of `graph_file` the kernel covers by Int4MatMul, store those nodes' scales as
+    float16 (`half_scales`) and fold the MLP activation into the gate / up node (`fuse_swiglu`); returns how many
+    nodes run Int4MatMul."""
     from onnx import helper
 
     scales, read_by_others = set(), set()
@@ -87,7 +88,8 @@ def fuse_swiglu(graph_file: Path) -> int:
             continue
         half = next(a.i for a in node.attribute if a.name == "N") // 2
         split = only_reader(node.output[0], "Split")
-        if split is None or len(split.output) != 2 or any(a.name == "axis" and a.i not in (-1, 2) for a in split.attribute):
+        # along the last axis of the [batch, tokens, N] product (Split's axis defaults to 0)
+        if split is None or len(split.output) != 2 or next((a.i for a in split.attribute if a.name == "axis"), 0) not in (-1, 2):
             continue
         if len(split.input) > 1 and (split.input[1] not in constants
                                      or numpy_helper.to_array(constants[split.input[1]]).tolist() != [half, half]):

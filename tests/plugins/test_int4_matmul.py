@@ -115,6 +115,26 @@ def test_the_build_folds_the_mlp_activation_into_the_gate_and_up_matmul(engine_f
     assert not [n for n in step.graph.node if n.op_type in ("Split", "Sigmoid")]
 
 
+@pytest.mark.parametrize("axis, folded", [(2, 1), (-1, 1), (None, 0), (1, 0)])  # None: Split's default, axis 0
+def test_only_a_split_of_the_products_last_axis_is_folded(tmp_path, axis, folded):
+    import onnx
+    from onnx import TensorProto, helper
+
+    attributes = {} if axis is None else {"axis": axis}
+    nodes = [helper.make_node("Int4MatMul", ["a", "w", "s"], ["y"], domain=DOMAIN, K=64, N=8, block_size=32),
+             helper.make_node("Split", ["y"], ["gate", "up"], num_outputs=2, **attributes),
+             helper.make_node("Sigmoid", ["gate"], ["sigmoid"]),
+             helper.make_node("Mul", ["gate", "sigmoid"], ["silu"]),
+             helper.make_node("Mul", ["silu", "up"], ["out"])]
+    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in "aws"],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)])
+    path = tmp_path / "mlp.onnx"
+    onnx.save(helper.make_model(graph), str(path))
+    assert int4_matmul.fuse_swiglu(path) == folded
+    ops = [n.op_type for n in onnx.load(str(path)).graph.node]
+    assert ops == (["Int4MatMul"] if folded else ["Int4MatMul", "Split", "Sigmoid", "Mul", "Mul"])
+
+
 def open_step_graph(engine: Path):
     import onnx
 
