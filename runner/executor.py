@@ -54,12 +54,16 @@ class Executor:
         if bound is None:
             bound = self._bound[key] = self.backend.bind(phase.graph, self._cache_buffers(*key[1:]))
         batch, count = logits_index.shape
-        outputs = {name: np.empty((batch, count, *size), dtype) for name, (size, dtype) in self._per_token_outputs.items()}
+        outputs = self._output_arrays(batch, count)
         bound.run({
             "input_ids": input_ids, "positions": positions, "past_lens": past_lens, "query_lens": query_lens,
             "attention_bias": attention_bias, "logits_index": logits_index,
         }, outputs)
         return Scored(**outputs)
+
+    def _output_arrays(self, batch: int, count: int) -> dict[str, np.ndarray]:
+        """Fresh arrays for the step graph's outputs besides the cache, for `count` tokens with logits in each row."""
+        return {name: np.empty((batch, count, *size), dtype) for name, (size, dtype) in self._per_token_outputs.items()}
 
     def _batch_bucket(self, rows: list[int], phase: PhaseSpec) -> int:
         """The rows a call over `rows` (cache rows from 0) runs as: past the highest, and at least `min_rows`."""
@@ -212,7 +216,7 @@ class GreedyDecodeLoop:
         self.input_ids = np.zeros((batch, 1), np.int64)
         self.past_lens = np.zeros(batch, np.int64)  # also the positions input: a one-token row sits at its past length
         self.query_lens = np.zeros(batch, np.int64)
-        outputs = {name: np.empty((batch, 1, *size), dtype) for name, (size, dtype) in executor._per_token_outputs.items()}
+        outputs = executor._output_arrays(batch, 1)
         self.argmax = outputs["argmax"]
         # every bias a decode call needs is zeros (a row sees its whole past): one buffer viewed at each call's length
         self.zero_bias = np.zeros(batch * (executor.max_seq_len + 1), np.float32)
