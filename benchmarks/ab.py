@@ -3,11 +3,11 @@
     python benchmarks/ab.py ENGINE_A ENGINE_B [--runs 10] [--threads 2] [--long-prompt-tokens 650]
     python benchmarks/ab.py ENGINE ENGINE --steps-a 1 --steps-b 8   # one engine, one call per step against bursts
 
-Separate `runner bench` runs of the same engine on this project's VM differ by 10-20%; an A/B of a change that
-gains 5% needs pairs. Each round times A then B (then B then A in the next round) on the same greedy prompt and
-prints the median decode tok/s and TTFT of each and the median of the per-round ratios B/A. Both engines must be
-ones this runner can open (same artifact schema). Run an engine against itself first to see the floor: A/A gave
-B/A decode 1.013 (0.967..1.085) and TTFT 0.81 here (the second session loaded is a little faster).
+Separate `runner bench` runs of the same engine on a shared VM differ by more than the changes worth measuring
+(docs/measurements.md, Benchmark method), so an A/B needs pairs. Each round times A then B (then B then A in the
+next round) on the same greedy prompt and prints the median decode tok/s and TTFT of each and the median of the
+per-round ratios B/A. Both engines must be ones this runner can open (same artifact schema). Run an engine against
+itself first to see the floor.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import statistics
 
 import click
 
-from runner.bench import chat_prompts, time_generation
-from runner.llm_engine import DEFAULT_NUM_SCHEDULER_STEPS, LLMEngine
+from runner.core.args import DEFAULT_NUM_SCHEDULER_STEPS, EngineArgs
+from runner.core.engine import LLMEngine
+from runner.tools.bench import chat_prompts, time_generation
 
 
 @click.command()
@@ -29,11 +30,21 @@ from runner.llm_engine import DEFAULT_NUM_SCHEDULER_STEPS, LLMEngine
 @click.option("--long-prompt-tokens", default=0, show_default=True, help="0: the short chat prompt.")
 @click.option("--steps-a", default=DEFAULT_NUM_SCHEDULER_STEPS, show_default=True, help="A's num_scheduler_steps.")
 @click.option("--steps-b", default=DEFAULT_NUM_SCHEDULER_STEPS, show_default=True, help="B's num_scheduler_steps.")
-def main(engine_a: str, engine_b: str, runs: int, threads: int, new_tokens: int, long_prompt_tokens: int, steps_a: int,
-         steps_b: int) -> None:
+def main(
+    engine_a: str,
+    engine_b: str,
+    runs: int,
+    threads: int,
+    new_tokens: int,
+    long_prompt_tokens: int,
+    steps_a: int,
+    steps_b: int,
+) -> None:
     # one stream, as `runner generate` and compare_peers.py run it: no padding of one-row calls for batch invariance
-    engines = {name: LLMEngine(path, threads=threads, max_batch=1, num_scheduler_steps=steps)
-               for name, path, steps in (("A", engine_a, steps_a), ("B", engine_b, steps_b))}
+    engines = {
+        name: LLMEngine(EngineArgs(path, threads=threads, max_batch=1, num_scheduler_steps=steps))
+        for name, path, steps in (("A", engine_a, steps_a), ("B", engine_b, steps_b))
+    }
     prompts = chat_prompts(engines["A"].codec, long_prompt_tokens)
     prompt = prompts["long"] if long_prompt_tokens else prompts["short"]
     for engine in engines.values():
@@ -46,12 +57,16 @@ def main(engine_a: str, engine_b: str, runs: int, threads: int, new_tokens: int,
     for name, path in (("A", engine_a), ("B", engine_b)):
         decode = statistics.median(t.decode_tok_s for t in timings[name])
         ttft = statistics.median(t.ttft_ms for t in timings[name])
-        print(f"{name}: decode {decode:7.1f} tok/s   TTFT {ttft:7.1f} ms   {path}, num_scheduler_steps "
-              f"{engines[name].num_scheduler_steps}")
+        print(
+            f"{name}: decode {decode:7.1f} tok/s   TTFT {ttft:7.1f} ms   {path}, num_scheduler_steps "
+            f"{engines[name].num_scheduler_steps}"
+        )
     ratios = [b.decode_tok_s / a.decode_tok_s for a, b in zip(timings["A"], timings["B"])]
     ttft_ratios = [b.ttft_ms / a.ttft_ms for a, b in zip(timings["A"], timings["B"])]
-    print(f"B/A decode: median {statistics.median(ratios):.3f} (rounds {min(ratios):.3f}..{max(ratios):.3f}); "
-          f"TTFT {statistics.median(ttft_ratios):.3f}")
+    print(
+        f"B/A decode: median {statistics.median(ratios):.3f} (rounds {min(ratios):.3f}..{max(ratios):.3f}); "
+        f"TTFT {statistics.median(ttft_ratios):.3f}"
+    )
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
     python benchmarks/compare_peers.py --ours engines-out/default --ours engines-out/quant/int4-GGUF-blocks-g32
 
 Every engine runs in its own process on the same machine, with the same thread count, on the same token ids (the
-~40- and ~650-token chat prompts of runner/bench.py, as `runner bench` uses), greedy, a fixed number of new tokens
+~40- and ~650-token chat prompts of runner/tools/bench.py, as `runner bench` uses), greedy, a fixed number of new tokens
 with EOS suppressed, a warm-up, then --runs timed runs per prompt (medians), interleaved round-robin across all
 engines so that the machine's drift favours none (benchmarks/interleave.py). Peers are installed on demand, not
 project dependencies:
@@ -17,10 +17,10 @@ The machine's memory bandwidth is measured in the same run (a STREAM-style triad
 Quality: every engine's perplexity on the same token ids (CPython's LICENSE.txt, strided windows as `runner eval`;
 peers scored through their own model files), so a faster quantized engine shows what it costs.
 
-Correctness guard: the first greedy tokens and the perplexity of every fp32 engine must agree (the script fails if
-not); each quantized engine's agreement with them is reported. Then ours and onnxruntime-genai's decode runs are profiled
-per operator type (runner/profile.py), each in its own process, and where onnxruntime-genai decodes the short
-prompt fastest, its decode graph and ours are timed call by call in one process (benchmarks/graph_parity.py), which
+Correctness guard: the first greedy tokens and the perplexity of every fp32 engine must agree (the script fails if not);
+each quantized engine's agreement with them is reported. Then ours and onnxruntime-genai's decode runs are profiled per
+operator type (runner/tools/profile.py), each in its own process, and where onnxruntime-genai decodes the short prompt
+fastest, its decode graph and ours are timed call by call in one process (benchmarks/graph_parity.py), which
 tells the graph from the loop around it. Writes benchmarks/results/peers.{json,md,png}.
 """
 
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -40,11 +39,15 @@ import click
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.compare_transformers import contender_ours, contender_transformers, load_transformers_model, write_prompts  # noqa: E402
+from benchmarks.compare_transformers import (  # noqa: E402 (after the sys.path line above)
+    contender_ours,
+    contender_transformers,
+    load_transformers_model,
+    write_prompts,
+)  # noqa: E402
 from benchmarks.graph_parity import parity_markdown  # noqa: E402
-from benchmarks.interleave import Generate, decode_rate, interleaved_runs, serve  # noqa: E402
-from engines.format import native_ops_of  # noqa: E402
-from runner.machine import cpu_model, memory_bandwidth_gbs  # noqa: E402
+from benchmarks.interleave import Generate, decode_rate, interleaved_runs, paired_ratio, serve  # noqa: E402
+from runner.core.machine import cpu_model, memory_bandwidth_gbs  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 PEER_PACKAGES = {"llama.cpp": "llama-cpp-python", "ort-genai": "onnxruntime-genai"}
@@ -54,8 +57,15 @@ def load_llama_cpp(model_path: str, threads: int, logits_all: bool = False):
     """llama.cpp on the GGUF, `threads` threads for prompts and decode; `logits_all` keeps every position's logits."""
     from llama_cpp import Llama
 
-    return Llama(model_path=model_path, n_ctx=2048, n_batch=512, n_threads=threads, n_threads_batch=threads,
-                 logits_all=logits_all, verbose=False)
+    return Llama(
+        model_path=model_path,
+        n_ctx=2048,
+        n_batch=512,
+        n_threads=threads,
+        n_threads_batch=threads,
+        logits_all=logits_all,
+        verbose=False,
+    )
 
 
 def contender_llama_cpp(model_path: str, threads: int) -> tuple[Generate, dict]:
@@ -125,7 +135,7 @@ def profile_ort_genai(model_dir: str, ids: list[int], threads: int, new_tokens: 
 
     import onnxruntime_genai as og
 
-    from runner.profile import SKIPPED_DECODE_RUNS, read_trace
+    from runner.tools.profile import SKIPPED_DECODE_RUNS, read_trace
 
     with tempfile.TemporaryDirectory() as scratch:
         profiled = Path(scratch) / "model"
@@ -149,9 +159,25 @@ def profile_ort_genai(model_dir: str, ids: list[int], threads: int, new_tokens: 
 
 def graph_parity_in_own_process(ours: str, peer: str, prompt_tokens: int, threads: int) -> dict:
     """benchmarks/graph_parity.py on our engine and an onnxruntime-genai model, in a process of its own."""
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("graph_parity.py")), "--ours", ours, "--peer", peer,
-                           "--prompt-tokens", str(prompt_tokens), "--threads", str(threads), "--json"],
-                          capture_output=True, text=True, check=False, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(Path(__file__).with_name("graph_parity.py")),
+            "--ours",
+            ours,
+            "--peer",
+            peer,
+            "--prompt-tokens",
+            str(prompt_tokens),
+            "--threads",
+            str(threads),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "OMP_NUM_THREADS": str(threads)},
+    )
     if proc.returncode != 0:
         raise SystemExit(f"graph_parity failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -177,7 +203,7 @@ def window_logits_llama_cpp(model_path: str, threads: int):
     def window_logits(ids: list[int]):
         llm.reset()
         llm.eval(ids)
-        return np.array(llm.scores[:len(ids)])
+        return np.array(llm.scores[: len(ids)])
 
     return window_logits
 
@@ -191,8 +217,11 @@ def window_logits_ort_genai(model_dir: str, threads: int):
     from engines.backends.onnxruntime import session_options
 
     decoder = json.loads((Path(model_dir) / "genai_config.json").read_text())["model"]["decoder"]
-    session = ort.InferenceSession(str(Path(model_dir) / decoder["filename"]), session_options(ort, threads, spinning=True),
-                                   providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(
+        str(Path(model_dir) / decoder["filename"]),
+        session_options(ort, threads, spinning=True),
+        providers=["CPUExecutionProvider"],
+    )
     heads, head_size = decoder["num_key_value_heads"], decoder["head_size"]
     caches = [i.name for i in session.get_inputs() if i.name.startswith("past_key_values")]
 
@@ -204,21 +233,27 @@ def window_logits_ort_genai(model_dir: str, threads: int):
     return window_logits
 
 
-WINDOW_LOGITS = {"transformers": window_logits_transformers,
-                 "llama.cpp": window_logits_llama_cpp, "ort-genai": window_logits_ort_genai}
-PERPLEXITY_WINDOW, PERPLEXITY_STRIDE = 512, 256  # as benchmarks/quantization.py and `runner eval`'s README figures
-FP32_PERPLEXITY_TOLERANCE = 0.01  # relative; fp32 engines of the same weights measured 10.200 each (stop 35)
+WINDOW_LOGITS = {
+    "transformers": window_logits_transformers,
+    "llama.cpp": window_logits_llama_cpp,
+    "ort-genai": window_logits_ort_genai,
+}
+PERPLEXITY_WINDOW, PERPLEXITY_STRIDE = 512, 256  # as benchmarks/quantization.py and `runner eval`'s figures in docs/
+FP32_PERPLEXITY_TOLERANCE = 0.01  # relative: fp32 engines of the same weights agree far closer (docs/performance.md)
 
 
 def worker_perplexity(kind: str, target: str, threads: int, text_file: Path) -> dict:
     """Perplexity of one engine on the benchmark text's token ids (ours), the same strided windows for all: ours by
     `runner eval`'s code, a peer through the same windows of its own logits."""
-    from runner.evaluate import perplexity, strided_perplexity
-    from runner.llm_engine import LLMEngine
+    from runner.core.args import EngineArgs
+    from runner.core.engine import LLMEngine
+    from runner.tools.evaluate import perplexity, strided_perplexity
 
     ids = json.loads(text_file.read_text())
     if kind == "ours":
-        result = perplexity(LLMEngine(target, threads=threads, max_batch=1), ids, PERPLEXITY_WINDOW, PERPLEXITY_STRIDE)
+        result = perplexity(
+            LLMEngine(EngineArgs(target, threads=threads, max_batch=1)), ids, PERPLEXITY_WINDOW, PERPLEXITY_STRIDE
+        )
     else:
         result = strided_perplexity(ids, PERPLEXITY_WINDOW, PERPLEXITY_STRIDE, WINDOW_LOGITS[kind](target, threads))
     return {"perplexity": result.perplexity, "tokens_scored": result.tokens_scored}
@@ -227,7 +262,7 @@ def worker_perplexity(kind: str, target: str, threads: int, text_file: Path) -> 
 def worker_profile(kind: str, target: str, threads: int, new_tokens: int, prompts_file: Path) -> dict:
     from dataclasses import asdict
 
-    from runner.profile import profile_decode
+    from runner.tools.profile import profile_decode
 
     ids = json.loads(prompts_file.read_text())["short"]
     if kind == "ours":
@@ -235,8 +270,12 @@ def worker_profile(kind: str, target: str, threads: int, new_tokens: int, prompt
     return asdict(profile_ort_genai(target, ids, threads, new_tokens))
 
 
-CONTENDERS = {"ours": contender_ours, "transformers": contender_transformers, "llama.cpp": contender_llama_cpp,
-              "ort-genai": contender_ort_genai}
+CONTENDERS = {
+    "ours": contender_ours,
+    "transformers": contender_transformers,
+    "llama.cpp": contender_llama_cpp,
+    "ort-genai": contender_ort_genai,
+}
 
 
 def ensure_package(distribution: str) -> str:
@@ -261,7 +300,9 @@ def ort_genai_models(work: Path, threads: int) -> dict[str, Path]:
         path = default_gguf_path()
         from safetensors.torch import save_file
 
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        )
         # transformers refuses save_pretrained for a GGUF-loaded model: write the folder's two files ourselves
         hf.mkdir(parents=True, exist_ok=True)
         config = model.config.to_dict()
@@ -277,9 +318,26 @@ def ort_genai_models(work: Path, threads: int) -> dict[str, Path]:
         out = work / f"ort-genai-{precision}"
         if not (out / "genai_config.json").is_file():
             subprocess.run(
-                [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(out), "-p", precision,
-                 "-e", "cpu", "-c", str(work / "cache"), "--extra_options", "int4_accuracy_level=4"],
-                check=True, capture_output=True, text=True,
+                [
+                    sys.executable,
+                    "-m",
+                    "onnxruntime_genai.models.builder",
+                    "-i",
+                    str(hf),
+                    "-o",
+                    str(out),
+                    "-p",
+                    precision,
+                    "-e",
+                    "cpu",
+                    "-c",
+                    str(work / "cache"),
+                    "--extra_options",
+                    "int4_accuracy_level=4",
+                ],
+                check=True,
+                capture_output=True,
+                text=True,
             )
         config_path = out / "genai_config.json"
         config = json.loads(config_path.read_text())
@@ -292,26 +350,26 @@ def ort_genai_models(work: Path, threads: int) -> dict[str, Path]:
 def write_perplexity_text(engine: str, path: Path) -> None:
     """CPython's LICENSE.txt as our engine's tokenizer encodes it (real prose nobody here wrote; `runner eval` and
     benchmarks/quantization.py use it too): every engine is scored on these ids."""
-    from runner.bench import license_text
-    from runner.llm_engine import LLMEngine
+    from runner.core.args import EngineArgs
+    from runner.core.engine import LLMEngine
+    from runner.tools.bench import license_text
 
-    path.write_text(json.dumps(LLMEngine(engine, verify_checksums=False).codec.encode(license_text())))
+    path.write_text(json.dumps(LLMEngine(EngineArgs(engine, verify_checksums=False)).codec.encode(license_text())))
 
 
 def engine_label(engine: Path) -> str:
     manifest = json.loads((engine / "manifest.json").read_text())
-    q = manifest.get("quantization", {})
-    decode = manifest["graphs"][manifest["phases"]["decode"]["graph"]]
-    ops = native_ops_of(decode)  # our kernels the engine runs
+    q = manifest["quantization"]
+    ops = manifest["graphs"][manifest["phases"]["decode"]["graph"]]["native_ops"]  # our kernels the engine runs
     variants = []
     if manifest["kv_cache"]["dtype"] == "int8":
         variants.append("int8 KV cache")
-    elif "DecodeAttention" not in ops:  # onnxruntime's attention where ours could be (built before it, or without)
+    elif "DecodeAttention" not in ops:  # onnxruntime's attention where ours could be
         variants.append("onnxruntime attention")
-    if q.get("bits") == 4 and "Int4MatMul" not in ops:
+    if q["bits"] == 4 and "Int4MatMul" not in ops:
         variants.append("onnxruntime matmul")
     variant = "".join(f", {v}" for v in variants)
-    if q.get("method", "none") == "none":
+    if q["method"] == "none":
         return f"ours {manifest['dtype']}{variant}"
     return f"ours int{q['bits']} {q['method']} g{q['group_size']}{variant}"
 
@@ -325,19 +383,13 @@ def check_agreement(results: dict[str, dict], reference: str) -> list[str]:
     disagreeing = []
     for label, r in results.items():
         same = {p: r[p]["first_tokens"] == expected[p]["first_tokens"] for p in ("short", "long")}
-        r["agreement"] = "yes" if all(same.values()) else "no (" + ", ".join(p for p, ok in same.items() if not ok) + ")"
+        r["agreement"] = (
+            "yes" if all(same.values()) else "no (" + ", ".join(p for p, ok in same.items() if not ok) + ")"
+        )
         scored_alike = abs(r["perplexity"] / expected["perplexity"] - 1) <= FP32_PERPLEXITY_TOLERANCE
         if "fp32" in label and not (all(same.values()) and scored_alike):
             disagreeing.append(label)
     return disagreeing
-
-
-def paired_ratio(numerator: list[float], denominator: list[float]) -> tuple[float, float, float]:
-    """numerator / denominator round by round -> (median, lowest, highest). Run i of every engine comes from round i,
-    and the runs of a round follow one another within seconds, so a machine whose speed drifts over minutes moves
-    both alike: a ratio of medians could pair one engine's fast rounds with the other's slow ones."""
-    ratios = [a / b for a, b in zip(numerator, denominator, strict=True)]
-    return statistics.median(ratios), min(ratios), max(ratios)
 
 
 def standing(engines: dict[str, dict]) -> list[dict]:
@@ -356,18 +408,32 @@ def standing(engines: dict[str, dict]) -> list[dict]:
                 median, low, high = paired_ratio(ours_runs, peer_runs)
             else:  # a shorter time is better
                 median, low, high = paired_ratio(peer_runs, ours_runs)
-            rows.append({"prompt": prompt, "metric": metric, "ours": ours, "peer": peer, "ours_ahead_by": median,
-                         "lowest": low, "highest": high, "rounds": len(ours_runs)})
+            rows.append(
+                {
+                    "prompt": prompt,
+                    "metric": metric,
+                    "ours": ours,
+                    "peer": peer,
+                    "ours_ahead_by": median,
+                    "lowest": low,
+                    "highest": high,
+                    "rounds": len(ours_runs),
+                }
+            )
     return rows
 
 
 def standing_markdown(rows: list[dict]) -> list[str]:
     names = {"decode_tok_s": "decode", "ttft_ms": "TTFT"}
-    lines = ["| prompt | metric | our best | best peer | ours ahead by (median of paired rounds) | range over rounds |",
-             "|---|---|---|---|---:|---|"]
+    lines = [
+        "| prompt | metric | our best | best peer | ours ahead by (median of paired rounds) | range over rounds |",
+        "|---|---|---|---|---:|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['prompt']} | {names[r['metric']]} | {r['ours']} | {r['peer']} | {r['ours_ahead_by']:.2f}x "
-                     f"| {r['lowest']:.2f}-{r['highest']:.2f}x ({r['rounds']} rounds) |")
+        lines.append(
+            f"| {r['prompt']} | {names[r['metric']]} | {r['ours']} | {r['peer']} | {r['ours_ahead_by']:.2f}x "
+            f"| {r['lowest']:.2f}-{r['highest']:.2f}x ({r['rounds']} rounds) |"
+        )
     return lines
 
 
@@ -385,7 +451,8 @@ def markdown(report: dict) -> list[str]:
         f"{report['commit']}; batch 1, greedy, {report['new_tokens']} new tokens (EOS suppressed), median of "
         f"{report['runs']} after a warm-up, runs interleaved across engines.",
         "",
-        "| engine | TTFT short ms | TTFT long ms | decode short tok/s | decode long tok/s | MiB read per token | MBU short "
+        "| engine | TTFT short ms | TTFT long ms | decode short tok/s | decode long tok/s | MiB read per token | MBU "
+        "short "
         "| peak RSS MiB | first 16 tokens = fp32 | perplexity |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
@@ -395,8 +462,11 @@ def markdown(report: dict) -> list[str]:
             f"| {r['long']['decode_tok_s']:.1f} | {r['weight_bytes'] / 2**20:.0f} | {r['mbu_short']:.0%} "
             f"| {r['peak_rss_mb']:.0f} | {r['agreement']} | {r['perplexity']:.3f} |"
         )
-    lines += ["", f"Perplexity: CPython's LICENSE.txt ({report['perplexity_tokens']} tokens scored), windows of "
-              f"{PERPLEXITY_WINDOW} every {PERPLEXITY_STRIDE} tokens, the same token ids for every engine (lower is better)."]
+    lines += [
+        "",
+        f"Perplexity: CPython's LICENSE.txt ({report['perplexity_tokens']} tokens scored), windows of "
+        f"{PERPLEXITY_WINDOW} every {PERPLEXITY_STRIDE} tokens, the same token ids for every engine (lower is better).",
+    ]
     return lines
 
 
@@ -409,7 +479,9 @@ def profile_markdown(profiles: dict[str, dict], top: int = 8) -> list[str]:
     for label, p in profiles.items():
         cells = [f"{op['op']} {op['ms_per_run']:.2f} ms ({op['nodes_per_run']:.0f})" for op in p["ops"][:top]]
         cells += [""] * (top - len(cells))
-        lines.append(f"| {label} | {p['run_ms']:.2f} ms | {p['run_ms'] - p['kernel_ms']:.2f} ms | " + " | ".join(cells) + " |")
+        lines.append(
+            f"| {label} | {p['run_ms']:.2f} ms | {p['run_ms'] - p['kernel_ms']:.2f} ms | " + " | ".join(cells) + " |"
+        )
     return lines
 
 
@@ -421,8 +493,10 @@ def chart(report: dict, path: Path) -> None:
 
     labels = list(report["engines"])
     fig, axes = plt.subplots(1, 2, figsize=(12, 0.5 * len(labels) + 2))
-    for axis, metric, title in ((axes[0], "decode_tok_s", "decode tokens/s (higher is better)"),
-                                (axes[1], "ttft_ms", "time to first token, ms (lower is better)")):
+    for axis, metric, title in (
+        (axes[0], "decode_tok_s", "decode tokens/s (higher is better)"),
+        (axes[1], "ttft_ms", "time to first token, ms (lower is better)"),
+    ):
         for offset, prompt in ((-0.2, "short"), (0.2, "long")):
             values = [report["engines"][label][prompt][metric] for label in labels]
             axis.barh([i + offset for i in range(len(labels))], values, height=0.4, label=f"{prompt} prompt")
@@ -436,8 +510,14 @@ def chart(report: dict, path: Path) -> None:
 
 
 @click.command()
-@click.option("--ours", "ours", multiple=True, required=True, type=click.Path(exists=True, path_type=Path),
-              help="Our engine(s) of the default model; the first must be fp32 (its tokenizer gives every engine's ids).")
+@click.option(
+    "--ours",
+    "ours",
+    multiple=True,
+    required=True,
+    type=click.Path(exists=True, path_type=Path),
+    help="Our engine(s) of the default model; the first must be fp32 (its tokenizer gives every engine's ids).",
+)
 @click.option("--threads", type=int, default=2, show_default=True)
 @click.option("--new-tokens", type=int, default=128, show_default=True)
 @click.option("--runs", type=int, default=5, show_default=True)
@@ -451,7 +531,11 @@ def main(ours, threads, new_tokens, runs, peers, work, worker_kind, worker_targe
         print(json.dumps(worker_perplexity(worker_kind.removeprefix("perplexity:"), worker_target, threads, text_file)))
         return
     if worker_kind and worker_kind.startswith("profile:"):
-        print(json.dumps(worker_profile(worker_kind.removeprefix("profile:"), worker_target, threads, new_tokens, prompts_file)))
+        print(
+            json.dumps(
+                worker_profile(worker_kind.removeprefix("profile:"), worker_target, threads, new_tokens, prompts_file)
+            )
+        )
         return
     if worker_kind:
         generate, info = CONTENDERS[worker_kind](worker_target, threads)
@@ -460,7 +544,9 @@ def main(ours, threads, new_tokens, runs, peers, work, worker_kind, worker_targe
     from builder.loaders.default import default_gguf_path
 
     if engine_label(ours[0]) != "ours fp32":  # the reference every engine's first greedy tokens are checked against
-        raise click.BadParameter(f"the first --ours must be an fp32 engine, not {engine_label(ours[0])}", param_hint="--ours")
+        raise click.BadParameter(
+            f"the first --ours must be an fp32 engine, not {engine_label(ours[0])}", param_hint="--ours"
+        )
     prompts = write_prompts(str(ours[0]), prompts_file)
     write_perplexity_text(str(ours[0]), text_file)
     engines = [(engine_label(e), "ours", str(e)) for e in ours]
@@ -479,13 +565,32 @@ def main(ours, threads, new_tokens, runs, peers, work, worker_kind, worker_targe
             engines.append((f"ort-genai {precision}", "ort-genai", str(model_dir)))
 
     def worker_argv(kind: str, target: str) -> list[str]:
-        return [sys.executable, __file__, "--ours", str(ours[0]), "--threads", str(threads), "--new-tokens",
-                str(new_tokens), "--work", str(work), "--worker-kind", kind, "--worker-target", target]
+        return [
+            sys.executable,
+            __file__,
+            "--ours",
+            str(ours[0]),
+            "--threads",
+            str(threads),
+            "--new-tokens",
+            str(new_tokens),
+            "--work",
+            str(work),
+            "--worker-kind",
+            kind,
+            "--worker-target",
+            target,
+        ]
 
     def in_own_process(label: str, kind: str, target: str) -> dict:
         click.echo(f"{label}: {kind}", err=True)
-        proc = subprocess.run(worker_argv(kind, target), capture_output=True, text=True, check=False,
-                              env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+        proc = subprocess.run(
+            worker_argv(kind, target),
+            capture_output=True,
+            text=True,
+            check=False,
+            env={**os.environ, "OMP_NUM_THREADS": str(threads)},
+        )
         if proc.returncode != 0:
             raise SystemExit(f"{label} failed:\n{proc.stderr[-3000:]}")
         return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -496,45 +601,72 @@ def main(ours, threads, new_tokens, runs, peers, work, worker_kind, worker_targe
     for r in results.values():
         r["mbu_short"] = r["weight_bytes"] * r["short"]["decode_tok_s"] / (bandwidth * 1e9)
     # after the timed runs, in their own processes: the profiler slows every node down
-    profiles = {label: in_own_process(label, f"profile:{kind}", target) for label, kind, target in engines
-                if kind in ("ours", "ort-genai")}
+    profiles = {
+        label: in_own_process(label, f"profile:{kind}", target)
+        for label, kind, target in engines
+        if kind in ("ours", "ort-genai")
+    }
     for label, kind, target in engines:
         results[label].update(in_own_process(label, f"perplexity:{kind}", target))
     report_standing = standing(results)
     # where the best short-prompt decoder is onnxruntime-genai's, its graph and ours alone, call by call
     targets = {label: target for label, _, target in engines}
-    graphs = [{"ours": r["ours"], "peer": r["peer"],
-               **graph_parity_in_own_process(targets[r["ours"]], targets[r["peer"]], len(prompts["short"]), threads)}
-              for r in report_standing if r["prompt"] == "short" and r["metric"] == "decode_tok_s"
-              and r["peer"].startswith("ort-genai")]
+    graphs = [
+        {
+            "ours": r["ours"],
+            "peer": r["peer"],
+            **graph_parity_in_own_process(targets[r["ours"]], targets[r["peer"]], len(prompts["short"]), threads),
+        }
+        for r in report_standing
+        if r["prompt"] == "short" and r["metric"] == "decode_tok_s" and r["peer"].startswith("ort-genai")
+    ]
 
     reference = results[engine_label(ours[0])]
     disagreeing = check_agreement(results, engine_label(ours[0]))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+    ).stdout.strip()
     report = {
-        "machine": f"{cpu_model()}, {os.cpu_count()} cores, {threads} threads", "bandwidth_gbs": bandwidth,
-        "commit": commit, "versions": versions, "new_tokens": new_tokens, "runs": runs, "engines": results,
-        "profiles": profiles, "standing": report_standing, "graph_parity": graphs,
+        "machine": f"{cpu_model()}, {os.cpu_count()} cores, {threads} threads",
+        "bandwidth_gbs": bandwidth,
+        "commit": commit,
+        "versions": versions,
+        "new_tokens": new_tokens,
+        "runs": runs,
+        "engines": results,
+        "profiles": profiles,
+        "standing": report_standing,
+        "graph_parity": graphs,
         "perplexity_tokens": reference["tokens_scored"],
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "peers.json").write_text(json.dumps(report, indent=2))
     lines = markdown(report)
-    lines += ["", "Our best engine against the best peer, per round (each round runs every engine once, one after the other, "
-              "so a ratio compares runs seconds apart; > 1: ours ahead):", ""]
+    lines += [
+        "",
+        "Our best engine against the best peer, per round (each round runs every engine once, one after the other, "
+        "so a ratio compares runs seconds apart; > 1: ours ahead):",
+        "",
+    ]
     lines += standing_markdown(report["standing"])
     for g in graphs:
         lines += ["", parity_markdown(g["ours"], g["peer"], g)]
     lines += ["", "versions: " + ", ".join(f"{k} {v}" for k, v in versions.items())]
-    lines += ["", "Where a batch-1 decode run of the short prompt spends its time, per operator type (onnxruntime's "
-              "profiler, which adds a few microseconds per node: times are inflated, most for graphs with many nodes; "
-              "in brackets the nodes per run):", ""]
+    lines += [
+        "",
+        "Where a batch-1 decode run of the short prompt spends its time, per operator type (onnxruntime's "
+        "profiler, which adds a few microseconds per node: times are inflated, most for graphs with many nodes; "
+        "in brackets the nodes per run):",
+        "",
+    ]
     lines += profile_markdown(profiles)
     (RESULTS / "peers.md").write_text("\n".join(lines) + "\n")
     chart(report, RESULTS / "peers.png")
     click.echo("\n".join(lines))
     if disagreeing:
-        raise SystemExit(f"fp32 engines disagree with ours fp32 (first greedy tokens or perplexity): {', '.join(disagreeing)}")
+        raise SystemExit(
+            f"fp32 engines disagree with ours fp32 (first greedy tokens or perplexity): {', '.join(disagreeing)}"
+        )
 
 
 if __name__ == "__main__":

@@ -13,9 +13,8 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
-
 from importlib.metadata import version
+from pathlib import Path
 
 import click
 
@@ -23,15 +22,18 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.interleave import Generate, decode_rate, interleaved_runs, serve  # noqa: E402
-from runner.machine import cpu_model  # noqa: E402
+from runner.core.machine import cpu_model  # noqa: E402
 
 
 def contender_ours(engine: str, threads: int) -> tuple[Generate, dict]:
-    from runner.bench import time_generation, weight_bytes_per_step
-    from runner.llm_engine import LLMEngine
+    from runner.core.args import EngineArgs
+    from runner.core.engine import LLMEngine
+    from runner.tools.bench import time_generation, weight_bytes_per_step
 
     start = time.perf_counter()
-    llm = LLMEngine(engine, threads=threads, max_batch=1)  # one stream, as `runner generate` runs it: no batch padding
+    llm = LLMEngine(
+        EngineArgs(engine, threads=threads, max_batch=1)
+    )  # one stream, as `runner generate` runs it: no batch padding
     load_s = time.perf_counter() - start
 
     def generate(ids: list[int], count: int) -> tuple[float, float, list[int]]:
@@ -50,7 +52,9 @@ def load_transformers_model(threads: int):
 
     torch.set_num_threads(threads)
     path = default_gguf_path()
-    return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
 
 
 def contender_transformers(engine: str, threads: int) -> tuple[Generate, dict]:
@@ -74,11 +78,15 @@ def contender_transformers(engine: str, threads: int) -> tuple[Generate, dict]:
         begin = time.perf_counter()
         with torch.no_grad():
             out = model.generate(
-                torch.tensor([ids]), max_new_tokens=count, min_new_tokens=count, do_sample=False, streamer=Clock(),
+                torch.tensor([ids]),
+                max_new_tokens=count,
+                min_new_tokens=count,
+                do_sample=False,
+                streamer=Clock(),
             )
         # put() is called first with the prompt, then once per new token
         first, last = streamer_times[1], streamer_times[-1]
-        tokens = out[0, len(ids):].tolist()
+        tokens = out[0, len(ids) :].tolist()
         return first - begin, decode_rate(len(tokens), last - first), tokens
 
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # a tied table counts once
@@ -90,10 +98,11 @@ CONTENDERS = {"ours": contender_ours, "transformers": contender_transformers}
 
 def write_prompts(engine: str, path: Path) -> dict[str, list[int]]:
     """The benchmark's chat prompts as our engine's tokenizer encodes them: every contender gets these ids."""
-    from runner.bench import chat_prompts
-    from runner.llm_engine import LLMEngine
+    from runner.core.args import EngineArgs
+    from runner.core.engine import LLMEngine
+    from runner.tools.bench import chat_prompts
 
-    prompts = chat_prompts(LLMEngine(engine, verify_checksums=False).codec)
+    prompts = chat_prompts(LLMEngine(EngineArgs(engine, verify_checksums=False)).codec)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(prompts))
     return prompts
@@ -114,20 +123,36 @@ def main(engine, threads, new_tokens, runs, worker, out) -> None:
         return
     prompts = write_prompts(engine, prompts_file)
     workers = {
-        name: [sys.executable, __file__, "--engine", engine, "--threads", str(threads), "--new-tokens", str(new_tokens),
-               "--worker", name]
+        name: [
+            sys.executable,
+            __file__,
+            "--engine",
+            engine,
+            "--threads",
+            str(threads),
+            "--new-tokens",
+            str(new_tokens),
+            "--worker",
+            name,
+        ]
         for name in CONTENDERS
     }
     results = interleaved_runs(workers, prompts, runs, threads, log=lambda line: click.echo(line, err=True))
     ours, ref = results["ours"], results["transformers"]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+    ).stdout.strip()
     machine = f"{cpu_model()}, {threads} threads"
     print(f"machine: {machine}; commit {commit}; batch 1, greedy, {new_tokens} new tokens, median of {runs}")
-    print(f"{'prompt':<7} {'tokens':>6} | {'ours TTFT':>10} {'HF TTFT':>9} {'ratio':>6} | {'ours tok/s':>10} {'HF tok/s':>9} {'ratio':>6} | same first tokens")
+    print(
+        f"{'prompt':<7} {'tokens':>6} | {'ours TTFT':>10} {'HF TTFT':>9} {'ratio':>6} | {'ours tok/s':>10} "
+        f"{'HF tok/s':>9} {'ratio':>6} | same first tokens"
+    )
     for name in ("short", "long"):
         a, b = ours[name], ref[name]
         print(
-            f"{name:<7} {a['prompt_tokens']:>6} | {a['ttft_ms']:>8.0f}ms {b['ttft_ms']:>7.0f}ms {b['ttft_ms'] / a['ttft_ms']:>5.2f}x | "
+            f"{name:<7} {a['prompt_tokens']:>6} | {a['ttft_ms']:>8.0f}ms {b['ttft_ms']:>7.0f}ms "
+            f"{b['ttft_ms'] / a['ttft_ms']:>5.2f}x | "
             f"{a['decode_tok_s']:>10.1f} {b['decode_tok_s']:>9.1f} {a['decode_tok_s'] / b['decode_tok_s']:>5.2f}x | "
             f"{a['first_tokens'] == b['first_tokens']}"
         )
@@ -135,10 +160,19 @@ def main(engine, threads, new_tokens, runs, worker, out) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     versions = {name: version(name) for name in ("onnxruntime", "torch", "transformers", "onnx", "onnxscript")}
     print("versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
-    out.write_text(json.dumps(
-        {"machine": machine, "commit": commit, "versions": versions, "new_tokens": new_tokens, "runs": runs, "results": results},
-        indent=2,
-    ))
+    out.write_text(
+        json.dumps(
+            {
+                "machine": machine,
+                "commit": commit,
+                "versions": versions,
+                "new_tokens": new_tokens,
+                "runs": runs,
+                "results": results,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

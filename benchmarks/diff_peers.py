@@ -5,7 +5,7 @@
 Prints a Markdown report: each run's machine, bandwidth, commit and versions (with a warning where they differ), then
 for every engine in both runs its medians old -> new with the ratio (> 1: better in the new run, for times too), and
 the paired standings (our best against the best peer, rounds of one run) side by side. Absolute numbers move with
-the machine's memory bandwidth (10-20% over an hour on this project's VM), so between runs the paired standings,
+the machine's memory bandwidth (which drifts within an hour on a shared VM), so between runs the paired standings,
 each measured within one run, are the figures to compare; the report says so where the bandwidth moved.
 """
 
@@ -25,7 +25,10 @@ METRICS = [
     (("peak_rss_mb",), "peak RSS MiB", False),
     (("perplexity",), "perplexity", False),
 ]
-METRIC_NAMES = {"decode_tok_s": "decode", "ttft_ms": "TTFT"}  # the standings' metrics, as compare_peers' table names them
+METRIC_NAMES = {
+    "decode_tok_s": "decode",
+    "ttft_ms": "TTFT",
+}  # the standings' metrics, as compare_peers' table names them
 BANDWIDTH_MOVED = 0.10  # beyond this relative change of the triad, absolute speeds are not comparable
 
 
@@ -56,13 +59,19 @@ def diff_report(old: dict, new: dict) -> list[str]:
         lines.append("**Different machines**: ratios below compare machines as much as commits.")
     bandwidths = old.get("bandwidth_gbs"), new.get("bandwidth_gbs")
     if all(bandwidths) and abs(bandwidths[1] / bandwidths[0] - 1) > BANDWIDTH_MOVED:
-        lines.append(f"**The memory bandwidth moved {bandwidths[1] / bandwidths[0] - 1:+.0%}** between the runs: decode "
-                     "speeds follow it; compare the paired standings (last table).")
+        lines.append(
+            f"**The memory bandwidth moved {bandwidths[1] / bandwidths[0] - 1:+.0%}** between the runs: decode "
+            "speeds follow it; compare the paired standings (last table)."
+        )
     if old.get("versions") != new.get("versions"):
         lines.append("**Versions differ** (above).")
-    lines += ["", "Engines in both runs, old -> new (ratio > 1: better in the new run):", "",
-              "| engine | " + " | ".join(label for _, label, _ in METRICS) + " |",
-              "|---|" + "---:|" * len(METRICS)]
+    lines += [
+        "",
+        "Engines in both runs, old -> new (ratio > 1: better in the new run):",
+        "",
+        "| engine | " + " | ".join(label for _, label, _ in METRICS) + " |",
+        "|---|" + "---:|" * len(METRICS),
+    ]
     old_engines, new_engines = old.get("engines", {}), new.get("engines", {})
     for engine in [e for e in new_engines if e in old_engines]:
         cells = []
@@ -70,19 +79,34 @@ def diff_report(old: dict, new: dict) -> list[str]:
             a, b = lookup(old_engines[engine], path), lookup(new_engines[engine], path)
             cells.append("-" if a is None or b is None else f"{a:.4g} -> {b:.4g} ({improvement(a, b, higher):.2f}x)")
         lines.append(f"| {engine} | " + " | ".join(cells) + " |")
-    for label, names in (("only in the old run", [e for e in old_engines if e not in new_engines]),
-                         ("only in the new run", [e for e in new_engines if e not in old_engines])):
+    for label, names in (
+        ("only in the old run", [e for e in old_engines if e not in new_engines]),
+        ("only in the new run", [e for e in new_engines if e not in old_engines]),
+    ):
         if names:
             lines += ["", f"Engines {label}: {', '.join(names)}."]
-    lines += ["", "Our best engine against the best peer, paired within each run (> 1: ours ahead):", "",
-              "| prompt | metric | old: ours / peer | old | new: ours / peer | new |", "|---|---|---|---:|---|---:|"]
+    lines += [
+        "",
+        "Our best engine against the best peer, paired within each run (> 1: ours ahead):",
+        "",
+        "| prompt | metric | old: ours / peer | old | new: ours / peer | new |",
+        "|---|---|---|---:|---|---:|",
+    ]
     old_standing = {(r["prompt"], r["metric"]): r for r in old.get("standing", [])}
     for row in new.get("standing", []):
         before = old_standing.get((row["prompt"], row["metric"]))
-        old_cells = (f"{before['ours']} / {before['peer']} | {before['ours_ahead_by']:.2f}x "
-                     f"({before['lowest']:.2f}-{before['highest']:.2f})") if before else "- | -"
-        lines.append(f"| {row['prompt']} | {METRIC_NAMES[row['metric']]} | {old_cells} | {row['ours']} / {row['peer']} | "
-                     f"{row['ours_ahead_by']:.2f}x ({row['lowest']:.2f}-{row['highest']:.2f}) |")
+        old_cells = (
+            (
+                f"{before['ours']} / {before['peer']} | {before['ours_ahead_by']:.2f}x "
+                f"({before['lowest']:.2f}-{before['highest']:.2f})"
+            )
+            if before
+            else "- | -"
+        )
+        lines.append(
+            f"| {row['prompt']} | {METRIC_NAMES[row['metric']]} | {old_cells} | {row['ours']} / {row['peer']} | "
+            f"{row['ours_ahead_by']:.2f}x ({row['lowest']:.2f}-{row['highest']:.2f}) |"
+        )
     return lines
 
 

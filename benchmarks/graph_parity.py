@@ -4,8 +4,8 @@ their calls interleaved one by one so that the machine's drift cancels.
 
 It separates a graph from the loop that drives it: the end-to-end decode ratio of `compare_peers.py` minus this
 one is what each engine spends per token outside its graph (ours in Python, onnxruntime-genai's in C++). Run
-alone, each in its own process, the two engines' speeds move by 10-30% between processes on a shared VM; call by
-call in one process the ratio is steady to a few percent.
+alone, each in its own process, the two engines' speeds move between processes on a shared VM by more than the
+gap measured; call by call in one process the ratio is steady (docs/measurements.md, Benchmark method).
 
     python benchmarks/graph_parity.py --ours engines-out/int4-rtn --peer engines-out/peers/ort-genai-int4
 """
@@ -46,8 +46,11 @@ class PeerDecoder:
         from engines.backends.onnxruntime import session_options
 
         config = json.loads((model_dir / "genai_config.json").read_text())["model"]["decoder"]
-        self.session = ort.InferenceSession(str(model_dir / config["filename"]), session_options(ort, threads, spinning=True),
-                                            providers=["CPUExecutionProvider"])
+        self.session = ort.InferenceSession(
+            str(model_dir / config["filename"]),
+            session_options(ort, threads, spinning=True),
+            providers=["CPUExecutionProvider"],
+        )
         self.names = config["inputs"] | config["outputs"]
         self.input_names = {i.name for i in self.session.get_inputs()}
         self.binding = self.session.io_binding()
@@ -59,8 +62,10 @@ class PeerDecoder:
             for past, present in (("past_key_names", "present_key_names"), ("past_value_names", "present_value_names")):
                 buffer = (0.1 * rng.standard_normal(shape)).astype(np.float32)
                 self.cache.append(buffer)
-                for name, bind in ((self.names[past] % layer, self.binding.bind_input),
-                                   (self.names[present] % layer, self.binding.bind_output)):
+                for name, bind in (
+                    (self.names[past] % layer, self.binding.bind_input),
+                    (self.names[present] % layer, self.binding.bind_output),
+                ):
                     bind(name, "cpu", 0, np.float32, list(shape), buffer.ctypes.data)
         self.vocab_size = self.session.get_outputs()[0].shape[-1]
 
@@ -74,12 +79,15 @@ class PeerDecoder:
         self.session.run_with_iobinding(self.binding)
 
 
-def graph_parity(ours: Path, peer: Path, prompt_ids: list[int], threads: int, calls: int = 600, span: int = 64) -> GraphParity:
+def graph_parity(
+    ours: Path, peer: Path, prompt_ids: list[int], threads: int, calls: int = 600, span: int = 64
+) -> GraphParity:
     """Decode calls of both graphs after a prompt, alternating which goes first; the positions cycle through `span`
     (the pages of ours are written by a first pass, so that neither reads untouched memory)."""
-    from runner.llm_engine import LLMEngine
+    from runner.core.args import EngineArgs
+    from runner.core.engine import LLMEngine
 
-    executor = LLMEngine(ours, threads=threads, max_batch=1).executor
+    executor = LLMEngine(EngineArgs(ours, threads=threads, max_batch=1)).executor
     executor.prefill(0, prompt_ids, 0)
     first = len(prompt_ids)
     token = prompt_ids[-1]
@@ -91,29 +99,46 @@ def graph_parity(ours: Path, peer: Path, prompt_ids: list[int], threads: int, ca
     ours_s, peer_s = [], []
     for call in range(calls):
         position = first + call % span
-        pair = [(ours_s, lambda: executor.decode([0], [token], [position])), (peer_s, lambda: theirs(token, position))]
+        pair = [
+            (ours_s, lambda position=position: executor.decode([0], [token], [position])),
+            (peer_s, lambda position=position: theirs(token, position)),
+        ]
         for times, run in pair if call % 2 == 0 else pair[::-1]:
             start = time.perf_counter()
             run()
             times.append(time.perf_counter() - start)
-    return GraphParity(statistics.median(ours_s) * 1000, statistics.median(peer_s) * 1000,
-                       statistics.median(o / p for o, p in zip(ours_s, peer_s)), calls, first, span)
+    return GraphParity(
+        statistics.median(ours_s) * 1000,
+        statistics.median(peer_s) * 1000,
+        statistics.median(o / p for o, p in zip(ours_s, peer_s)),
+        calls,
+        first,
+        span,
+    )
 
 
 def parity_markdown(ours_label: str, peer_label: str, parity: dict) -> str:
-    return (f"Decode graphs alone (`benchmarks/graph_parity.py`: {peer_label}'s model.onnx run by our runtime with our "
-            f"session options, {parity['calls']} calls of each interleaved in one process, positions "
-            f"{parity['first_position']}-{parity['first_position'] + parity['span'] - 1}): {ours_label} "
-            f"{parity['ours_ms']:.2f} ms per call, {peer_label} {parity['peer_ms']:.2f} ms; ours / theirs per call "
-            f"{parity['ours_over_peer']:.3f} (> 1: our graph is slower). What the end-to-end ratio adds to this is the "
-            f"loop around each graph.")
+    return (
+        f"Decode graphs alone (`benchmarks/graph_parity.py`: {peer_label}'s model.onnx run by our runtime with our "
+        f"session options, {parity['calls']} calls of each interleaved in one process, positions "
+        f"{parity['first_position']}-{parity['first_position'] + parity['span'] - 1}): {ours_label} "
+        f"{parity['ours_ms']:.2f} ms per call, {peer_label} {parity['peer_ms']:.2f} ms; ours / theirs per call "
+        f"{parity['ours_over_peer']:.3f} (> 1: our graph is slower). What the end-to-end ratio adds to this is the "
+        f"loop around each graph."
+    )
 
 
 @click.command()
 @click.option("--ours", required=True, type=click.Path(exists=True, path_type=Path), help="Our engine.")
-@click.option("--peer", required=True, type=click.Path(exists=True, path_type=Path),
-              help="An onnxruntime-genai model folder (genai_config.json, model.onnx).")
-@click.option("--prompt-tokens", type=int, default=40, show_default=True, help="Cached positions before the timed calls.")
+@click.option(
+    "--peer",
+    required=True,
+    type=click.Path(exists=True, path_type=Path),
+    help="An onnxruntime-genai model folder (genai_config.json, model.onnx).",
+)
+@click.option(
+    "--prompt-tokens", type=int, default=40, show_default=True, help="Cached positions before the timed calls."
+)
 @click.option("--threads", type=int, default=2, show_default=True)
 @click.option("--calls", type=int, default=600, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON line.")

@@ -3,12 +3,11 @@
 Each contender runs in a worker process of its own (its own threads, its own peak RSS) that loads its engine, warms
 up, and then times one generation per request. The coordinator sends the requests round-robin, rotating the order
 every round, so every engine's runs spread over the whole benchmark: a machine whose speed drifts over minutes (this
-project's VM does, by 10-20%) then favours no engine. Timing one engine after another gave onnxruntime-genai's int4
-decode 1.21x ours in one run; alternating the same two engines gave 1.05x.
+project's VMs do) then favours no engine (docs/measurements.md, Benchmark method).
 
-Worker side: `serve(generate, info, ...)`; `generate(ids, count)` -> (seconds to the first token, decode tokens/s
-after it, the first greedy tokens). Coordinator side: `interleaved_runs`. Protocol lines on the worker's stdout start with PREFIX (libraries
-may print there too).
+Worker side: `serve(generate, info, ...)`; `generate(ids, count)` -> (seconds to the first token, decode tokens/s after
+it, the first greedy tokens). Coordinator side: `interleaved_runs`. Protocol lines on the worker's stdout start with
+PREFIX (libraries may print there too).
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ import time
 from collections.abc import Callable
 
 PREFIX = "@@ "
-FIRST_TOKENS = 16  # greedy tokens compared between engines (as many as runner.bench.Timing keeps)
+FIRST_TOKENS = 16  # greedy tokens compared between engines (as many as runner.tools.bench.Timing keeps)
 SETTLE_S = 0.05  # between runs: lets the last engine's spinning threads go idle before the next one starts
 
 Generate = Callable[[list[int], int], tuple[float, float, list[int]]]
@@ -30,6 +29,14 @@ Generate = Callable[[list[int], int], tuple[float, float, list[int]]]
 
 def decode_rate(tokens: int, seconds_after_first: float) -> float:
     return (tokens - 1) / seconds_after_first
+
+
+def paired_ratio(numerator: list[float], denominator: list[float]) -> tuple[float, float, float]:
+    """numerator / denominator round by round -> (median, lowest, highest). Run i of every engine comes from round i,
+    and the runs of a round follow one another within seconds, so a machine whose speed drifts over minutes moves
+    both alike: a ratio of medians could pair one engine's fast rounds with the other's slow ones."""
+    ratios = [a / b for a, b in zip(numerator, denominator, strict=True)]
+    return statistics.median(ratios), min(ratios), max(ratios)
 
 
 def serve(generate: Generate, info: dict, prompts: dict[str, list[int]], new_tokens: int) -> None:
@@ -57,14 +64,18 @@ class Worker:
     def __init__(self, label: str, argv: list[str], threads: int) -> None:
         self.label = label
         self.process = subprocess.Popen(
-            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
             env={**os.environ, "OMP_NUM_THREADS": str(threads)},
         )
 
     def receive(self) -> dict:
         for line in self.process.stdout:
             if line.startswith(PREFIX):
-                return json.loads(line[len(PREFIX):])
+                return json.loads(line[len(PREFIX) :])
         raise SystemExit(f"{self.label} worker failed:\n{self.process.stderr.read()[-3000:]}")
 
     def ask(self, request: str) -> dict:
@@ -73,8 +84,13 @@ class Worker:
         return self.receive()
 
 
-def interleaved_runs(workers: dict[str, list[str]], prompts: dict[str, list[int]], runs: int, threads: int,
-                     log: Callable[[str], None] = lambda _: None) -> dict[str, dict]:
+def interleaved_runs(
+    workers: dict[str, list[str]],
+    prompts: dict[str, list[int]],
+    runs: int,
+    threads: int,
+    log: Callable[[str], None] = lambda _: None,
+) -> dict[str, dict]:
     """`workers`: label -> the command that starts its worker. Starts them all, times `runs` rounds of every prompt
     round-robin, and returns per label: medians per prompt (TTFT, decode tok/s, first tokens) and the worker's info."""
     started = {label: Worker(label, argv, threads) for label, argv in workers.items()}
@@ -85,7 +101,7 @@ def interleaved_runs(workers: dict[str, list[str]], prompts: dict[str, list[int]
     labels = list(workers)
     for round_ in range(runs):
         for name in prompts:
-            for label in labels[round_ % len(labels):] + labels[:round_ % len(labels)]:
+            for label in labels[round_ % len(labels) :] + labels[: round_ % len(labels)]:
                 time.sleep(SETTLE_S)
                 measured[label][name].append(started[label].ask(name))
         log(f"round {round_ + 1}/{runs} done")
@@ -96,7 +112,8 @@ def interleaved_runs(workers: dict[str, list[str]], prompts: dict[str, list[int]
         for name, ids in prompts.items():
             runs_of = measured[label][name]
             results[label][name] = {
-                "prompt_tokens": len(ids), "runs": len(runs_of),
+                "prompt_tokens": len(ids),
+                "runs": len(runs_of),
                 "ttft_ms": statistics.median(r["ttft_s"] for r in runs_of) * 1000,
                 "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs_of),
                 "first_tokens": runs_of[0]["tokens"],

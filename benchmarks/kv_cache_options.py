@@ -62,10 +62,15 @@ def inputs_views(length: int, threads: int, reps: int) -> float:
     ]
     model = _model(
         nodes,
-        [_value("q", [1, KV_HEADS, GROUP, HEAD_DIM]), _value("k_t", [1, KV_HEADS, HEAD_DIM, 1]),
-         _value("v", [1, KV_HEADS, 1, HEAD_DIM]), _value("past_key", [1, KV_HEADS, HEAD_DIM, "L"]),
-         _value("past_value", [1, KV_HEADS, "L", HEAD_DIM]), _value("bias", [1, 1, GROUP, "L1"]),
-         _value("split", [2], 7)],
+        [
+            _value("q", [1, KV_HEADS, GROUP, HEAD_DIM]),
+            _value("k_t", [1, KV_HEADS, HEAD_DIM, 1]),
+            _value("v", [1, KV_HEADS, 1, HEAD_DIM]),
+            _value("past_key", [1, KV_HEADS, HEAD_DIM, "L"]),
+            _value("past_value", [1, KV_HEADS, "L", HEAD_DIM]),
+            _value("bias", [1, 1, GROUP, "L1"]),
+            _value("split", [2], 7),
+        ],
         [_value("out", [1, KV_HEADS, GROUP, HEAD_DIM])],
     )
     session = _session(model, threads)
@@ -75,7 +80,8 @@ def inputs_views(length: int, threads: int, reps: int) -> float:
         "q": np.random.rand(1, KV_HEADS, GROUP, HEAD_DIM).astype(np.float32),
         "k_t": np.random.rand(1, KV_HEADS, HEAD_DIM, 1).astype(np.float32),
         "v": np.random.rand(1, KV_HEADS, 1, HEAD_DIM).astype(np.float32),
-        "past_key": keys, "past_value": values,
+        "past_key": keys,
+        "past_value": values,
         "bias": np.zeros((1, 1, GROUP, length + 1), np.float32),
         "split": np.array([length, 1], np.int64),
     }
@@ -101,11 +107,18 @@ def concat(length: int, threads: int, reps: int) -> float:
     ]
     model = _model(
         nodes,
-        [_value("q", [1, KV_HEADS, GROUP, HEAD_DIM]), _value("k", [1, KV_HEADS, 1, HEAD_DIM]),
-         _value("v", [1, KV_HEADS, 1, HEAD_DIM]), _value("past_key", [1, KV_HEADS, "L", HEAD_DIM]),
-         _value("past_value", [1, KV_HEADS, "L", HEAD_DIM])],
-        [_value("out", [1, KV_HEADS, GROUP, HEAD_DIM]), _value("present_key", [1, KV_HEADS, "L1", HEAD_DIM]),
-         _value("present_value", [1, KV_HEADS, "L1", HEAD_DIM])],
+        [
+            _value("q", [1, KV_HEADS, GROUP, HEAD_DIM]),
+            _value("k", [1, KV_HEADS, 1, HEAD_DIM]),
+            _value("v", [1, KV_HEADS, 1, HEAD_DIM]),
+            _value("past_key", [1, KV_HEADS, "L", HEAD_DIM]),
+            _value("past_value", [1, KV_HEADS, "L", HEAD_DIM]),
+        ],
+        [
+            _value("out", [1, KV_HEADS, GROUP, HEAD_DIM]),
+            _value("present_key", [1, KV_HEADS, "L1", HEAD_DIM]),
+            _value("present_value", [1, KV_HEADS, "L1", HEAD_DIM]),
+        ],
     )
     session = _session(model, threads)
     state = {"k": np.random.rand(1, KV_HEADS, length, HEAD_DIM).astype(np.float32)}
@@ -130,16 +143,26 @@ def gqa_shared(length: int, threads: int, reps: int) -> float:
         "GroupQueryAttention",
         ["query", "key", "value", "past_key", "past_value", "seqlens_k", "total_sequence_length"],
         ["out", "present_key", "present_value"],
-        domain="com.microsoft", num_heads=HEADS, kv_num_heads=KV_HEADS,
+        domain="com.microsoft",
+        num_heads=HEADS,
+        kv_num_heads=KV_HEADS,
     )
     model = _model(
         [node],
-        [_value("query", [1, 1, HEADS * HEAD_DIM]), _value("key", [1, 1, KV_HEADS * HEAD_DIM]),
-         _value("value", [1, 1, KV_HEADS * HEAD_DIM]), _value("past_key", [1, KV_HEADS, max_len, HEAD_DIM]),
-         _value("past_value", [1, KV_HEADS, max_len, HEAD_DIM]), _value("seqlens_k", [1], TensorProto.INT32),
-         _value("total_sequence_length", [], TensorProto.INT32)],
-        [_value("out", [1, 1, HEADS * HEAD_DIM]), _value("present_key", [1, KV_HEADS, max_len, HEAD_DIM]),
-         _value("present_value", [1, KV_HEADS, max_len, HEAD_DIM])],
+        [
+            _value("query", [1, 1, HEADS * HEAD_DIM]),
+            _value("key", [1, 1, KV_HEADS * HEAD_DIM]),
+            _value("value", [1, 1, KV_HEADS * HEAD_DIM]),
+            _value("past_key", [1, KV_HEADS, max_len, HEAD_DIM]),
+            _value("past_value", [1, KV_HEADS, max_len, HEAD_DIM]),
+            _value("seqlens_k", [1], TensorProto.INT32),
+            _value("total_sequence_length", [], TensorProto.INT32),
+        ],
+        [
+            _value("out", [1, 1, HEADS * HEAD_DIM]),
+            _value("present_key", [1, KV_HEADS, max_len, HEAD_DIM]),
+            _value("present_value", [1, KV_HEADS, max_len, HEAD_DIM]),
+        ],
         domains=(("", 18), ("com.microsoft", 1)),
     )
     session = _session(model, threads)
@@ -178,7 +201,10 @@ OPTIONS = {"inputs_views": inputs_views, "concat": concat, "gqa_shared": gqa_sha
 @click.option("--lengths", default="64,256,1024,2048", show_default=True)
 def main(threads: int, reps: int, lengths: str) -> None:
     sizes = [int(x) for x in lengths.split(",")]
-    print(f"one attention layer, decode, batch 1, {HEADS} heads / {KV_HEADS} KV heads x {HEAD_DIM}, {threads} threads: us per step")
+    print(
+        f"one attention layer, decode, batch 1, {HEADS} heads / {KV_HEADS} KV heads x {HEAD_DIM}, {threads} threads: "
+        "us per step"
+    )
     print(f"{'option':<14}" + "".join(f"{'L=' + str(n):>10}" for n in sizes))
     for name, option in OPTIONS.items():
         print(f"{name:<14}" + "".join(f"{option(n, threads, reps):>10.1f}" for n in sizes))

@@ -16,7 +16,7 @@ measures what prefix caching does for 8 clients in multi-turn chats.
 
 Throughput is steady state: output tokens streamed while all N clients were sending, per second. A run of a fixed
 number of requests instead ends in a drain where fewer and fewer clients are left, which says more about how the
-request lengths fell than about batching. Turns alternate because this VM's speed drifts by 10-30% within minutes:
+request lengths fell than about batching. Turns alternate because a shared VM's speed drifts within minutes:
 a ratio is taken between runs of the same round. Prints, per setting, output tokens/s (median of the rounds), its
 ratio to the first setting's in the same rounds (median), TTFT p50/p99 and inter-token latency p50/p99 over all
 rounds, and the machine's memory bandwidth (STREAM triad) before each round; writes benchmarks/results/load.json.
@@ -42,8 +42,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 QUESTIONS = [
-    "What is the capital of France?", "Write a short poem about the sea.", "Explain photosynthesis simply.",
-    "Give me three tips for learning to cook.", "Why is the sky blue?", "Describe a cat to someone who never saw one.",
+    "What is the capital of France?",
+    "Write a short poem about the sea.",
+    "Explain photosynthesis simply.",
+    "Give me three tips for learning to cook.",
+    "Why is the sky blue?",
+    "Describe a cat to someone who never saw one.",
 ]
 
 
@@ -67,7 +71,7 @@ class Load:
 
 
 def long_question() -> str:
-    from runner.bench import license_text
+    from runner.tools.bench import license_text
 
     return "Summarise this text:\n" + " ".join(license_text().split()[:420])
 
@@ -100,8 +104,12 @@ async def client(url: str, rng: random.Random, deadline: float, load: Load, turn
             else:
                 history.append({"role": "user", "content": rng.choice(FOLLOW_UPS)})
             body = {
-                "model": "bench", "messages": history,
-                "stream": True, "max_tokens": rng.randint(32, 128), "temperature": 0.0, "ignore_eos": True,
+                "model": "bench",
+                "messages": history,
+                "stream": True,
+                "max_tokens": rng.randint(32, 128),
+                "temperature": 0.0,
+                "ignore_eos": True,
             }
             start = time.perf_counter()
             stamps, reply = [], []
@@ -126,19 +134,37 @@ async def client(url: str, rng: random.Random, deadline: float, load: Load, turn
 async def run_turn(url: str, clients: int, seconds: float, load: Load, seed: int) -> Turn:
     turn = Turn(clients, seconds)
     start = time.perf_counter()
-    await asyncio.gather(*(
-        client(url, random.Random(seed * 1000 + i), start + seconds, load, turn) for i in range(clients)
-    ))
+    await asyncio.gather(
+        *(client(url, random.Random(seed * 1000 + i), start + seconds, load, turn) for i in range(clients))
+    )
     return turn
 
 
 def start_server(engine: str, max_batch: int, threads: int, prefix_caching: bool) -> tuple[subprocess.Popen, str]:
     port = free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "runner.cli", "serve", engine, "--port", str(port), "--max-batch", str(max_batch),
-         "--threads", str(threads), "--model-name", "bench", "--max-waiting", "256"]
+        [
+            sys.executable,
+            "-m",
+            "runner.cli.main",
+            "serve",
+            engine,
+            "--port",
+            str(port),
+            "--max-batch",
+            str(max_batch),
+            "--threads",
+            str(threads),
+            "--model-name",
+            "bench",
+            "--max-waiting",
+            "256",
+        ]
         + (["--enable-prefix-caching"] if prefix_caching else []),
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -146,10 +172,12 @@ def start_server(engine: str, max_batch: int, threads: int, prefix_caching: bool
         try:
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                 return server, url
-        except httpx.TransportError:
+        except httpx.TransportError as err:
             if server.poll() is not None or time.monotonic() > deadline:
                 server.kill()
-                raise SystemExit(f"server did not start: {server.stderr.read() if server.poll() is not None else 'timeout'}")
+                raise SystemExit(
+                    f"server did not start: {server.stderr.read() if server.poll() is not None else 'timeout'}"
+                ) from err
             time.sleep(0.3)
 
 
@@ -157,31 +185,51 @@ def summarise(setting: str, turns: list[Turn], base_turns: list[Turn]) -> dict:
     ttft = np.array([x for t in turns for x in t.ttft_s]) * 1000
     itl = np.array([x for t in turns for x in t.itl_s]) * 1000
     return {
-        "setting": setting, "max_batch": turns[0].clients, "clients": turns[0].clients,
+        "setting": setting,
+        "max_batch": turns[0].clients,
+        "clients": turns[0].clients,
         "prefix_caching": setting.endswith("c"),
         "output_tok_s": float(np.median([t.tok_s for t in turns])),
         "output_tok_s_rounds": [round(t.tok_s, 1) for t in turns],
         "vs_base": float(np.median([t.tok_s / b.tok_s for t, b in zip(turns, base_turns)])),
         "vs_base_rounds": [round(t.tok_s / b.tok_s, 2) for t, b in zip(turns, base_turns)],
         "requests_started": len(ttft),
-        "ttft_ms_p50": float(np.percentile(ttft, 50)), "ttft_ms_p99": float(np.percentile(ttft, 99)),
-        "itl_ms_p50": float(np.percentile(itl, 50)), "itl_ms_p99": float(np.percentile(itl, 99)),
+        "ttft_ms_p50": float(np.percentile(ttft, 50)),
+        "ttft_ms_p99": float(np.percentile(ttft, 99)),
+        "itl_ms_p50": float(np.percentile(itl, 50)),
+        "itl_ms_p99": float(np.percentile(itl, 99)),
     }
 
 
 @click.command()
 @click.option("--engine", required=True, type=click.Path(exists=True))
-@click.option("--batches", default="1,8,16", show_default=True,
-              help="--max-batch settings (clients = max-batch), a `c` after one for a server with --enable-prefix-caching "
-                   "(e.g. 8,8c); the first is the base of the ratios.")
+@click.option(
+    "--batches",
+    default="1,8,16",
+    show_default=True,
+    help="--max-batch settings (clients = max-batch), a `c` after one for a server with --enable-prefix-caching "
+    "(e.g. 8,8c); the first is the base of the ratios.",
+)
 @click.option("--threads", type=int, default=2, show_default=True)
 @click.option("--duration", type=float, default=20.0, show_default=True, help="Seconds of load per setting and round.")
 @click.option("--rounds", type=int, default=3, show_default=True)
-@click.option("--long-every", type=int, default=4, show_default=True, help="Each client's every N-th conversation opens with the ~650-token prompt (0: none).")
-@click.option("--turns", type=int, default=1, show_default=True, help="Requests per conversation: each sends the conversation so far.")
+@click.option(
+    "--long-every",
+    type=int,
+    default=4,
+    show_default=True,
+    help="Each client's every N-th conversation opens with the ~650-token prompt (0: none).",
+)
+@click.option(
+    "--turns",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Requests per conversation: each sends the conversation so far.",
+)
 @click.option("--out", type=click.Path(path_type=Path), default=ROOT / "benchmarks" / "results" / "load.json")
 def main(engine, batches, threads, duration, rounds, long_every, turns, out) -> None:
-    from runner.machine import cpu_model, memory_bandwidth_gbs
+    from runner.core.machine import cpu_model, memory_bandwidth_gbs
 
     settings = batches.split(",")
     clients = {setting: int(setting.rstrip("c")) for setting in settings}
@@ -207,23 +255,46 @@ def main(engine, batches, threads, duration, rounds, long_every, turns, out) -> 
             server.terminate()
             server.wait(timeout=60)
     results = [summarise(setting, runs[setting], runs[settings[0]]) for setting in settings]
-    mix = (f"every {long_every}th conversation opens with a ~650-token prompt, the others with a short chat turn"
-           if long_every else "all short chat turns") + (f"; conversations of {turns} requests" if turns > 1 else "")
-    print(f"machine: {cpu_model()}, {threads} threads, memory bandwidth (triad) "
-          f"{'/'.join(f'{b:.1f}' for b in bandwidths)} GB/s in the rounds; {rounds} rounds of {duration:.0f} s per setting; {mix}")
-    print(f"{'clients':>7} | {'out tok/s':>9} {'vs ' + settings[0]:>6} {'(rounds)':<20} | "
-          f"{'TTFT p50':>9} {'p99':>8} | {'ITL p50':>8} {'p99':>8}")
+    mix = (
+        f"every {long_every}th conversation opens with a ~650-token prompt, the others with a short chat turn"
+        if long_every
+        else "all short chat turns"
+    ) + (f"; conversations of {turns} requests" if turns > 1 else "")
+    print(
+        f"machine: {cpu_model()}, {threads} threads, memory bandwidth (triad) "
+        f"{'/'.join(f'{b:.1f}' for b in bandwidths)} GB/s in the rounds; {rounds} rounds of {duration:.0f} s per "
+        f"setting; {mix}"
+    )
+    print(
+        f"{'clients':>7} | {'out tok/s':>9} {'vs ' + settings[0]:>6} {'(rounds)':<20} | "
+        f"{'TTFT p50':>9} {'p99':>8} | {'ITL p50':>8} {'p99':>8}"
+    )
     for r in results:
         per_round = "/".join(f"{x:.2f}" for x in r["vs_base_rounds"])
-        print(f"{r['setting']:>7} | {r['output_tok_s']:>9.1f} {r['vs_base']:>5.2f}x {per_round:<20} | "
-              f"{r['ttft_ms_p50']:>7.0f}ms {r['ttft_ms_p99']:>6.0f}ms | {r['itl_ms_p50']:>6.1f}ms {r['itl_ms_p99']:>6.0f}ms")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+        print(
+            f"{r['setting']:>7} | {r['output_tok_s']:>9.1f} {r['vs_base']:>5.2f}x {per_round:<20} | "
+            f"{r['ttft_ms_p50']:>7.0f}ms {r['ttft_ms_p99']:>6.0f}ms | {r['itl_ms_p50']:>6.1f}ms "
+            f"{r['itl_ms_p99']:>6.0f}ms"
+        )
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+    ).stdout.strip()
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "machine": f"{cpu_model()}, {threads} threads", "commit": commit, "duration_s": duration, "rounds": rounds,
-        "bandwidth_gbs_rounds": [round(b, 1) for b in bandwidths],
-        "long_every": long_every, "turns": turns, "results": results,
-    }, indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "machine": f"{cpu_model()}, {threads} threads",
+                "commit": commit,
+                "duration_s": duration,
+                "rounds": rounds,
+                "bandwidth_gbs_rounds": [round(b, 1) for b in bandwidths],
+                "long_every": long_every,
+                "turns": turns,
+                "results": results,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -31,8 +31,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from runner.bench import greedy_fixed_length, time_generation  # noqa: E402
-from runner.llm_engine import LLMEngine  # noqa: E402
+from runner.core.args import EngineArgs  # noqa: E402
+from runner.core.engine import LLMEngine  # noqa: E402
+from runner.tools.bench import greedy_fixed_length, time_generation  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -70,25 +71,41 @@ class BareDecodeLoop:
         executor = engine.executor
         model = engine.manifest.model
         keys, values = executor.cache.views(0, 1)
-        self.arrays = {f"{kind}_{part}.{i}": buffer for i, (k, v) in enumerate(zip(keys, values))
-                       for part, buffer in (("key", k), ("value", v)) for kind in ("past", "present")}
-        self.arrays |= {name: np.zeros(shape, np.int64) for name, shape in
-                        (("input_ids", (1, 1)), ("positions", (1, 1)), ("past_lens", 1), ("logits_index", (1, 1)))}
+        self.arrays = {
+            f"{kind}_{part}.{i}": buffer
+            for i, (k, v) in enumerate(zip(keys, values))
+            for part, buffer in (("key", k), ("value", v))
+            for kind in ("past", "present")
+        }
+        self.arrays |= {
+            name: np.zeros(shape, np.int64)
+            for name, shape in (
+                ("input_ids", (1, 1)),
+                ("positions", (1, 1)),
+                ("past_lens", 1),
+                ("logits_index", (1, 1)),
+            )
+        }
         self.arrays["query_lens"] = np.ones(1, np.int64)
-        self.arrays |= {"logits": np.empty((1, 1, model.vocab_size), np.float32), "argmax": np.empty((1, 1), np.int64),
-                        "hidden": np.empty((1, 1, model.hidden_size), np.float32)}
+        self.arrays |= {
+            "logits": np.empty((1, 1, model.vocab_size), np.float32),
+            "argmax": np.empty((1, 1), np.int64),
+            "hidden": np.empty((1, 1, model.hidden_size), np.float32),
+        }
         bound = executor.backend.bind(executor.decode_phase.graph, self.arrays)  # by address, for good
         self.session, self.binding = bound.session, bound.binding
         self.zero_bias = np.zeros(engine.max_seq_len + 1, np.float32)
 
-    def decode(self, token: int, position: int, count: int) -> list[int]:
-        """`count` greedy tokens after `token` at `position` (that many cached in row 0)."""
+    def decode(self, token: int, start: int, count: int) -> list[int]:
+        """`count` greedy tokens after `token` at position `start` (that many cached in row 0)."""
         a = self.arrays
         a["input_ids"][0, 0] = token
         tokens = []
-        for position in range(position, position + count):
+        for position in range(start, start + count):
             a["positions"][0, 0] = a["past_lens"][0] = position
-            self.binding.bind_input("attention_bias", "cpu", 0, np.float32, [1, 1, 1, position + 1], self.zero_bias.ctypes.data)
+            self.binding.bind_input(
+                "attention_bias", "cpu", 0, np.float32, [1, 1, 1, position + 1], self.zero_bias.ctypes.data
+            )
             self.session.run_with_iobinding(self.binding)
             a["input_ids"][0, 0] = a["argmax"][0, 0]
             tokens.append(int(a["argmax"][0, 0]))
@@ -99,9 +116,10 @@ QUANTIZED_MATMULS = ("Int4MatMul", "MatMulNBits")  # ours (plugins/int4_matmul.p
 
 
 class MatmulsAlone:
-    """The decode graph's weight matmuls (Int4MatMul, MatMulNBits, or MatMul with a constant weight) alone, in their order, each
-    on one row of its own fixed input, in a session with the engine's options: what a decode call's matmuls cost with
-    nothing between them. The graph is written to `scratch` (the weights once more: ~80 MiB for the int4 default)."""
+    """The decode graph's weight matmuls (Int4MatMul, MatMulNBits, or MatMul with a constant weight) alone, in their
+    order, each on one row of its own fixed input, in a session with the engine's options: what a decode call's
+    matmuls cost with nothing between them. The graph is written to `scratch` (the weights once more: ~80 MiB for the
+    int4 default)."""
 
     def __init__(self, engine: LLMEngine, scratch: Path, threads: int | None) -> None:
         import onnx
@@ -125,23 +143,44 @@ class MatmulsAlone:
                 used.append(transpose.input[0])
                 shapes.append(tuple(reversed(constants[transpose.input[0]].dims)))
             elif weight in constants:
-                shapes.append((attributes["K"], attributes["N"]) if node.op_type in QUANTIZED_MATMULS else tuple(constants[weight].dims))
+                shapes.append(
+                    (attributes["K"], attributes["N"])
+                    if node.op_type in QUANTIZED_MATMULS
+                    else tuple(constants[weight].dims)
+                )
             else:
                 continue
-            nodes.append(helper.make_node(node.op_type, [f"x{shapes[-1][0]}", *node.input[1:]], [f"y{len(shapes)}"],
-                                          domain=node.domain, **attributes))
+            nodes.append(
+                helper.make_node(
+                    node.op_type,
+                    [f"x{shapes[-1][0]}", *node.input[1:]],
+                    [f"y{len(shapes)}"],
+                    domain=node.domain,
+                    **attributes,
+                )
+            )
             used += [name for name in node.input[1:] if name in constants]
         if not shapes:
             raise ValueError(f"{graph_file.name} has no matmul with a constant weight")
         self.matmuls = len(shapes)
         features = sorted({k for k, _ in shapes})
         graph = helper.make_graph(
-            nodes, "matmuls_alone", [helper.make_tensor_value_info(f"x{k}", onnx.TensorProto.FLOAT, [1, k]) for k in features],
-            [helper.make_tensor_value_info(f"y{i + 1}", onnx.TensorProto.FLOAT, [1, n]) for i, (_, n) in enumerate(shapes)],
-            [constants[name] for name in dict.fromkeys(used)])
+            nodes,
+            "matmuls_alone",
+            [helper.make_tensor_value_info(f"x{k}", onnx.TensorProto.FLOAT, [1, k]) for k in features],
+            [
+                helper.make_tensor_value_info(f"y{i + 1}", onnx.TensorProto.FLOAT, [1, n])
+                for i, (_, n) in enumerate(shapes)
+            ],
+            [constants[name] for name in dict.fromkeys(used)],
+        )
         path = scratch / "matmuls_alone.onnx"
-        onnx.save(helper.make_model(graph, opset_imports=model.opset_import, ir_version=model.ir_version), str(path),
-                  save_as_external_data=True, location=path.name + ".data")
+        onnx.save(
+            helper.make_model(graph, opset_imports=model.opset_import, ir_version=model.ir_version),
+            str(path),
+            save_as_external_data=True,
+            location=path.name + ".data",
+        )
         del model, graph, constants  # the whole decode graph's weights, in memory while the copy was made
         options = session_options(ort, threads, spinning=True)
         register_native_libraries(options, engine.artifact)  # our Int4MatMul
@@ -186,7 +225,7 @@ def bare_run(engine: LLMEngine, loop: BareDecodeLoop, clock: GraphCallClock, ids
 
 
 def loop_overhead(engine_dir: str, ids: list[int], rounds: int, new_tokens: int, threads: int | None) -> dict:
-    engine = LLMEngine(engine_dir, threads=threads, max_batch=1)
+    engine = LLMEngine(EngineArgs(engine_dir, threads=threads, max_batch=1))
     loop = BareDecodeLoop(engine)
     clock = GraphCallClock(loop.session)
     with tempfile.TemporaryDirectory() as scratch:
@@ -204,21 +243,32 @@ def loop_overhead(engine_dir: str, ids: list[int], rounds: int, new_tokens: int,
         for name in order:
             runs[name].append(contenders[name](new_tokens))
     if runs["engine"][0].tokens != runs["bare"][0].tokens:
-        raise SystemExit(f"the bare loop's greedy tokens differ from the engine's: {runs['bare'][0].tokens} "
-                         f"against {runs['engine'][0].tokens}")
+        raise SystemExit(
+            f"the bare loop's greedy tokens differ from the engine's: {runs['bare'][0].tokens} "
+            f"against {runs['engine'][0].tokens}"
+        )
 
     def paired(numerator: str, denominator: str) -> list[float]:
         return [n.decode_tok_s / d.decode_tok_s for n, d in zip(runs[numerator], runs[denominator])]
 
     ratios, engine_share, bare_share = paired("bare", "engine"), paired("engine", "matmuls"), paired("bare", "matmuls")
     return {
-        name: {"decode_tok_s": statistics.median(r.decode_tok_s for r in rs), "gap_us": statistics.median(r.gap_us for r in rs),
-               "runs": [asdict(r) for r in rs]}
+        name: {
+            "decode_tok_s": statistics.median(r.decode_tok_s for r in rs),
+            "gap_us": statistics.median(r.gap_us for r in rs),
+            "runs": [asdict(r) for r in rs],
+        }
         for name, rs in runs.items()
-    } | {"bare_over_engine": statistics.median(ratios), "lowest": min(ratios), "highest": max(ratios), "rounds": rounds,
-         # the matmuls' time as a share of a token's, round by round: tok/s of the token over calls/s of the matmuls
-         "matmul_nodes": matmuls.matmuls, "matmuls_share_of_engine": statistics.median(engine_share),
-         "matmuls_share_of_bare": statistics.median(bare_share)}
+    } | {
+        "bare_over_engine": statistics.median(ratios),
+        "lowest": min(ratios),
+        "highest": max(ratios),
+        "rounds": rounds,
+        # the matmuls' time as a share of a token's, round by round: tok/s of the token over calls/s of the matmuls
+        "matmul_nodes": matmuls.matmuls,
+        "matmuls_share_of_engine": statistics.median(engine_share),
+        "matmuls_share_of_bare": statistics.median(bare_share),
+    }
 
 
 @click.command()
@@ -229,22 +279,41 @@ def loop_overhead(engine_dir: str, ids: list[int], rounds: int, new_tokens: int,
 @click.option("--threads", type=int, default=2, show_default=True)
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="Also write the result as JSON.")
 def main(engine, prompt, rounds, new_tokens, threads, out) -> None:
-    from runner.bench import chat_prompts
-    from runner.machine import cpu_model
+    from runner.core.machine import cpu_model
+    from runner.tools.bench import chat_prompts
 
-    ids = chat_prompts(LLMEngine(engine, verify_checksums=False).codec)[prompt]
+    ids = chat_prompts(LLMEngine(EngineArgs(engine, verify_checksums=False)).codec)[prompt]
     result = loop_overhead(engine, ids, rounds, new_tokens, threads)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
-    result |= {"engine_dir": engine, "prompt": prompt, "prompt_tokens": len(ids), "machine": f"{cpu_model()}, {threads} threads",
-               "commit": commit}
-    print(f"{engine}, {prompt} prompt ({len(ids)} tokens), {result['machine']}, commit {commit}, {rounds} alternating rounds "
-          f"of {new_tokens} greedy tokens")
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+    ).stdout.strip()
+    result |= {
+        "engine_dir": engine,
+        "prompt": prompt,
+        "prompt_tokens": len(ids),
+        "machine": f"{cpu_model()}, {threads} threads",
+        "commit": commit,
+    }
+    print(
+        f"{engine}, {prompt} prompt ({len(ids)} tokens), {result['machine']}, commit {commit}, {rounds} alternating "
+        "rounds "
+        f"of {new_tokens} greedy tokens"
+    )
     for name in ("engine", "bare"):
-        print(f"  {name:6s} {result[name]['decode_tok_s']:7.1f} tok/s, {result[name]['gap_us']:5.0f} us between decode calls")
-    print(f"  bare loop / engine: {result['bare_over_engine']:.3f}x paired ({result['lowest']:.3f}-{result['highest']:.3f}x)")
-    print(f"  the {result['matmul_nodes']} matmuls alone: {1e3 / result['matmuls']['decode_tok_s']:.2f} ms per call, "
-          f"{result['matmuls_share_of_engine']:.0%} of the engine's time per token, {result['matmuls_share_of_bare']:.0%} "
-          "of the bare loop's (paired)")
+        print(
+            f"  {name:6s} {result[name]['decode_tok_s']:7.1f} tok/s, {result[name]['gap_us']:5.0f} us between decode "
+            "calls"
+        )
+    print(
+        f"  bare loop / engine: {result['bare_over_engine']:.3f}x paired "
+        f"({result['lowest']:.3f}-{result['highest']:.3f}x)"
+    )
+    print(
+        f"  the {result['matmul_nodes']} matmuls alone: {1e3 / result['matmuls']['decode_tok_s']:.2f} ms per call, "
+        f"{result['matmuls_share_of_engine']:.0%} of the engine's time per token, "
+        f"{result['matmuls_share_of_bare']:.0%} "
+        "of the bare loop's (paired)"
+    )
     if out:
         out.write_text(json.dumps(result, indent=2))
 

@@ -24,13 +24,20 @@ import click
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from runner.bench import license_text  # noqa: E402
-from runner.llm_engine import LLMEngine  # noqa: E402
-from runner.machine import cpu_model, memory_bandwidth_gbs  # noqa: E402
-from runner.sampling import SamplingParams  # noqa: E402
+from runner.core.args import EngineArgs  # noqa: E402
+from runner.core.engine import LLMEngine  # noqa: E402
+from runner.core.machine import cpu_model, memory_bandwidth_gbs  # noqa: E402
+from runner.sampling.params import SamplingParams  # noqa: E402
+from runner.tools.bench import license_text  # noqa: E402
 
-FOLLOW_UPS = ["Make it shorter.", "List three key points.", "Who is it written for?", "Translate the first point into French.",
-              "What should a user do first?", "Give it a title."]
+FOLLOW_UPS = [
+    "Make it shorter.",
+    "List three key points.",
+    "Who is it written for?",
+    "Translate the first point into French.",
+    "What should a user do first?",
+    "Give it a title.",
+]
 
 
 def answer(engine: LLMEngine, prompt_ids: list[int], max_tokens: int) -> tuple[float, list[int], int]:
@@ -53,8 +60,10 @@ def answer(engine: LLMEngine, prompt_ids: list[int], max_tokens: int) -> tuple[f
 @click.option("--threads", default=2, show_default=True)
 @click.option("--out", type=click.Path(path_type=Path), default=ROOT / "benchmarks" / "results" / "prefix_cache.json")
 def main(engine_dir, turns, rounds, max_tokens, threads, out) -> None:
-    engines = {"off": LLMEngine(engine_dir, threads=threads, max_batch=1),
-               "on": LLMEngine(engine_dir, threads=threads, max_batch=1, enable_prefix_caching=True)}
+    engines = {
+        "off": LLMEngine(EngineArgs(engine_dir, threads=threads, max_batch=1)),
+        "on": LLMEngine(EngineArgs(engine_dir, threads=threads, max_batch=1, enable_prefix_caching=True)),
+    }
     codec = engines["off"].codec
     document = " ".join(license_text().split()[:420])
     ttft = {name: [[] for _ in range(turns)] for name in engines}
@@ -72,23 +81,46 @@ def main(engine_dir, turns, rounds, max_tokens, threads, out) -> None:
                 if name == "on" and number == 0:
                     rows.append({"turn": turn + 1, "prompt_tokens": len(ids), "cached_tokens": cached})
             agree &= answers["on"] == answers["off"]
-            messages += [{"role": "assistant", "content": codec.decode(answers["off"])},
-                         {"role": "user", "content": FOLLOW_UPS[turn % len(FOLLOW_UPS)]}]
+            messages += [
+                {"role": "assistant", "content": codec.decode(answers["off"])},
+                {"role": "user", "content": FOLLOW_UPS[turn % len(FOLLOW_UPS)]},
+            ]
     for row, off, on in zip(rows, ttft["off"], ttft["on"]):
         row.update(ttft_off_ms=1000 * statistics.median(off), ttft_on_ms=1000 * statistics.median(on))
         row["speedup"] = row["ttft_off_ms"] / row["ttft_on_ms"]
     bandwidth = memory_bandwidth_gbs(threads)
-    print(f"{cpu_model()}, {threads} threads, memory bandwidth {bandwidth:.1f} GB/s; {Path(engine_dir).name}, batch 1, "
-          f"greedy answers of up to {max_tokens} tokens, median of {rounds} conversations")
-    print("| turn | prompt tokens | cached tokens (round 1) | TTFT off ms | TTFT on ms | speed-up |\n|---:|---:|---:|---:|---:|---:|")
+    print(
+        f"{cpu_model()}, {threads} threads, memory bandwidth {bandwidth:.1f} GB/s; {Path(engine_dir).name}, batch 1, "
+        f"greedy answers of up to {max_tokens} tokens, median of {rounds} conversations"
+    )
+    print(
+        "| turn | prompt tokens | cached tokens (round 1) | TTFT off ms | TTFT on ms | speed-up "
+        "|\n|---:|---:|---:|---:|---:|---:|"
+    )
     for row in rows:
-        print(f"| {row['turn']} | {row['prompt_tokens']} | {row['cached_tokens']} | {row['ttft_off_ms']:.0f} | "
-              f"{row['ttft_on_ms']:.0f} | {row['speedup']:.1f}x |")
+        print(
+            f"| {row['turn']} | {row['prompt_tokens']} | {row['cached_tokens']} | {row['ttft_off_ms']:.0f} | "
+            f"{row['ttft_on_ms']:.0f} | {row['speedup']:.1f}x |"
+        )
     print("answers identical with and without prefix caching:", "yes" if agree else "NO")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    out.write_text(json.dumps({"machine": {"cpu": cpu_model(), "threads": threads, "bandwidth_gbs": bandwidth},
-                               "commit": commit, "engine": Path(engine_dir).name, "rounds": rounds, "max_tokens": max_tokens,
-                               "answers_identical": agree, "turns": rows}, indent=1) + "\n")
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    out.write_text(
+        json.dumps(
+            {
+                "machine": {"cpu": cpu_model(), "threads": threads, "bandwidth_gbs": bandwidth},
+                "commit": commit,
+                "engine": Path(engine_dir).name,
+                "rounds": rounds,
+                "max_tokens": max_tokens,
+                "answers_identical": agree,
+                "turns": rows,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
-"""The README's quantization table for the default model, measured side by side in one run.
+"""The quantization table (docs/quantization.md) for the default model, measured side by side in one run.
 
     python benchmarks/quantization.py [--out-dir engines-out/quant] [--threads 2] [--runs 5]
 
 Builds each variant with `builder build default` in its own process (build peak RSS is the build's own report),
 then times all engines side by side, each in a worker process of its own with runs interleaved round-robin
-(benchmarks/interleave.py; this VM's speed drifts by 10-20% over minutes): runner peak RSS, TTFT of the ~40-token
+(benchmarks/interleave.py: a shared VM's speed drifts over minutes): runner peak RSS, TTFT of the ~40-token
 chat prompt and prefill of the ~650-token one, decode tokens/s at batch 1 (128 tokens, EOS banned, median of
 `--runs`). Then perplexity of each on CPython's LICENSE.txt (window 512, stride 256; real prose nobody here wrote,
 read from the interpreter's install). Writes benchmarks/results/quantization.json and prints the Markdown table.
@@ -26,8 +26,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.compare_transformers import contender_ours, write_prompts  # noqa: E402
 from benchmarks.interleave import interleaved_runs, serve  # noqa: E402
-from runner.machine import cpu_model  # noqa: E402
-from runner.bench import license_text  # noqa: E402
+from runner.core.machine import cpu_model  # noqa: E402
+from runner.tools.bench import license_text  # noqa: E402
 
 # name -> `builder build default` options. The default model is a Q4_1 GGUF: "fp32" is its blocks dequantized;
 # RTN and GPTQ start from that float model; "GGUF blocks" keeps the file's own Q4_1 / Q8_0 blocks.
@@ -42,10 +42,11 @@ VARIANTS = {
 
 
 def perplexity_of(engine: str, threads: int) -> dict:
-    from runner.evaluate import perplexity
-    from runner.llm_engine import LLMEngine
+    from runner.core.args import EngineArgs
+    from runner.core.engine import LLMEngine
+    from runner.tools.evaluate import perplexity
 
-    llm = LLMEngine(engine, threads=threads, max_batch=1)  # scores one sequence
+    llm = LLMEngine(EngineArgs(engine, threads=threads, max_batch=1))  # scores one sequence
     result = perplexity(llm, llm.codec.encode(license_text()), window=512, stride=256)
     return {"perplexity": result.perplexity, "perplexity_tokens": result.tokens_scored}
 
@@ -53,7 +54,10 @@ def perplexity_of(engine: str, threads: int) -> dict:
 def build(name: str, flags: list[str], out: Path) -> dict:
     proc = subprocess.run(
         [sys.executable, "-m", "builder.cli", "build", "default", "--out", str(out), "--overwrite", *flags],
-        capture_output=True, text=True, check=False, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=ROOT,
     )
     if proc.returncode != 0:
         raise SystemExit(f"building {name} failed:\n{proc.stderr[-3000:]}")
@@ -66,7 +70,8 @@ def table(results: dict) -> list[str]:
     fp32 = results["fp32"]
     lines = [
         "| engine | size MiB | vs fp32 | build peak RSS MiB | runner peak RSS MiB | decode tok/s | vs fp32 "
-        f"| TTFT {fp32['short']['prompt_tokens']} tok ms | prefill {fp32['long']['prompt_tokens']} tok ms | perplexity | vs fp32 |",
+        f"| TTFT {fp32['short']['prompt_tokens']} tok ms | prefill {fp32['long']['prompt_tokens']} tok ms | perplexity "
+        "| vs fp32 |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in results.items():
@@ -101,30 +106,48 @@ def main(out_dir, threads, runs, worker, perplexity_engine, out) -> None:
         click.echo(f"{name}: building", err=True)
         results[name] = build(name, flags, engines[name])
     prompts = write_prompts(str(engines["fp32"]), prompts_file)
-    workers = {name: [sys.executable, __file__, "--worker", str(engine), "--threads", str(threads)]
-               for name, engine in engines.items()}
+    workers = {
+        name: [sys.executable, __file__, "--worker", str(engine), "--threads", str(threads)]
+        for name, engine in engines.items()
+    }
     timed = interleaved_runs(workers, prompts, runs, threads, log=lambda line: click.echo(line, err=True))
     for name, engine in engines.items():
         click.echo(f"{name}: perplexity", err=True)
         proc = subprocess.run(
             [sys.executable, __file__, "--perplexity", str(engine), "--threads", str(threads)],
-            capture_output=True, text=True, check=False,
+            capture_output=True,
+            text=True,
+            check=False,
         )
         if proc.returncode != 0:
             raise SystemExit(f"measuring {name}'s perplexity failed:\n{proc.stderr[-3000:]}")
         results[name].update(timed[name], **json.loads(proc.stdout.strip().splitlines()[-1]))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+    ).stdout.strip()
     machine = f"{cpu_model()}, {threads} threads"
     versions = {name: version(name) for name in ("onnxruntime", "torch", "onnx")}
-    lines = [f"Default model (SmolLM2-135M-Instruct Q4_1 GGUF), {machine}, commit {commit}, batch 1, greedy, "
-             f"{NEW_TOKENS} new tokens, median of {runs} interleaved runs.", ""]
+    lines = [
+        f"Default model (SmolLM2-135M-Instruct Q4_1 GGUF), {machine}, commit {commit}, batch 1, greedy, "
+        f"{NEW_TOKENS} new tokens, median of {runs} interleaved runs.",
+        "",
+    ]
     lines += table(results)
     click.echo("\n".join(lines))
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(
-        {"machine": machine, "commit": commit, "versions": versions, "runs": runs, "new_tokens": NEW_TOKENS,
-         "results": results}, indent=2,
-    ))
+    out.write_text(
+        json.dumps(
+            {
+                "machine": machine,
+                "commit": commit,
+                "versions": versions,
+                "runs": runs,
+                "new_tokens": NEW_TOKENS,
+                "results": results,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@ greedy.
     python benchmarks/speculative.py --plain engines-out/default --speculative engines-out/default-redrafter \
         [--speculative engines-out/another-speculative-engine ...]
 
-Chat prompts here use templates and topics the shipped draft head never saw (builder/drafter_prompts.py), plus
-one long summarisation prompt (~650 tokens, reported apart: prompt lookup's case). Each prompt runs on every engine
+Chat prompts here use templates and topics the shipped draft head never saw (builder/speculation/drafter_prompts.py),
+plus one long summarisation prompt (~650 tokens, reported apart: prompt lookup's case). Each prompt runs on every engine
 in turn (a warm-up first, then --runs rounds of plain, speculative 1, speculative 2, ...): this VM's memory bandwidth
 drifts within minutes and moves the memory-bound plain engine most, so only engines timed in the same rounds compare.
 Answers end at EOS or --new-tokens; decode speed is tokens after the first over the time after the first token; the
@@ -45,12 +45,13 @@ HELD_OUT_PROMPTS = [
 
 
 def timed(engine, prompt_ids: list[int], new_tokens: int, schema: dict | None) -> tuple[list[int], float, float]:
-    from runner.sampling import SamplingParams
-    from runner.structured import StructuredOutputs
+    from runner.sampling.params import SamplingParams
+    from runner.sampling.structured import StructuredOutputs
 
     structured = None if schema is None else StructuredOutputs(json=schema)
-    request = engine.add_request(None, prompt_ids, SamplingParams(max_tokens=new_tokens, temperature=0.0,
-                                                                  structured_outputs=structured))
+    request = engine.add_request(
+        None, prompt_ids, SamplingParams(max_tokens=new_tokens, temperature=0.0, structured_outputs=structured)
+    )
     start = time.perf_counter()
     first = None
     while not request.finished:
@@ -62,30 +63,42 @@ def timed(engine, prompt_ids: list[int], new_tokens: int, schema: dict | None) -
 
 @click.command()
 @click.option("--plain", "plain_dir", required=True, type=click.Path(exists=True))
-@click.option("--speculative", "spec_dirs", required=True, multiple=True,
-              help="A speculative engine; DIR@N opens it with draft trees of at most N nodes (0: its whole trees; "
-                   "without @: the runner's default for this CPU). The same engine may come more than once.")
+@click.option(
+    "--speculative",
+    "spec_dirs",
+    required=True,
+    multiple=True,
+    help="A speculative engine; DIR@N opens it with draft trees of at most N nodes (0: its whole trees; "
+    "without @: the runner's default for this CPU). The same engine may come more than once.",
+)
 @click.option("--threads", type=int, default=2, show_default=True)
 @click.option("--new-tokens", type=int, default=128, show_default=True)
 @click.option("--runs", type=int, default=2, show_default=True, help="Timed rounds per prompt (median per engine).")
-@click.option("--out", type=click.Path(), default=str(ROOT / "benchmarks" / "results" / "speculative.json"), show_default=True)
-@click.option("--json-schema", "json_schema", default=None, help="Hold every answer to this JSON schema (JSON or a file).")
+@click.option(
+    "--out", type=click.Path(), default=str(ROOT / "benchmarks" / "results" / "speculative.json"), show_default=True
+)
+@click.option(
+    "--json-schema", "json_schema", default=None, help="Hold every answer to this JSON schema (JSON or a file)."
+)
 def main(plain_dir, spec_dirs, threads, new_tokens, runs, out, json_schema) -> None:
-    from runner.bench import chat_prompts
-    from runner.llm_engine import LLMEngine
-    from runner.machine import cpu_model
+    from runner.core.args import EngineArgs
+    from runner.core.engine import LLMEngine
+    from runner.core.machine import cpu_model
+    from runner.tools.bench import chat_prompts
 
     schema = None
     if json_schema is not None:
         schema = json.loads(Path(json_schema).read_text() if Path(json_schema).is_file() else json_schema)
 
-    plain = LLMEngine(plain_dir, threads=threads)
+    plain = LLMEngine(EngineArgs(plain_dir, threads=threads))
     specs = {}
     for spec in spec_dirs:
         spec_dir, limit = spec.rsplit("@", 1) if "@" in spec else (spec, None)
         if not Path(spec_dir).is_dir():
             raise click.UsageError(f"no engine directory {spec_dir}")
-        specs[spec] = LLMEngine(spec_dir, threads=threads, max_verify_nodes="auto" if limit is None else int(limit) or None)
+        specs[spec] = LLMEngine(
+            EngineArgs(spec_dir, threads=threads, max_verify_nodes="auto" if limit is None else int(limit) or None)
+        )
         if specs[spec].speculation is None:
             raise click.UsageError(f"{spec_dir} is not a speculative engine")
     engines = {"plain": plain, **specs}
@@ -94,30 +107,54 @@ def main(plain_dir, spec_dirs, threads, new_tokens, runs, out, json_schema) -> N
         for engine in engines.values():
             timed(engine, ids, 8, schema)  # warm-up (and xgrammar's import, once)
         results = {name: [] for name in engines}
-        before = {name: (spec.speculation_stats.verify_steps, spec.speculation_stats.emitted_tokens) for name, spec in specs.items()}
+        before = {
+            name: (spec.speculation_stats.verify_steps, spec.speculation_stats.emitted_tokens)
+            for name, spec in specs.items()
+        }
         for _ in range(runs):
             for name, engine in engines.items():
                 results[name].append(timed(engine, ids, new_tokens, schema))
         tokens = {name: r[0][0] for name, r in results.items()}
-        row = {"kind": kind, "prompt": label, "prompt_tokens": len(ids), "new_tokens": len(tokens["plain"]), "engines": {}}
+        row = {
+            "kind": kind,
+            "prompt": label,
+            "prompt_tokens": len(ids),
+            "new_tokens": len(tokens["plain"]),
+            "engines": {},
+        }
         for name, r in results.items():
             decode_s = statistics.median(x[2] for x in r)
-            row["engines"][name] = {"decode_s": decode_s, "decode_tok_s": (len(r[0][0]) - 1) / decode_s,
-                                    "ttft_ms": statistics.median(x[1] for x in r), "identical": tokens[name] == tokens["plain"]}
-        line = f"{label[:44]:<46} {row['new_tokens']:>4} tok  plain {row['engines']['plain']['decode_tok_s']:6.1f} tok/s"
+            row["engines"][name] = {
+                "decode_s": decode_s,
+                "decode_tok_s": (len(r[0][0]) - 1) / decode_s,
+                "ttft_ms": statistics.median(x[1] for x in r),
+                "identical": tokens[name] == tokens["plain"],
+            }
+        line = (
+            f"{label[:44]:<46} {row['new_tokens']:>4} tok  plain {row['engines']['plain']['decode_tok_s']:6.1f} tok/s"
+        )
         for name, spec in specs.items():
             steps = spec.speculation_stats.verify_steps - before[name][0]
             emitted = spec.speculation_stats.emitted_tokens - before[name][1]
             stats = row["engines"][name]
             stats["tokens_per_verify_step"] = emitted / steps if steps else 0.0
-            line += (f" | {Path(name).name} {stats['decode_tok_s']:6.1f} tok/s x{stats['decode_tok_s'] / row['engines']['plain']['decode_tok_s']:.2f} "
-                     f"{stats['tokens_per_verify_step']:.2f} tok/step {'identical' if stats['identical'] else 'DIFFERENT'}")
+            line += (
+                f" | {Path(name).name} {stats['decode_tok_s']:6.1f} tok/s "
+                f"x{stats['decode_tok_s'] / row['engines']['plain']['decode_tok_s']:.2f} "
+                f"{stats['tokens_per_verify_step']:.2f} tok/step {'identical' if stats['identical'] else 'DIFFERENT'}"
+            )
         print(line)
         return row
 
     rows = []
     for question in HELD_OUT_PROMPTS:
-        rows.append(compare("chat", question, plain.codec.encode(plain.codec.apply_chat_template([{"role": "user", "content": question}]))))
+        rows.append(
+            compare(
+                "chat",
+                question,
+                plain.codec.encode(plain.codec.apply_chat_template([{"role": "user", "content": question}])),
+            )
+        )
     chat_stats = {name: copy.deepcopy(spec.speculation_stats) for name, spec in specs.items()}
     rows.append(compare("summary", "Summarise this text: <CPython licence>", chat_prompts(plain.codec)["long"]))
     chat_rows = [r for r in rows if r["kind"] == "chat"]
@@ -128,7 +165,7 @@ def main(plain_dir, spec_dirs, threads, new_tokens, runs, out, json_schema) -> N
     for name, stats in chat_stats.items():
         identical = all(r["engines"][name]["identical"] for r in rows)
         summaries[name] = {
-            "speculation": {k: v for k, v in specs[name].speculation.items() if k != "head"},
+            "speculation": specs[name].speculation.facts(),
             "max_verify_nodes": specs[name].max_verify_nodes,
             "decode_tok_s": rate[name],
             "speed_up": rate[name] / rate["plain"],
@@ -139,13 +176,26 @@ def main(plain_dir, spec_dirs, threads, new_tokens, runs, out, json_schema) -> N
             "all_identical": identical,
         }
         summary = summaries[name]
-        print(f"  {name}: {rate[name]:.1f} tok/s, speed-up x{summary['speed_up']:.2f}, {stats.mean_accepted:.2f} tokens per verify "
-              f"step, draft {summary['draft_seconds_per_step_ms']:.1f} ms + verify {summary['verify_seconds_per_step_ms']:.1f} ms "
-              f"per step, outputs {'identical' if identical else 'DIFFERENT'}")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        print(
+            f"  {name}: {rate[name]:.1f} tok/s, speed-up x{summary['speed_up']:.2f}, {stats.mean_accepted:.2f} tokens "
+            "per verify "
+            f"step, draft {summary['draft_seconds_per_step_ms']:.1f} ms + verify "
+            f"{summary['verify_seconds_per_step_ms']:.1f} ms "
+            f"per step, outputs {'identical' if identical else 'DIFFERENT'}"
+        )
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
     record = {
-        "commit": commit, "machine": {"cpu": cpu_model(), "threads": threads}, "plain": plain_dir, "plain_decode_tok_s": rate["plain"],
-        "speculative": summaries, "new_tokens": new_tokens, "runs": runs, "json_schema": schema, "prompts": rows,
+        "commit": commit,
+        "machine": {"cpu": cpu_model(), "threads": threads},
+        "plain": plain_dir,
+        "plain_decode_tok_s": rate["plain"],
+        "speculative": summaries,
+        "new_tokens": new_tokens,
+        "runs": runs,
+        "json_schema": schema,
+        "prompts": rows,
     }
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(record, indent=2))

@@ -6,36 +6,51 @@ import shutil
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
 
 from builder import __version__
-from builder.draft_head import BeamSearchDrafter, load_draft_head
 from builder.export import export_draft_graph, export_sampler_graph, export_step_graph
-from builder.gptq import GPTQOptions, calibration_tokens, gptq_model
-from builder.kv_quant import KVCalibration, calibrate_kv_scales, calibration_windows
 from builder.loaders import load_checkpoint
 from builder.loaders.checkpoint import TokenizerSpec
-from builder.sampler import TOP_LOGPROBS
 from builder.loaders.default import DEFAULT_MODEL_NAME
 from builder.phases import STEP_GRAPH, BuildShapes, default_prefill_chunk, plan_phases
+from builder.quantization.gptq import GPTQOptions, calibration_tokens, gptq_model
+from builder.quantization.kv_quant import KVCalibration, calibrate_kv_scales, calibration_windows
+from builder.sampler_graph import TOP_LOGPROBS
+from builder.speculation.draft_head import BeamSearchDrafter, load_draft_head
 from builder.weights import kept_block_specs, linear_sources, load_model
+from engines.format import (
+    SCHEMA_VERSION,
+    GPTQFacts,
+    GraphSpec,
+    KVCacheQuantization,
+    KVCacheSpec,
+    Manifest,
+    QuantizationSpec,
+    QuantMethod,
+    SamplerSpec,
+    SpeculationMethod,
+    SpeculationSpec,
+    TokenizerInfo,
+    open_artifact,
+    write_manifest,
+)
+from engines.model_config import ModelConfig
+from engines.resources import peak_rss_mb
 from plugins import decode_attention, int4_matmul, native_ops
 from plugins.attention import check_head_dim
 from plugins.quant_linear import QuantSpec
-from engines.resources import peak_rss_mb
-from engines.format import (
-    SCHEMA_VERSION, GraphSpec, KVCacheSpec, Manifest, SamplerSpec, TokenizerInfo, open_artifact, write_manifest,
-)
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 QUANT_BITS = {"int8": 8, "int4": 4, "gptq": 4}
-# Measured for a 576x1536 MatMulNBits at batch 1 with int8 compute on the 2-core AVX2 CI machine: int4 group 32:
-# 37 us, group 128: 70 us; int8 group 32: 290 us (a slow path), group 128: 52 us.
+# The fastest MatMulNBits kernels at batch 1 with int8 compute (int8 groups of 32 take a slow path;
+# docs/measurements.md)
 DEFAULT_GROUP = {"int4": 32, "int8": 128, "gptq": 32}
 TOKENIZER_FILE = "tokenizer.json"
 DRAFT_GRAPH = "draft"
@@ -45,20 +60,19 @@ KV_CACHE_DTYPES = ("auto", "int8")
 DRAFT_ENGINE = "draft"  # a draft-model engine's draft model: a complete engine in this subdirectory
 PROMPT_LOOKUP_MAX_NGRAM = 3
 # A lookup draft needs its context's last 2 tokens to have occurred before: after a 1-token match, drafts are
-# mostly rejected and every tree node costs verify time (on the chat prompts, fp32, 2 threads: pure prompt lookup
-# 1.00x -> 1.11x, ReDrafter's lookup beam 1.14x -> 1.21x; README, speculative decoding)
+# mostly rejected and every tree node costs verify time (docs/measurements.md)
 PROMPT_LOOKUP_MIN_NGRAM = 2
-# The draft graph's linears: int8 groups of 128 with int8 compute (0.7 ms per 3x4 beam search for the default
-# model's head on the CI CPU, against ~3.5 ms in fp32, which reads its 9.4 MB table at every draft step).
+# The draft graph's linears: int8 groups of 128 with int8 compute (in fp32 the beam search reads the head's whole
+# table at every draft step, several times slower: docs/measurements.md).
 DRAFT_QUANT = QuantSpec(8, 128, 4)
-# The head distilled for the embedded default model by `builder train-drafter` (see README, speculative decoding).
-SHIPPED_DRAFT_HEAD = Path(__file__).parent / "drafters" / "smollm2-135m-instruct.redrafter.safetensors"
+# The head distilled for the embedded default model by `builder train-drafter` (see docs/speculative-decoding.md).
+SHIPPED_DRAFT_HEAD = Path(__file__).parent / "speculation" / "drafters" / "smollm2-135m-instruct.redrafter.safetensors"
 
 
 # Drafts per beam when the build does not say. A chain (prompt lookup, a draft model) pays one draft call per token
 # (a draft model) or nothing (lookup) and one verify node each, so it can go deeper than ReDrafter's beams; the draft
-# model's best length grows with how often it agrees with the target (the default model's int4 draft of its fp32 engine,
-# ~97% per token: 6 decoded 7% faster than 4 in the same rounds, see README), 4 is the middle ground for an unknown pair.
+# model's best length grows with how often it agrees with the target, and 4 is the middle ground for an unknown pair
+# (docs/measurements.md).
 DEFAULT_DRAFT_LEN = {"redrafter": 2, "prompt-lookup": 4, "draft-model": 4}
 
 
@@ -79,8 +93,8 @@ class BuildOptions:
     gptq: GPTQOptions = field(default_factory=GPTQOptions)
     speculative: str = "none"  # one of SPECULATION_METHODS
     draft_head: Path | None = None  # default for `default`: the shipped head
-    # 2 beams x 2 + a 4-token prompt-lookup beam measured fastest for the default model on the CI CPU (1.33x on
-    # chat, 1.67x on a summary; 3 x 4 accepts more per step but its 13-node verify costs 1.6 decode steps there)
+    # 2 beams x 2 + a 4-token prompt-lookup beam measured fastest for the default model (wider trees accept more
+    # per step but their verify costs more than it brings on a CPU: docs/measurements.md)
     beam_width: int = 2
     draft_len: int | None = None  # drafts per beam; default DEFAULT_DRAFT_LEN[speculative]
     # the draft's linears: "int8" (fused MatMulNBits, int8 compute) or "none"; a draft model may also be "int4"
@@ -89,9 +103,10 @@ class BuildOptions:
     verify_tokens: int | None = None  # the longest chunk a verify call scores (default: the speculative tree, else 8)
     prompt_lookup_len: int = 4  # redrafter: also draft this many tokens by prompt lookup, as one more beam
     # redrafter: the runner verifies only draft tokens whose beam prefix the head gives at least this probability
-    # (each tree node costs ~0.1 decode step here); 0.1 measured best of 0, 0.05, 0.1, 0.15, 0.2, 0.3
+    # (each tree node costs verify time; the value measured best, docs/measurements.md)
     min_draft_prob: float = 0.1
-    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES: "auto" = the model's dtype; "int8" (builder/kv_quant.py)
+    # one of KV_CACHE_DTYPES: "auto" = the model's dtype; "int8" (builder/quantization/kv_quant.py)
+    kv_cache_dtype: str = "auto"
     kv_calibration: KVCalibration = field(default_factory=KVCalibration)
     # our kernels (plugins/native_ops.py) where this machine can compile them: DecodeAttention for decode steps'
     # attention, Int4MatMul for int4 weights with int8 activations
@@ -104,7 +119,9 @@ class BuildOptions:
 
     def draft_head_path(self) -> Path | None:
         if self.speculative not in SPECULATION_METHODS:
-            raise ValueError(f"unknown speculation {self.speculative!r}; choose one of {', '.join(SPECULATION_METHODS)}")
+            raise ValueError(
+                f"unknown speculation {self.speculative!r}; choose one of {', '.join(SPECULATION_METHODS)}"
+            )
         if self.speculative != "redrafter":
             return None
         if self.draft_head is not None:
@@ -127,11 +144,16 @@ class BuildOptions:
             return 1 + self.beam_width * self.draft_len + self.prompt_lookup_len
         return 1 + self.draft_len
 
-    def prompt_lookup(self) -> dict | None:
+    def prompt_lookup(self) -> SpeculationSpec | None:
         if self.speculative != "prompt-lookup":
             return None
-        return {"method": "prompt-lookup", "beam_width": 1, "draft_len": self.draft_len,
-                "max_ngram": PROMPT_LOOKUP_MAX_NGRAM, "min_ngram": PROMPT_LOOKUP_MIN_NGRAM, "max_tree_nodes": self.tree_nodes}
+        return SpeculationSpec(
+            SpeculationMethod.PROMPT_LOOKUP,
+            draft_len=self.draft_len,
+            max_tree_nodes=self.tree_nodes,
+            max_ngram=PROMPT_LOOKUP_MAX_NGRAM,
+            min_ngram=PROMPT_LOOKUP_MIN_NGRAM,
+        )
 
     def quant_spec(self) -> QuantSpec | None:
         if self.quant == "none":
@@ -141,19 +163,25 @@ class BuildOptions:
         group = self.group_size or DEFAULT_GROUP[self.quant]
         return QuantSpec(QUANT_BITS[self.quant], group, 4 if self.int8_compute else 0)
 
-    def quantization(self) -> dict:
+    def quantization(self) -> QuantizationSpec:
+        """The manifest's quantization section as the options ask for it (the build adds what it kept)."""
         spec = self.quant_spec()
         if spec is None:
-            return {"method": "none"}
-        gptq = {} if self.quant != "gptq" else {
-            "damping": self.gptq.damping, "act_order": self.gptq.act_order, "static_groups": True,
-            "calibration": f"{' + '.join(Path(p).name for p in self.gptq.calibration)}: "
-                           f"{self.gptq.samples} x {self.gptq.sample_len} tokens",
-        }
-        return {
-            "method": "gptq" if gptq else "rtn", **gptq, "bits": spec.bits, "group_size": spec.block_size,
-            "lm_head": self.quantize_lm_head, "accuracy_level": spec.accuracy_level, "op": "com.microsoft::MatMulNBits",
-        }
+            return QuantizationSpec()
+        gptq = None
+        if self.quant == "gptq":
+            texts = " + ".join(Path(p).name for p in self.gptq.calibration)
+            calibration = f"{texts}: {self.gptq.samples} x {self.gptq.sample_len} tokens"
+            gptq = GPTQFacts(self.gptq.damping, self.gptq.act_order, static_groups=True, calibration=calibration)
+        return QuantizationSpec(
+            method=QuantMethod.GPTQ if gptq else QuantMethod.RTN,
+            bits=spec.bits,
+            group_size=spec.block_size,
+            lm_head=self.quantize_lm_head,
+            accuracy_level=spec.accuracy_level,
+            op="com.microsoft::MatMulNBits",
+            gptq=gptq,
+        )
 
 
 @dataclass
@@ -163,8 +191,20 @@ class BuildReport:
     peak_rss_mb: float = 0.0
     files: dict[str, int] = field(default_factory=dict)
     phases: dict[str, str] = field(default_factory=dict)
-    quantization: dict = field(default_factory=dict)
-    speculation: dict | None = None
+    quantization: QuantizationSpec = field(default_factory=QuantizationSpec)
+    speculation: SpeculationSpec | None = None
+
+    @classmethod
+    def of(cls, out: Path, manifest: Manifest, seconds: float) -> BuildReport:
+        return cls(
+            out=out,
+            seconds=seconds,
+            peak_rss_mb=peak_rss_mb(),
+            files={str(p.relative_to(out)): p.stat().st_size for p in sorted(out.rglob("*")) if p.is_file()},
+            phases={name: phase.describe() for name, phase in manifest.phases.items()},
+            quantization=manifest.quantization,
+            speculation=manifest.speculation,
+        )
 
     def lines(self) -> list[str]:
         total = sum(self.files.values())
@@ -172,12 +212,71 @@ class BuildReport:
         out += [f"  {name:<24} {size / 2**20:10.1f} MiB" for name, size in self.files.items()]
         out.append(f"  {'total':<24} {total / 2**20:10.1f} MiB")
         out += [f"  phase {name:<10} {shape}" for name, shape in self.phases.items()]
-        out.append(f"  quantization {self.quantization}")
+        facts = {k: v for k, v in asdict(self.quantization).items() if v is not None and v != {}}
+        out.append(f"  quantization {_key_values(facts)}")
         if self.speculation:
-            facts = {k: v for k, v in self.speculation.items() if k != "head"}
-            out.append(f"  speculation {facts}")
+            out.append(f"  speculation {_key_values(self.speculation.facts())}")
         out.append(f"built in {self.seconds:.1f} s, peak RSS {self.peak_rss_mb:.0f} MiB")
         return out
+
+
+def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> BuildReport:
+    """The build's steps: read the checkpoint, plan the shapes, load (and quantize) the weights, trace and emit the
+    graphs into a staging directory, write the manifest last and move the artifact into place."""
+    _check_options(options)
+    out = Path(options.out)
+    _prepare_out(out, options.overwrite)
+    draft_head_path = options.draft_head_path()
+    progress = _Progress(5 if draft_head_path is not None or options.speculative == "draft-model" else 4, log)
+
+    progress.step(1, f"reading checkpoint {options.source}")
+    checkpoint = load_checkpoint(options.source)
+    shapes = _plan_shapes(options, checkpoint.config, log)
+    drafter, speculation = _prepare_speculation(options, checkpoint, draft_head_path)
+    _log_checkpoint(checkpoint, log)
+
+    progress.step(2, f"loading weights as {_weights_description(options, log)}")
+    model, quantization = _load_weights(options, checkpoint, shapes, log)
+
+    with _staging(out) as staging:
+        progress.step(3, "tracing the step and sampler graphs with torch.export and emitting ONNX")
+        graphs = {
+            STEP_GRAPH: _native_kernels(options, export_step_graph(model, staging, shapes.max_seq_len), staging, log)
+        }
+        del model  # the float weights are in the graph's file now; the side graphs need far less
+        graphs[SAMPLER_GRAPH] = export_sampler_graph(checkpoint.config.vocab_size, options.tree_depth, staging)
+        if drafter is not None:
+            progress.step(4, f"exporting the ReDrafter draft graph from {draft_head_path}")
+            graphs[DRAFT_GRAPH] = export_draft_graph(drafter, staging)
+        if options.speculative == "draft-model":
+            progress.step(4, f"building the draft model {options.draft_model} ({options.draft_quant})")
+            draft_options = _draft_model_options(options, staging / DRAFT_ENGINE, shapes.max_seq_len)
+            build_engine(draft_options, log=lambda line: log(f"      draft: {line}"))
+        progress.step(progress.total, "writing tokenizer, manifest and checksums")
+        manifest = _write_manifest(staging, options, checkpoint, shapes, graphs, quantization, speculation)
+    return BuildReport.of(out, manifest, progress.seconds())
+
+
+@dataclass
+class _Progress:
+    total: int
+    log: Callable[[str], None]
+    start: float = field(default_factory=time.perf_counter)
+
+    def step(self, index: int, what: str) -> None:
+        self.log(f"[{index}/{self.total}] {what} (t={self.seconds():.1f}s, rss={peak_rss_mb():.0f} MiB)")
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self.start
+
+
+def _check_options(options: BuildOptions) -> None:
+    if options.dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {options.dtype!r}; choose one of {', '.join(DTYPES)}")
+    if options.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"unknown KV cache dtype {options.kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}"
+        )
 
 
 def _prepare_out(out: Path, overwrite: bool) -> None:
@@ -188,140 +287,14 @@ def _prepare_out(out: Path, overwrite: bool) -> None:
             raise FileExistsError(f"refusing to overwrite {out}: it is not an engine artifact")
 
 
-def _encoder(tokenizer: TokenizerSpec) -> Callable[[str], list[int]]:
-    """Text -> token ids with the checkpoint's tokenizer (for calibration text)."""
-    parsed = Tokenizer.from_str(tokenizer.tokenizer_json)
-    return lambda text: parsed.encode(text).ids
-
-
-def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> BuildReport:
-    if options.dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {options.dtype!r}; choose one of {', '.join(DTYPES)}")
-    if options.kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"unknown KV cache dtype {options.kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
-    out = Path(options.out)
-    _prepare_out(out, options.overwrite)
-    draft_head_path = options.draft_head_path()
-    total_steps = 5 if draft_head_path is not None or options.speculative == "draft-model" else 4
-    start = time.perf_counter()
-
-    def step(index: int, what: str) -> None:
-        log(f"[{index}/{total_steps}] {what} (t={time.perf_counter() - start:.1f}s, rss={peak_rss_mb():.0f} MiB)")
-
-    step(1, f"reading checkpoint {options.source}")
-    checkpoint = load_checkpoint(options.source)
-    config = checkpoint.config
-    check_head_dim(config.head_dim)
-    window = config.sliding_window or config.max_position_embeddings
-    max_seq_len = options.max_seq_len or min(2048, config.max_position_embeddings, window)
-    if max_seq_len > window:  # beyond it the model would attend to fewer positions than the engine does
-        raise ValueError(f"this model attends over a sliding window of {window} positions, which the engine does not "
-                         f"implement: build with --max-seq-len {window} or less (it equals full attention there)")
-    if max_seq_len > config.max_position_embeddings:
-        log(f"warning: --max-seq-len {max_seq_len} exceeds the model's {config.max_position_embeddings} positions")
-    shapes = BuildShapes(
-        max_seq_len=max_seq_len, max_batch=options.max_batch,
-        prefill_chunk=options.prefill_chunk or default_prefill_chunk(options.kv_cache_dtype, max_seq_len),
-        verify_tokens=options.verify_tokens or (options.tree_nodes if options.speculative != "none" else 8),
-    )
-    # the attention kernel wants rotary table rows for every position a call spans, padding tokens included
-    rotary_positions = max_seq_len + max(shapes.prefill_chunk, shapes.verify_tokens)
-    drafter, speculation = _load_drafter(draft_head_path, config, options) if draft_head_path else (None, options.prompt_lookup())
-    if options.speculative == "draft-model":
-        speculation = _check_draft_model(options, checkpoint)
-    log(
-        f"      {checkpoint.format} checkpoint: {config.num_layers} layers, hidden {config.hidden_size}, "
-        f"{config.num_heads} heads / {config.num_kv_heads} KV heads, vocab {config.vocab_size}"
-    )
-    if checkpoint.sampling_defaults:
-        log(f"      recommended sampling (the runner's defaults): {_key_values(checkpoint.sampling_defaults)}")
-
-    quant = options.quant_spec()
-    gptq = options.quant == "gptq"
-    kept = {} if gptq or not options.keep_source_blocks else kept_block_specs(
-        config, quant, options.quantize_lm_head, checkpoint.block_formats
-    )
-    sources = linear_sources(config, options.quantize_lm_head)
-    keep = frozenset(name for module in kept for name in sources[module])
-    what = options.dtype if quant is None else (
-        f"{options.quant} (group {quant.block_size}, LM head {'quantized' if options.quantize_lm_head else 'float'}, "
-        f"{'int8' if quant.accuracy_level == 4 else 'fp32'} activations in the quantized matmuls), rest {options.dtype}"
-    )
-    if quant is not None and quant.accuracy_level == 4 and options.speculative != "none":
-        log("warning: this target quantizes activations to int8, so speculation is exact only up to rounding: a verify "
-            "call's attention over several tokens rounds differently from a one-token decode step, int8 activations "
-            "grow that into whole logits, and greedy answers can part from the plain engine's (README: speculative decoding)")
-    step(2, f"loading weights as {what}")
-    quantization = options.quantization()
-    if gptq:
-        # GPTQ needs each layer's float weights and inputs: the float model is held (not streamed) while it runs
-        model = load_model(config, checkpoint.read_tensors(), DTYPES[options.dtype], max_positions=rotary_positions)
-        tokens = calibration_tokens(_encoder(checkpoint.tokenizer), options.gptq.calibration, options.gptq.samples,
-                                    options.gptq.sample_len)
-        log(f"      GPTQ calibration: {quantization['calibration']}")
-        model = gptq_model(model, tokens, quant, options.quantize_lm_head, options.gptq, log)
-    else:
-        model = load_model(
-            config, checkpoint.read_tensors(keep), DTYPES[options.dtype], quant, options.quantize_lm_head, kept,
-            rotary_positions,
-        )
-    if quant is not None and not gptq:
-        total = len(sources)
-        quantization.update(
-            method={0: "rtn", total: "gguf-blocks"}.get(len(kept), "gguf-blocks+rtn"),
-            source_blocks_kept=dict(sorted(Counter(checkpoint.block_formats[n] for n in keep).items())),
-            linears_kept=len(kept), linears_requantized=total - len(kept),
-            block_offsets=any(spec.offsets for spec in kept.values()),
-        )
-        log(
-            f"      quantized linears: {len(kept)} keep their GGUF blocks {quantization['source_blocks_kept'] or ''}, "
-            f"{total - len(kept)} quantized from float ({quantization['method']})"
-        )
-
-    if options.kv_cache_dtype == "int8":
-        calibration = options.kv_calibration
-        windows = calibration_windows(_encoder(checkpoint.tokenizer), calibration, max_seq_len)
-        model.use_int8_kv_cache(calibrate_kv_scales(model, windows))
-        quantization["kv_cache"] = {"dtype": "int8", "scales": "static, per layer, kv head and channel",
-                                    "calibration": calibration.describe()}
-        log(f"      int8 KV cache, scales calibrated on {calibration.describe()}")
-
+@contextmanager
+def _staging(out: Path) -> Iterator[Path]:
+    """A directory beside `out` the build writes into, renamed to `out` only when the build succeeded, so an
+    interrupted build leaves no half artifact (and the engine it replaces stays until then)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        step(3, "tracing the step and sampler graphs with torch.export and emitting ONNX")
-        graphs = {STEP_GRAPH: _native_kernels(options, export_step_graph(model, staging, max_seq_len), staging, log)}
-        del model
-        graphs[SAMPLER_GRAPH] = export_sampler_graph(config.vocab_size, options.tree_depth, staging)
-        if drafter is not None:
-            step(4, f"exporting the ReDrafter draft graph from {draft_head_path}")
-            graphs[DRAFT_GRAPH] = export_draft_graph(drafter, staging)
-        if options.speculative == "draft-model":
-            step(4, f"building the draft model {options.draft_model} ({options.draft_quant})")
-            draft_options = _draft_model_options(options, staging / DRAFT_ENGINE, max_seq_len)
-            build_engine(draft_options, log=lambda line: log(f"      draft: {line}"))
-        step(total_steps, "writing tokenizer, manifest and checksums")
-        (staging / TOKENIZER_FILE).write_text(checkpoint.tokenizer.tokenizer_json)
-        spec = checkpoint.tokenizer
-        manifest = Manifest(
-            schema_version=SCHEMA_VERSION,
-            builder_version=__version__,
-            source=checkpoint.source,
-            backend="onnxruntime",
-            dtype=options.dtype,
-            max_seq_len=max_seq_len,
-            model=config,
-            tokenizer=TokenizerInfo(TOKENIZER_FILE, spec.chat_template, spec.bos_token, spec.eos_token, spec.add_bos_token),
-            graphs=graphs,
-            phases=plan_phases(shapes),
-            kv_cache=KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim,
-                                 "int8" if options.kv_cache_dtype == "int8" else _numpy_dtype(options.dtype)),
-            sampler=SamplerSpec(SAMPLER_GRAPH, options.tree_depth, TOP_LOGPROBS),
-            quantization=quantization,
-            speculation=speculation,
-            sampling_defaults=checkpoint.sampling_defaults,
-        )
-        write_manifest(staging, manifest)
+        yield staging
         open_artifact(staging)  # what we wrote must pass the runner's own validation
         if out.exists():
             shutil.rmtree(out)
@@ -330,12 +303,161 @@ def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> B
         if staging.exists():
             shutil.rmtree(staging)
 
-    report = BuildReport(out=out, seconds=time.perf_counter() - start, peak_rss_mb=peak_rss_mb())
-    report.files = {str(p.relative_to(out)): p.stat().st_size for p in sorted(out.rglob("*")) if p.is_file()}
-    report.quantization = manifest.quantization
-    report.speculation = manifest.speculation
-    report.phases = {name: phase.describe() for name, phase in manifest.phases.items()}
-    return report
+
+def _encoder(tokenizer: TokenizerSpec) -> Callable[[str], list[int]]:
+    """Text -> token ids with the checkpoint's tokenizer (for calibration text)."""
+    parsed = Tokenizer.from_str(tokenizer.tokenizer_json)
+    return lambda text: parsed.encode(text).ids
+
+
+def _plan_shapes(options: BuildOptions, config: ModelConfig, log: Callable[[str], None]) -> BuildShapes:
+    check_head_dim(config.head_dim)
+    window = config.sliding_window or config.max_position_embeddings
+    max_seq_len = options.max_seq_len or min(2048, config.max_position_embeddings, window)
+    if max_seq_len > window:  # beyond it the model would attend to fewer positions than the engine does
+        raise ValueError(
+            f"this model attends over a sliding window of {window} positions, which the engine does not "
+            f"implement: build with --max-seq-len {window} or less (it equals full attention there)"
+        )
+    if max_seq_len > config.max_position_embeddings:
+        log(f"warning: --max-seq-len {max_seq_len} exceeds the model's {config.max_position_embeddings} positions")
+    return BuildShapes(
+        max_seq_len=max_seq_len,
+        max_batch=options.max_batch,
+        prefill_chunk=options.prefill_chunk or default_prefill_chunk(options.kv_cache_dtype, max_seq_len),
+        verify_tokens=options.verify_tokens or (options.tree_nodes if options.speculative != "none" else 8),
+    )
+
+
+def _prepare_speculation(
+    options: BuildOptions, checkpoint, draft_head_path: Path | None
+) -> tuple[BeamSearchDrafter | None, SpeculationSpec | None]:
+    """The draft head (ReDrafter) and the manifest's speculation section, checked before the long export."""
+    if draft_head_path is not None:
+        return _load_drafter(draft_head_path, checkpoint.config, options)
+    if options.speculative == "draft-model":
+        return None, _check_draft_model(options, checkpoint)
+    return None, options.prompt_lookup()
+
+
+def _log_checkpoint(checkpoint, log: Callable[[str], None]) -> None:
+    config = checkpoint.config
+    log(
+        f"      {checkpoint.format} checkpoint: {config.num_layers} layers, hidden {config.hidden_size}, "
+        f"{config.num_heads} heads / {config.num_kv_heads} KV heads, vocab {config.vocab_size}"
+    )
+    if checkpoint.sampling_defaults:
+        log(f"      recommended sampling (the runner's defaults): {_key_values(checkpoint.sampling_defaults)}")
+
+
+def _weights_description(options: BuildOptions, log: Callable[[str], None]) -> str:
+    """How the weights are loaded, for the progress line; warns where speculation cannot be exact."""
+    quant = options.quant_spec()
+    if quant is None:
+        return options.dtype
+    if quant.accuracy_level == 4 and options.speculative != "none":
+        log(
+            "warning: this target quantizes activations to int8, so speculation is exact only up to rounding: a verify "
+            "call's attention over several tokens rounds differently from a one-token decode step, int8 activations "
+            "grow that into whole logits, and greedy answers can part from the plain engine's "
+            "(docs/speculative-decoding.md)"
+        )
+    head = "quantized" if options.quantize_lm_head else "float"
+    activations = "int8" if quant.accuracy_level == 4 else "fp32"
+    return (
+        f"{options.quant} (group {quant.block_size}, LM head {head}, {activations} activations in the quantized "
+        f"matmuls), rest {options.dtype}"
+    )
+
+
+def _load_weights(options: BuildOptions, checkpoint, shapes: BuildShapes, log: Callable[[str], None]):
+    """The model with its weights as the options ask (GGUF blocks kept where they map exactly, the rest quantized
+    from float, or GPTQ), the int8 KV cache's scales calibrated, and the manifest's quantization section."""
+    config, quant, quantization = checkpoint.config, options.quant_spec(), options.quantization()
+    # the attention kernel wants rotary table rows for every position a call spans, padding tokens included
+    rotary_positions = shapes.max_seq_len + max(shapes.prefill_chunk, shapes.verify_tokens)
+    if options.quant == "gptq":
+        # GPTQ needs each layer's float weights and inputs: the float model is held (not streamed) while it runs
+        model = load_model(config, checkpoint.read_tensors(), DTYPES[options.dtype], max_positions=rotary_positions)
+        tokens = calibration_tokens(
+            _encoder(checkpoint.tokenizer), options.gptq.calibration, options.gptq.samples, options.gptq.sample_len
+        )
+        log(f"      GPTQ calibration: {quantization.gptq.calibration}")
+        model = gptq_model(model, tokens, quant, options.quantize_lm_head, options.gptq, log)
+    else:
+        kept = {}
+        if options.keep_source_blocks:
+            kept = kept_block_specs(config, quant, options.quantize_lm_head, checkpoint.block_formats)
+        sources = linear_sources(config, options.quantize_lm_head)
+        keep = frozenset(name for module in kept for name in sources[module])
+        tensors = checkpoint.read_tensors(keep)
+        model = load_model(
+            config, tensors, DTYPES[options.dtype], quant, options.quantize_lm_head, kept, rotary_positions
+        )
+        if quant is not None:
+            quantization = _kept_blocks(quantization, kept, keep, len(sources), checkpoint.block_formats, log)
+    if options.kv_cache_dtype == "int8":
+        calibration = options.kv_calibration
+        windows = calibration_windows(_encoder(checkpoint.tokenizer), calibration, shapes.max_seq_len)
+        model.use_int8_kv_cache(calibrate_kv_scales(model, windows))
+        kv_cache = KVCacheQuantization("int8", "static, per layer, kv head and channel", calibration.describe())
+        quantization = replace(quantization, kv_cache=kv_cache)
+        log(f"      int8 KV cache, scales calibrated on {calibration.describe()}")
+    return model, quantization
+
+
+def _kept_blocks(
+    quantization: QuantizationSpec, kept: dict, keep: frozenset, total: int, block_formats: dict, log
+) -> QuantizationSpec:
+    """The quantization section with which linears kept their GGUF blocks and which were quantized from float."""
+    methods = {0: QuantMethod.RTN, total: QuantMethod.GGUF_BLOCKS}
+    quantization = replace(
+        quantization,
+        method=methods.get(len(kept), QuantMethod.GGUF_BLOCKS_RTN),
+        source_blocks_kept=dict(sorted(Counter(block_formats[n] for n in keep).items())),
+        linears_kept=len(kept),
+        linears_requantized=total - len(kept),
+        block_offsets=any(spec.offsets for spec in kept.values()),
+    )
+    log(
+        f"      quantized linears: {len(kept)} keep their GGUF blocks {quantization.source_blocks_kept or ''}, "
+        f"{total - len(kept)} quantized from float ({quantization.method})"
+    )
+    return quantization
+
+
+def _write_manifest(
+    staging: Path,
+    options: BuildOptions,
+    checkpoint,
+    shapes: BuildShapes,
+    graphs: dict[str, GraphSpec],
+    quantization: QuantizationSpec,
+    speculation: SpeculationSpec | None,
+) -> Manifest:
+    (staging / TOKENIZER_FILE).write_text(checkpoint.tokenizer.tokenizer_json)
+    config, tokenizer = checkpoint.config, checkpoint.tokenizer
+    kv_dtype = "int8" if options.kv_cache_dtype == "int8" else _numpy_dtype(options.dtype)
+    manifest = Manifest(
+        schema_version=SCHEMA_VERSION,
+        builder_version=__version__,
+        source=checkpoint.source,
+        backend="onnxruntime",
+        dtype=options.dtype,
+        max_seq_len=shapes.max_seq_len,
+        model=config,
+        tokenizer=TokenizerInfo(
+            TOKENIZER_FILE, tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token, tokenizer.add_bos_token
+        ),
+        graphs=graphs,
+        phases=plan_phases(shapes),
+        kv_cache=KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, kv_dtype),
+        sampler=SamplerSpec(SAMPLER_GRAPH, options.tree_depth, TOP_LOGPROBS),
+        quantization=quantization,
+        speculation=speculation,
+        sampling_defaults=checkpoint.sampling_defaults,
+    )
+    return write_manifest(staging, manifest)
 
 
 def _native_kernels(options: BuildOptions, step: GraphSpec, staging: Path, log: Callable[[str], None]) -> GraphSpec:
@@ -352,7 +474,10 @@ def _native_kernels(options: BuildOptions, step: GraphSpec, staging: Path, log: 
         log("      decode attention: onnxruntime's GroupQueryAttention (the int8 KV cache is not implemented in ours)")
         wanted["DecodeAttention"] = False
     elif wanted["DecodeAttention"] and options.dtype != "fp32":
-        log(f"      decode attention: onnxruntime's GroupQueryAttention (ours computes in fp32 only, not {options.dtype})")
+        log(
+            "      decode attention: onnxruntime's GroupQueryAttention (ours computes in fp32 only, not "
+            f"{options.dtype})"
+        )
         wanted["DecodeAttention"] = False
     if wanted["Int4MatMul"] and (cpu := int4_matmul.unavailable_reason()):
         log(f"      int4 matmuls: onnxruntime's MatMulNBits ({cpu})")
@@ -374,7 +499,7 @@ def _numpy_dtype(dtype: str) -> str:
     return {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}[dtype]
 
 
-def _check_draft_model(options: BuildOptions, target) -> dict:
+def _check_draft_model(options: BuildOptions, target) -> SpeculationSpec:
     """Read the draft model's checkpoint before the long export: it must speak the target's tokenizer."""
     if options.draft_model is None:
         raise ValueError("--speculative draft-model needs --draft-model (a checkpoint of a model with this vocabulary)")
@@ -390,26 +515,39 @@ def _check_draft_model(options: BuildOptions, target) -> dict:
             f"draft model {options.draft_model} does not share the target's tokenizer (vocabulary "
             f"{draft.config.vocab_size} vs {target.config.vocab_size} or different token ids)"
         )
-    return {"method": "draft-model", "engine": DRAFT_ENGINE, "source": draft.source, "draft_len": options.draft_len,
-            "draft_quant": options.draft_quant, "max_tree_nodes": options.tree_nodes}
+    return SpeculationSpec(
+        SpeculationMethod.DRAFT_MODEL,
+        draft_len=options.draft_len,
+        max_tree_nodes=options.tree_nodes,
+        draft_quant=options.draft_quant,
+        engine=DRAFT_ENGINE,
+        source=draft.source,
+    )
 
 
 def _draft_model_options(options: BuildOptions, out: Path, max_seq_len: int) -> BuildOptions:
     """The draft model as an engine of its own: the target's shapes, chunks of up to draft_len + 1 tokens per
     verify call (a round feeds it the tokens it has not seen: the last one and the drafts just accepted)."""
     return BuildOptions(
-        source=options.draft_model, out=out, dtype=options.dtype, max_seq_len=max_seq_len, max_batch=options.max_batch,
-        prefill_chunk=options.prefill_chunk, quant=options.draft_quant, verify_tokens=options.draft_len + 1,
+        source=options.draft_model,
+        out=out,
+        dtype=options.dtype,
+        max_seq_len=max_seq_len,
+        max_batch=options.max_batch,
+        prefill_chunk=options.prefill_chunk,
+        quant=options.draft_quant,
+        verify_tokens=options.draft_len + 1,
         keep_source_blocks=options.keep_source_blocks,
     )
 
 
-def _load_drafter(path: Path, config, options: BuildOptions) -> tuple[BeamSearchDrafter, dict]:
+def _load_drafter(path: Path, config, options: BuildOptions) -> tuple[BeamSearchDrafter, SpeculationSpec]:
     """Read and check the draft head before the long export, so a wrong head fails at once."""
     head, facts = load_draft_head(path)
     if (head.config.hidden_size, head.config.target_vocab_size) != (config.hidden_size, config.vocab_size):
         raise ValueError(
-            f"draft head {path} was trained for hidden size {head.config.hidden_size} / vocab {head.config.target_vocab_size}, "
+            f"draft head {path} was trained for hidden size {head.config.hidden_size} / vocab "
+            f"{head.config.target_vocab_size}, "
             f"this model has {config.hidden_size} / {config.vocab_size}"
         )
     if options.prompt_lookup_len < 0:
@@ -421,13 +559,20 @@ def _load_drafter(path: Path, config, options: BuildOptions) -> tuple[BeamSearch
     if options.draft_quant == "int8":
         head.quantize(DRAFT_QUANT)
     drafter = BeamSearchDrafter(head, options.beam_width, options.draft_len)
-    speculation = {
-        "method": "redrafter", "graph": DRAFT_GRAPH, "beam_width": options.beam_width, "draft_len": options.draft_len,
-        "draft_vocab_size": head.config.draft_vocab_size, "max_tree_nodes": options.tree_nodes,
-        "draft_quant": options.draft_quant, "prompt_lookup_len": options.prompt_lookup_len,
-        "max_ngram": PROMPT_LOOKUP_MAX_NGRAM, "min_ngram": PROMPT_LOOKUP_MIN_NGRAM, "min_draft_prob": options.min_draft_prob,
-        "head": facts,
-    }
+    speculation = SpeculationSpec(
+        SpeculationMethod.REDRAFTER,
+        draft_len=options.draft_len,
+        max_tree_nodes=options.tree_nodes,
+        beam_width=options.beam_width,
+        max_ngram=PROMPT_LOOKUP_MAX_NGRAM,
+        min_ngram=PROMPT_LOOKUP_MIN_NGRAM,
+        prompt_lookup_len=options.prompt_lookup_len,
+        graph=DRAFT_GRAPH,
+        draft_vocab_size=head.config.draft_vocab_size,
+        draft_quant=options.draft_quant,
+        min_draft_prob=options.min_draft_prob,
+        head=facts,
+    )
     return drafter, speculation
 
 

@@ -1,4 +1,5 @@
-"""`builder build ...`"""
+"""`builder build ...`: the build stage's command line. `builder train-drafter`, which needs the runner too, is added
+to it by training/cli.py, the console script's entry point."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ from pathlib import Path
 import click
 
 from builder.build import DEFAULT_DRAFT_LEN, DTYPES, KV_CACHE_DTYPES, BuildOptions, build_engine
-from builder.gptq import GPTQOptions
 from builder.loaders import CheckpointError
-from runner.cli_errors import exit_on
+from builder.quantization.gptq import GPTQOptions
+from engines.cli_errors import exit_on
 
 
 @click.group()
@@ -24,116 +25,205 @@ def main() -> None:
 @click.option("--dtype", type=click.Choice(list(DTYPES)), default="fp32", show_default=True)
 @click.option("--max-seq-len", type=int, default=None, help="Longest prompt + output (default: min(2048, model's)).")
 @click.option("--max-batch", type=int, default=8, show_default=True, help="Largest decode batch bucket.")
-@click.option("--prefill-chunk", type=int, default=None,
-              help="The largest prompt chunk one graph call computes (default: min(1024, --max-seq-len); 128 with an int8 KV cache); the runner "
-                   "cuts smaller chunks while other requests generate (runner serve --shared-prefill-chunk).")
+@click.option(
+    "--prefill-chunk",
+    type=int,
+    default=None,
+    help="The largest prompt chunk one graph call computes (default: min(1024, --max-seq-len); 128 with an int8 KV "
+    "cache); the runner cuts smaller chunks while other requests generate (runner serve --shared-prefill-chunk).",
+)
 @click.option("--overwrite", is_flag=True, help="Replace an existing engine at --out.")
-@click.option("--quant", type=click.Choice(["none", "int8", "int4", "gptq"]), default="none", show_default=True,
-              help="Weight-only quantization of every linear: int8/int4 round to nearest (symmetric, per group), "
-                   "gptq = int4 chosen by GPTQ on calibration text.")
-@click.option("--group-size", type=click.Choice(["16", "32", "64", "128", "256"]), default=None,
-              help="Input features per quantization group (default: 32 for int4, 128 for int8).")
+@click.option(
+    "--quant",
+    type=click.Choice(["none", "int8", "int4", "gptq"]),
+    default="none",
+    show_default=True,
+    help="Weight-only quantization of every linear: int8/int4 round to nearest (symmetric, per group), "
+    "gptq = int4 chosen by GPTQ on calibration text.",
+)
+@click.option(
+    "--group-size",
+    type=click.Choice(["16", "32", "64", "128", "256"]),
+    default=None,
+    help="Input features per quantization group (default: 32 for int4, 128 for int8).",
+)
 @click.option("--quant-lm-head/--float-lm-head", default=True, show_default=True, help="Quantize the LM head too.")
-@click.option("--int8-compute/--fp32-compute", default=True, show_default=True,
-              help="Quantized matmuls quantize activations to int8 (onnxruntime accuracy_level 4: much faster on CPU; "
-                   "onnxruntime's fp32-compute path for 8-bit weights is a slow fallback).")
-@click.option("--gptq-damping", type=float, default=0.1, show_default=True, help="GPTQ: fraction of mean(diag H) added to H.")
-@click.option("--gptq-act-order/--gptq-column-order", default=True, show_default=True,
-              help="GPTQ: quantize the most-used input features first.")
+@click.option(
+    "--int8-compute/--fp32-compute",
+    default=True,
+    show_default=True,
+    help="Quantized matmuls quantize activations to int8 (onnxruntime accuracy_level 4: much faster on CPU; "
+    "onnxruntime's fp32-compute path for 8-bit weights is a slow fallback).",
+)
+@click.option(
+    "--gptq-damping", type=float, default=0.1, show_default=True, help="GPTQ: fraction of mean(diag H) added to H."
+)
+@click.option(
+    "--gptq-act-order/--gptq-column-order",
+    default=True,
+    show_default=True,
+    help="GPTQ: quantize the most-used input features first.",
+)
 @click.option("--gptq-samples", type=int, default=48, show_default=True, help="GPTQ: calibration sequences.")
-@click.option("--gptq-sample-len", type=int, default=256, show_default=True, help="GPTQ: tokens per calibration sequence.")
-@click.option("--calibration-text", type=click.Path(exists=True, dir_okay=False, path_type=Path), multiple=True,
-              help="GPTQ: calibration text, repeatable (default: the builder's own, see builder/calibration/README.md).")
-@click.option("--keep-gguf-blocks/--requantize-gguf", default=True, show_default=True,
-              help="GGUF Q4_0/Q4_1/Q8_0 weights whose blocks map exactly onto --quant with groups of 32 are taken as "
-                   "they are (no float round trip); the build summary says which.")
-@click.option("--speculative", type=click.Choice(["none", "redrafter", "prompt-lookup", "draft-model"]), default="none",
-              show_default=True,
-              help="Speculative decoding: redrafter = a recurrent draft head with beam search in a draft graph; "
-                   "prompt-lookup = drafts copied from the request's own context after a matching n-gram; "
-                   "draft-model = a smaller model of the same vocabulary drafts greedily (--draft-model).")
-@click.option("--draft-model", default=None,
-              help="draft-model: its checkpoint (a Hugging Face directory, a .gguf file, or `default`).")
-@click.option("--draft-head", type=click.Path(path_type=Path), default=None,
-              help="Draft head from `builder train-drafter` (default for `default`: the head shipped with the builder).")
+@click.option(
+    "--gptq-sample-len", type=int, default=256, show_default=True, help="GPTQ: tokens per calibration sequence."
+)
+@click.option(
+    "--calibration-text",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    multiple=True,
+    help="GPTQ: calibration text, repeatable "
+    "(default: the builder's own, see builder/quantization/calibration/README.md).",
+)
+@click.option(
+    "--keep-gguf-blocks/--requantize-gguf",
+    default=True,
+    show_default=True,
+    help="GGUF Q4_0/Q4_1/Q8_0 weights whose blocks map exactly onto --quant with groups of 32 are taken as "
+    "they are (no float round trip); the build summary says which.",
+)
+@click.option(
+    "--speculative",
+    type=click.Choice(["none", "redrafter", "prompt-lookup", "draft-model"]),
+    default="none",
+    show_default=True,
+    help="Speculative decoding: redrafter = a recurrent draft head with beam search in a draft graph; "
+    "prompt-lookup = drafts copied from the request's own context after a matching n-gram; "
+    "draft-model = a smaller model of the same vocabulary drafts greedily (--draft-model).",
+)
+@click.option(
+    "--draft-model",
+    default=None,
+    help="draft-model: its checkpoint (a Hugging Face directory, a .gguf file, or `default`).",
+)
+@click.option(
+    "--draft-head",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Draft head from `builder train-drafter` (default for `default`: the head shipped with the builder).",
+)
 @click.option("--beam-width", type=int, default=2, show_default=True, help="Draft beams per step (redrafter).")
-@click.option("--draft-len", type=int, default=None,
-              help="Draft tokens per beam  [default: "
-                   + ", ".join(f"{n} for {method}" for method, n in DEFAULT_DRAFT_LEN.items()) + "].")
-@click.option("--draft-quant", type=click.Choice(["int8", "int4", "none"]), default="int8", show_default=True,
-              help="The draft's matmuls: int8 (fused, int8 compute; drafts only propose, so output is unchanged); "
-                   "int4 for a draft model.")
-@click.option("--kv-cache-dtype", type=click.Choice(KV_CACHE_DTYPES), default="auto", show_default=True,
-              help="auto = the model's dtype (exact); int8 = a quarter of float32's bytes per cached position, with "
-                   "static per-channel scales calibrated on the builder's text (lossy: see README, int8 KV cache).")
-@click.option("--prompt-lookup-len", type=int, default=4, show_default=True,
-              help="redrafter: also draft this many tokens by prompt lookup, as one more beam of the tree (0 = off).")
-@click.option("--min-draft-prob", type=float, default=0.1, show_default=True,
-              help="redrafter: verify only draft tokens whose beam prefix the head gives at least this probability (0 = all).")
-@click.option("--native-decode-attention/--onnxruntime-decode-attention", default=True, show_default=True,
-              help="Decode steps run our DecodeAttention CPU kernel, compiled here with cc, instead of onnxruntime's "
-                   "GroupQueryAttention (fp32 caches on Linux x86-64; the build says when it cannot).")
-@click.option("--native-int4-matmul/--onnxruntime-int4-matmul", default=True, show_default=True,
-              help="int4 weights with int8 activations run our Int4MatMul CPU kernel (batch-invariant; AVX2 + FMA), "
-                   "compiled here with cc, instead of onnxruntime's MatMulNBits.")
-def build(checkpoint, out, dtype, max_seq_len, max_batch, prefill_chunk, overwrite, quant, group_size, quant_lm_head,
-          int8_compute, gptq_damping, gptq_act_order, gptq_samples, gptq_sample_len, calibration_text, keep_gguf_blocks,
-          speculative, draft_model, draft_head, beam_width, draft_len, draft_quant, kv_cache_dtype,
-          prompt_lookup_len, min_draft_prob, native_decode_attention, native_int4_matmul) -> None:
+@click.option(
+    "--draft-len",
+    type=int,
+    default=None,
+    help="Draft tokens per beam  [default: "
+    + ", ".join(f"{n} for {method}" for method, n in DEFAULT_DRAFT_LEN.items())
+    + "].",
+)
+@click.option(
+    "--draft-quant",
+    type=click.Choice(["int8", "int4", "none"]),
+    default="int8",
+    show_default=True,
+    help="The draft's matmuls: int8 (fused, int8 compute; drafts only propose, so output is unchanged); "
+    "int4 for a draft model.",
+)
+@click.option(
+    "--kv-cache-dtype",
+    type=click.Choice(KV_CACHE_DTYPES),
+    default="auto",
+    show_default=True,
+    help="auto = the model's dtype (exact); int8 = a quarter of float32's bytes per cached position, with "
+    "static per-channel scales calibrated on the builder's text (lossy: see docs/quantization.md).",
+)
+@click.option(
+    "--prompt-lookup-len",
+    type=int,
+    default=4,
+    show_default=True,
+    help="redrafter: also draft this many tokens by prompt lookup, as one more beam of the tree (0 = off).",
+)
+@click.option(
+    "--min-draft-prob",
+    type=float,
+    default=0.1,
+    show_default=True,
+    help="redrafter: verify only draft tokens whose beam prefix the head gives at least this probability (0 = all).",
+)
+@click.option(
+    "--native-decode-attention/--onnxruntime-decode-attention",
+    default=True,
+    show_default=True,
+    help="Decode steps run our DecodeAttention CPU kernel, compiled here with cc, instead of onnxruntime's "
+    "GroupQueryAttention (fp32 caches on Linux x86-64; the build says when it cannot).",
+)
+@click.option(
+    "--native-int4-matmul/--onnxruntime-int4-matmul",
+    default=True,
+    show_default=True,
+    help="int4 weights with int8 activations run our Int4MatMul CPU kernel (batch-invariant; AVX2 + FMA), "
+    "compiled here with cc, instead of onnxruntime's MatMulNBits.",
+)
+def build(
+    checkpoint,
+    out,
+    dtype,
+    max_seq_len,
+    max_batch,
+    prefill_chunk,
+    overwrite,
+    quant,
+    group_size,
+    quant_lm_head,
+    int8_compute,
+    gptq_damping,
+    gptq_act_order,
+    gptq_samples,
+    gptq_sample_len,
+    calibration_text,
+    keep_gguf_blocks,
+    speculative,
+    draft_model,
+    draft_head,
+    beam_width,
+    draft_len,
+    draft_quant,
+    kv_cache_dtype,
+    prompt_lookup_len,
+    min_draft_prob,
+    native_decode_attention,
+    native_int4_matmul,
+) -> None:
     """Build an engine from CHECKPOINT: a Hugging Face directory, a .gguf file, or `default`."""
     with exit_on(ValueError):
-        gptq = GPTQOptions(gptq_damping, gptq_act_order, gptq_samples, gptq_sample_len,
-                           tuple(calibration_text) or GPTQOptions.calibration)
+        gptq = GPTQOptions(
+            gptq_damping,
+            gptq_act_order,
+            gptq_samples,
+            gptq_sample_len,
+            tuple(calibration_text) or GPTQOptions.calibration,
+        )
     options = BuildOptions(
-        source=checkpoint, out=out, dtype=dtype, max_seq_len=max_seq_len, max_batch=max_batch,
-        prefill_chunk=prefill_chunk, overwrite=overwrite, quant=quant, group_size=int(group_size) if group_size else None,
-        quantize_lm_head=quant_lm_head, int8_compute=int8_compute, keep_source_blocks=keep_gguf_blocks, gptq=gptq,
-        speculative=speculative, draft_head=draft_head, beam_width=beam_width, draft_len=draft_len,
-        draft_quant=draft_quant, prompt_lookup_len=prompt_lookup_len, min_draft_prob=min_draft_prob, draft_model=draft_model,
-        kv_cache_dtype=kv_cache_dtype, native_decode_attention=native_decode_attention,
+        source=checkpoint,
+        out=out,
+        dtype=dtype,
+        max_seq_len=max_seq_len,
+        max_batch=max_batch,
+        prefill_chunk=prefill_chunk,
+        overwrite=overwrite,
+        quant=quant,
+        group_size=int(group_size) if group_size else None,
+        quantize_lm_head=quant_lm_head,
+        int8_compute=int8_compute,
+        keep_source_blocks=keep_gguf_blocks,
+        gptq=gptq,
+        speculative=speculative,
+        draft_head=draft_head,
+        beam_width=beam_width,
+        draft_len=draft_len,
+        draft_quant=draft_quant,
+        prompt_lookup_len=prompt_lookup_len,
+        min_draft_prob=min_draft_prob,
+        draft_model=draft_model,
+        kv_cache_dtype=kv_cache_dtype,
+        native_decode_attention=native_decode_attention,
         native_int4_matmul=native_int4_matmul,
     )
     with exit_on(CheckpointError, FileExistsError, ValueError):
         report = build_engine(options, log=lambda line: click.echo(line, err=True))
     for line in report.lines():
         click.echo(line)
-
-
-@main.command("train-drafter")
-@click.argument("engine", type=click.Path(path_type=Path))
-@click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="Draft head file to write (.safetensors).")
-@click.option("--prompts", type=int, default=1200, show_default=True, help="Shipped training prompts the target answers.")
-@click.option("--validation", type=int, default=40, show_default=True, help="Validation prompts (unseen templates and topics).")
-@click.option("--max-new-tokens", type=int, default=128, show_default=True, help="Longest target answer.")
-@click.option("--draft-vocab", type=int, default=4096, show_default=True, help="Tokens the head can propose.")
-@click.option("--horizon", type=int, default=4, show_default=True, help="Draft tokens trained per position.")
-@click.option("--blocks", type=int, default=2, show_default=True, help="Residual blocks in the head.")
-@click.option("--epochs", type=int, default=6, show_default=True, help="The best epoch on validation is kept.")
-@click.option("--dropout", type=float, default=0.1, show_default=True, help="On the head's input while training.")
-@click.option("--distill", type=float, default=1.0, show_default=True,
-              help="Weight of the soft loss against the target's next-token distributions (0: its greedy tokens only).")
-@click.option("--traces", type=click.Path(path_type=Path), default=None,
-              help="Cache of the target's answers and hidden states: read if it exists, else written.")
-@click.option("--threads", type=int, default=None, help="CPU threads for the target engine.")
-@click.option("--checkpoint", default=None, help="Where the target's embeddings are read (default: the engine's source).")
-@click.option("--bf16/--fp32", "bf16", default=None,
-              help="Train in bfloat16 autocast or float32 (default: bfloat16 where the CPU has native bf16 matmuls).")
-@click.option("--seed", type=int, default=0, show_default=True)
-def train_drafter_command(engine, out, prompts, validation, max_new_tokens, draft_vocab, horizon, blocks, epochs, dropout,
-                          distill, traces, threads, checkpoint, bf16, seed) -> None:
-    """Distil a ReDrafter draft head for the target ENGINE from its own answers to the shipped prompts."""
-    from builder.train_drafter import DrafterTrainingOptions, train_drafter
-    from engines.format import ArtifactError
-
-    with exit_on(ArtifactError, CheckpointError, ValueError):
-        options = DrafterTrainingOptions(
-            engine, out, prompts=prompts, validation=validation, max_new_tokens=max_new_tokens,
-            draft_vocab=draft_vocab, horizon=horizon, num_blocks=blocks, epochs=epochs, dropout=dropout,
-            distill=distill, traces=traces, threads=threads, checkpoint=checkpoint, bf16=bf16, seed=seed,
-        )
-        facts = train_drafter(options, log=lambda line: click.echo(line, err=True))
-    click.echo(f"draft head: {out} ({out.stat().st_size / 2**20:.1f} MiB), kept epoch {facts['kept_epoch']}, "
-               f"validation tokens per step: {facts['validation_tokens_per_step']}")
 
 
 if __name__ == "__main__":

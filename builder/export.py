@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
-from builder.draft_head import BeamSearchDrafter
 from builder.model import LlamaForCausalLM
-from builder.sampler import INPUT_NAMES as SAMPLER_INPUT_NAMES
-from builder.sampler import OUTPUT_NAMES as SAMPLER_OUTPUT_NAMES
-from builder.sampler import CANDIDATES, Sampler
+from builder.sampler_graph import CANDIDATES, Sampler
+from builder.sampler_graph import INPUT_NAMES as SAMPLER_INPUT_NAMES
+from builder.sampler_graph import OUTPUT_NAMES as SAMPLER_OUTPUT_NAMES
+from builder.speculation.draft_head import BeamSearchDrafter
 from engines.format import GraphSpec, TensorSpec
 from plugins import attention, norm, quant_linear
 
@@ -41,7 +41,11 @@ def input_names(num_layers: int) -> list[str]:
 def output_names(num_layers: int) -> list[str]:
     """present_key.i / present_value.i are the cache buffers with the new tokens written in: the runner binds each
     to the buffer it feeds as past_key.i / past_value.i (see engines.format.KVCacheSpec)."""
-    return ["logits", "argmax", "hidden"] + [f"present_key.{i}" for i in range(num_layers)] + [f"present_value.{i}" for i in range(num_layers)]
+    return (
+        ["logits", "argmax", "hidden"]
+        + [f"present_key.{i}" for i in range(num_layers)]
+        + [f"present_value.{i}" for i in range(num_layers)]
+    )
 
 
 DRAFT_GRAPH_FILE = "draft.onnx"
@@ -54,8 +58,10 @@ def example_inputs(model: LlamaForCausalLM) -> tuple:
     """Inputs of a size that is 1 on no dynamic axis (export would specialise a size-1 axis to a constant)."""
     config = model.config
     batch, steps, past, outputs = 2, 3, 8, 2
-    cache = [torch.zeros(batch, config.num_kv_heads, past + steps, config.head_dim, dtype=model.kv_cache_dtype)
-             for _ in range(config.num_layers)]
+    cache = [
+        torch.zeros(batch, config.num_kv_heads, past + steps, config.head_dim, dtype=model.kv_cache_dtype)
+        for _ in range(config.num_layers)
+    ]
     return (
         torch.zeros(batch, steps, dtype=torch.long),
         torch.zeros(batch, steps, dtype=torch.long),
@@ -98,13 +104,18 @@ def _spec(value_info) -> TensorSpec:
 def export_step_graph(model: LlamaForCausalLM, out_dir: Path, max_seq_len: int) -> GraphSpec:
     num_layers = model.config.num_layers
     return _export(
-        model, example_inputs(model), dynamic_shapes(num_layers, max_seq_len), out_dir / GRAPH_FILE,
-        input_names(num_layers), output_names(num_layers), external_data=True,
+        model,
+        example_inputs(model),
+        dynamic_shapes(num_layers, max_seq_len),
+        out_dir / GRAPH_FILE,
+        input_names(num_layers),
+        output_names(num_layers),
+        external_data=True,
     )
 
 
 def export_sampler_graph(vocab_size: int, max_depth: int, out_dir: Path, candidates: int = CANDIDATES) -> GraphSpec:
-    """The sampler (builder/sampler.py) for this vocabulary and tree depth; rows and tree nodes are dynamic."""
+    """The sampler (builder/sampler_graph.py) for this vocabulary and tree depth; rows and tree nodes are dynamic."""
     graph, spec = _sampler_graph(vocab_size, max_depth, candidates)
     (out_dir / SAMPLER_GRAPH_FILE).write_bytes(graph)
     return spec
@@ -112,26 +123,57 @@ def export_sampler_graph(vocab_size: int, max_depth: int, out_dir: Path, candida
 
 @functools.cache
 def _sampler_graph(vocab_size: int, max_depth: int, candidates: int) -> tuple[bytes, GraphSpec]:
-    """Exported once per process and shape (~9 s, most of it converting the conditional branches): it has no
+    """Exported once per process and shape (seconds, most of it converting the conditional branches): it has no
     weights, so every engine with this vocabulary and depth gets the same bytes."""
     batch, nodes = torch.export.Dim("batch", min=1, max=1024), torch.export.Dim("nodes", min=1, max=1024)
     args = (
-        torch.zeros(2, 3, vocab_size), torch.zeros(2, 3, dtype=torch.long), torch.full((2, 3), -1),
-        torch.eye(3, dtype=torch.bool).expand(2, 3, 3).clone(), torch.zeros(2, 3, 2), torch.ones(2),
-        torch.zeros(2, dtype=torch.long), torch.ones(2), torch.zeros(2), torch.ones(2), torch.zeros(2), torch.zeros(2),
-        torch.zeros(2, vocab_size), torch.zeros(2, vocab_size, dtype=torch.bool),
-        torch.zeros(2, vocab_size, dtype=torch.bool), torch.zeros(2, dtype=torch.long), torch.tensor(False),
+        torch.zeros(2, 3, vocab_size),
+        torch.zeros(2, 3, dtype=torch.long),
+        torch.full((2, 3), -1),
+        torch.eye(3, dtype=torch.bool).expand(2, 3, 3).clone(),
+        torch.zeros(2, 3, 2),
+        torch.ones(2),
+        torch.zeros(2, dtype=torch.long),
+        torch.ones(2),
+        torch.zeros(2),
+        torch.ones(2),
+        torch.zeros(2),
+        torch.zeros(2),
+        torch.zeros(2, vocab_size),
+        torch.zeros(2, vocab_size, dtype=torch.bool),
+        torch.zeros(2, vocab_size, dtype=torch.bool),
+        torch.zeros(2, dtype=torch.long),
+        torch.tensor(False),
         torch.zeros(2, vocab_size),
     )
     per_row = {0: batch}
     per_node = {0: batch, 1: nodes}
-    shapes = dict(zip(SAMPLER_INPUT_NAMES, [
-        per_node, per_node, per_node, {0: batch, 1: nodes, 2: nodes}, per_node, *[per_row] * 11, {}, per_row,
-    ]))
+    shapes = dict(
+        zip(
+            SAMPLER_INPUT_NAMES,
+            [
+                per_node,
+                per_node,
+                per_node,
+                {0: batch, 1: nodes, 2: nodes},
+                per_node,
+                *[per_row] * 11,
+                {},
+                per_row,
+            ],
+        )
+    )
     with tempfile.TemporaryDirectory() as scratch:
         path = Path(scratch) / SAMPLER_GRAPH_FILE
-        spec = _export(Sampler(max_depth, candidates), args, shapes, path, SAMPLER_INPUT_NAMES, SAMPLER_OUTPUT_NAMES,
-                       external_data=False)
+        spec = _export(
+            Sampler(max_depth, candidates),
+            args,
+            shapes,
+            path,
+            SAMPLER_INPUT_NAMES,
+            SAMPLER_OUTPUT_NAMES,
+            external_data=False,
+        )
         return path.read_bytes(), spec
 
 
@@ -141,13 +183,25 @@ def export_draft_graph(drafter: BeamSearchDrafter, out_dir: Path) -> GraphSpec:
     hidden_size = drafter.head.config.hidden_size
     args = (torch.zeros(2, hidden_size), torch.zeros(2, dtype=torch.long))
     return _export(
-        drafter.eval(), args, {"hidden": {0: batch}, "last_token": {0: batch}}, out_dir / DRAFT_GRAPH_FILE,
-        DRAFT_INPUT_NAMES, DRAFT_OUTPUT_NAMES, external_data=False,
+        drafter.eval(),
+        args,
+        {"hidden": {0: batch}, "last_token": {0: batch}},
+        out_dir / DRAFT_GRAPH_FILE,
+        DRAFT_INPUT_NAMES,
+        DRAFT_OUTPUT_NAMES,
+        external_data=False,
     )
 
 
-def _export(module: torch.nn.Module, args: tuple, shapes: dict, path: Path, inputs: list[str], outputs: list[str],
-            external_data: bool) -> GraphSpec:
+def _export(
+    module: torch.nn.Module,
+    args: tuple,
+    shapes: dict,
+    path: Path,
+    inputs: list[str],
+    outputs: list[str],
+    external_data: bool,
+) -> GraphSpec:
     import onnx
 
     # The exporter narrates its passes on stdout; the build prints its own progress instead.
@@ -167,7 +221,9 @@ def _export(module: torch.nn.Module, args: tuple, shapes: dict, path: Path, inpu
             optimize=True,
             verbose=False,
             custom_translation_table={
-                **quant_linear.onnx_translations(), **attention.onnx_translations(), **norm.onnx_translations()
+                **quant_linear.onnx_translations(),
+                **attention.onnx_translations(),
+                **norm.onnx_translations(),
             },
         )
     model = onnx.load(str(path), load_external_data=False)
@@ -179,7 +235,8 @@ def _export(module: torch.nn.Module, args: tuple, shapes: dict, path: Path, inpu
 def _drop_unused_optional_outputs(graph) -> int:
     """Unname node outputs that nothing reads where the op's schema says they are optional, so the kernel need not
     write them. The exporter names every output of the fused norm (its mean and inverse std too): 120 small tensors
-    per decode step that cost ~2% of an int4 step (3.68 -> 3.60 ms, default model). Returns how many it dropped."""
+    per decode step that cost a measurable share of an int4 step (docs/measurements.md). Returns how many it
+    dropped."""
     from onnx import defs
 
     read = {name for node in graph.node for name in node.input} | {value.name for value in graph.output}
@@ -190,7 +247,10 @@ def _drop_unused_optional_outputs(graph) -> int:
         except defs.SchemaError:
             continue
         for index, name in enumerate(node.output):
-            optional = index < len(schema.outputs) and schema.outputs[index].option == defs.OpSchema.FormalParameterOption.Optional
+            optional = (
+                index < len(schema.outputs)
+                and schema.outputs[index].option == defs.OpSchema.FormalParameterOption.Optional
+            )
             if name and name not in read and optional:
                 node.output[index] = ""
                 dropped += 1

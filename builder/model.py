@@ -49,7 +49,9 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 def rotary_tables(config: ModelConfig, positions: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of position x inverse frequency, [positions, head_dim / 2], computed in fp32 as Hugging Face does."""
-    angles = torch.arange(positions, dtype=torch.float32, device="cpu").unsqueeze(1) * rope_inv_freq(config).unsqueeze(0)
+    angles = torch.arange(positions, dtype=torch.float32, device="cpu").unsqueeze(1) * rope_inv_freq(config).unsqueeze(
+        0
+    )
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
@@ -96,7 +98,8 @@ class Attention(nn.Module):
         # Qwen3 normalises each head's q and k; the fused kernel applies the rotary embedding after them
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
-        # an int8 cache's static per-channel scales [1, kv_heads, 1, head_dim] (builder/kv_quant.py); None: the
+        # an int8 cache's static per-channel scales [1, kv_heads, 1, head_dim] (builder/quantization/kv_quant.py); None:
+        # the
         # cache holds the model's dtype
         self.register_buffer("k_scale", None)
         self.register_buffer("v_scale", None)
@@ -108,8 +111,21 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             qkv = self._normalise_heads(qkv)
         out, present_key, present_value = group_query_attention(
-            qkv, past_key, past_value, step.seqlens_k, step.total_len, step.cos, step.sin, step.positions,
-            step.bias, step.query_lens, self.num_heads, self.num_kv_heads, self.scale, self.k_scale, self.v_scale,
+            qkv,
+            past_key,
+            past_value,
+            step.seqlens_k,
+            step.total_len,
+            step.cos,
+            step.sin,
+            step.positions,
+            step.bias,
+            step.query_lens,
+            self.num_heads,
+            self.num_kv_heads,
+            self.scale,
+            self.k_scale,
+            self.v_scale,
         )
         return self.o_proj(out), present_key, present_value
 
@@ -168,8 +184,12 @@ class LlamaForCausalLM(nn.Module):
     """Inputs and outputs are those of the engine's step graph (see the module docstring)."""
 
     def __init__(
-        self, config: ModelConfig, dtype: torch.dtype = torch.float32, quant: QuantSpec | None = None,
-        quantize_lm_head: bool = False, max_positions: int | None = None,
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype = torch.float32,
+        quant: QuantSpec | None = None,
+        quantize_lm_head: bool = False,
+        max_positions: int | None = None,
     ) -> None:
         super().__init__()
         self.config = config
@@ -210,8 +230,11 @@ class LlamaForCausalLM(nn.Module):
             # an idle row with an empty cache counts as holding one position (the kernel wants seqlens_k >= 0)
             seqlens_k=(past_lens + query_lens - 1).clamp(min=0).to(torch.int32),
             total_len=(past_lens.max() + steps).to(torch.int32),
-            positions=positions, bias=attention_bias.to(self.dtype), query_lens=query_lens.to(torch.int32),
-            cos=self.rope_cos, sin=self.rope_sin,
+            positions=positions,
+            bias=attention_bias.to(self.dtype),
+            query_lens=query_lens.to(torch.int32),
+            cos=self.rope_cos,
+            sin=self.rope_sin,
         )
         x, residual = self.model.embed_tokens(input_ids), None
         present_keys, present_values = [], []
@@ -227,6 +250,6 @@ class LlamaForCausalLM(nn.Module):
         else:
             logits = self.lm_head(hidden)
         # The argmax is greedy decoding's token wherever nothing adjusts the logits: with it a plain greedy step
-        # needs no sampler call (~0.25 ms of a ~4 ms int4 step), and a draft model drafts inside its graph.
+        # needs no sampler call (docs/measurements.md), and a draft model drafts inside its graph.
         logits = logits.float()
         return (logits, logits.argmax(-1), hidden, *present_keys, *present_values)

@@ -9,12 +9,10 @@ from engines.format import PhaseSpec
 STEP_GRAPH = "step"
 
 # A prompt computed while no other request generates goes through in chunks of up to this many tokens: each chunk
-# reads every weight once, so fewer chunks cost less where weights are large (fp32 default model, 2 threads, the
-# 650-token prompt: TTFT 1445 ms in chunks of 128, 1362 in 512, 1274 in one chunk; int4 RTN, compute-bound there: no
-# change). While other requests generate, the runner cuts chunks smaller (LLM(shared_prefill_chunk=...)).
+# reads every weight once, so fewer chunks cost less where weights are large (docs/measurements.md). While other
+# requests generate, the runner cuts chunks smaller (EngineArgs.shared_prefill_chunk).
 DEFAULT_PREFILL_CHUNK = 1024
-# ... except over an int8 KV cache, whose attention kernel for prompt chunks slows down with the chunk's length (int4
-# RTN + int8 cache, same prompt: 1996 ms in chunks of 128, 2015 in 512, 2334 in one chunk)
+# ... except over an int8 KV cache, whose attention kernel for prompt chunks slows down with the chunk's length
 DEFAULT_PREFILL_CHUNK_INT8_KV = 128
 # score calls return logits at every position (128 x a 49k vocabulary: 25 MB in fp32), so their chunks stay small
 SCORE_CHUNK = 128
@@ -70,24 +68,19 @@ def exact_then_every(largest: int, exact_up_to: int, step: int) -> list[int]:
 
 def batch_sizes(max_batch: int) -> list[int]:
     """Row-count buckets for decode and verify calls: every count up to 16, then every 8. Rows a call covers but
-    does not compute are not free (the matmuls run over them): 5 rows padded to 8 took 10.1 ms per decode step
-    against 7.8 ms at 5 on the default model's int4 engine, 21.2 against 18.9 ms in fp32."""
+    does not compute are not free: the matmuls run over them (docs/measurements.md)."""
     return exact_then_every(max_batch, 16, 8)
 
 
 def prefill_steps(chunk: int) -> list[int]:
     """Prompt-chunk buckets: every length up to the chunk, so a chunk is never padded. Prefill is compute-bound and
-    padding is paid in full: the default model's 37-token chat prompt took 24.9 ms padded to 40 against 28.9 ms padded
-    to 48 (int4 RTN, Zen 5), and on the Zen 3 VM 76.5 ms unpadded against 81.3 ms padded to 40 (int4 RTN; fp32 87.6
-    against 91.0; int4 + int8 cache 74.8 against 80.2), same logits bit for bit. Over random lengths 10-200 (calls
-    paired in one process) the unpadded call was 3.6% faster (int4) and 1-3% (fp32), also on a length's first call."""
+    padding is paid in full (docs/measurements.md); the logits are the same bit for bit."""
     return list(range(1, chunk + 1))
 
 
 def verify_steps(max_nodes: int) -> list[int]:
     """Token-tree buckets for verification: every node count up to 16, then every 4 nodes up to the largest tree.
-    A verify call's cost grows with every node (default model, fp32, 2 threads, relative to a decode step: 1.10x at
-    2 nodes, 1.22x at 4, 1.28x at 5, 1.46x at 8), so padding a 5-node tree to 8 would cost 14% more."""
+    A verify call's cost grows with every node, so padding a tree to a larger bucket is paid (docs/measurements.md)."""
     return exact_then_every(max_nodes, 16, 4)
 
 
@@ -99,5 +92,7 @@ def plan_phases(shapes: BuildShapes) -> dict[str, PhaseSpec]:
         "decode": PhaseSpec("decode", STEP_GRAPH, batches, [1], past, "all"),
         "verify": PhaseSpec("verify", STEP_GRAPH, batches, verify_steps(shapes.verify_tokens), past, "all"),
         # prompt chunks with logits at every position: perplexity evaluation (`runner eval`), drafter training
-        "score": PhaseSpec("score", STEP_GRAPH, [1], prefill_steps(min(shapes.prefill_chunk, SCORE_CHUNK)), past, "all"),
+        "score": PhaseSpec(
+            "score", STEP_GRAPH, [1], prefill_steps(min(shapes.prefill_chunk, SCORE_CHUNK)), past, "all"
+        ),
     }

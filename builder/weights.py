@@ -41,8 +41,15 @@ def linear_sources(config: ModelConfig, quantize_lm_head: bool) -> dict[str, lis
     """Each quantized linear of the model -> the checkpoint weights it is made of."""
     rows = fused_rows(config)
     sources: dict[str, list[str]] = {}
-    projections = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                   "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+    projections = (
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+    )
     for layer in range(config.num_layers):
         prefix = f"model.layers.{layer}"
         for projection in projections:
@@ -95,7 +102,9 @@ def load_model(
         model = LlamaForCausalLM(config, dtype, quant, quantize_lm_head, max_positions)
         for name, spec in kept.items():
             old = model.get_submodule(name)
-            model.set_submodule(name, QuantizedLinear(old.in_features, old.out_features, old.bias is not None, dtype, spec))
+            model.set_submodule(
+                name, QuantizedLinear(old.in_features, old.out_features, old.bias is not None, dtype, spec)
+            )
     quantized = {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
     for module in quantized.values():
         module.to_empty(device="cpu")

@@ -10,16 +10,19 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
 from engines.model_config import ModelConfig
 
+# 5: typed quantization and speculation sections (GPTQ's facts and the int8 KV cache's nested), every graph names
+# the native ops it runs, and every engine has the score phase, the sampler's logit_bias input and drafts' scores;
 # 4: the step graph also outputs the argmax of its logits (a plain greedy step's token, no sampler call);
 # 3: a sampler graph chooses every token (sampling and speculative acceptance in the engine);
 # 2: attention is one fused node per layer writing the cache in place (present_* bound to past_*), K stored
 # [B, kv_heads, L, head_dim] like V, attention_bias replaces tree_mask; 1: new K/V were graph outputs.
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 MANIFEST_NAME = "manifest.json"
 _HASH_CHUNK = 1 << 24
 
@@ -58,8 +61,10 @@ class PhaseSpec:
 
     def describe(self) -> str:
         """Its buckets in one line (a ladder can hold a thousand sizes)."""
-        return (f"graph {self.graph}, rows {_ladder(self.batch_sizes)}, tokens per row {_ladder(self.steps)}, "
-                f"kv {_ladder(self.past_lengths)}, logits {self.logits}")
+        return (
+            f"graph {self.graph}, rows {_ladder(self.batch_sizes)}, tokens per row {_ladder(self.steps)}, "
+            f"kv {_ladder(self.past_lengths)}, logits {self.logits}"
+        )
 
 
 def _ladder(values: list[int]) -> str:
@@ -83,11 +88,107 @@ class KVCacheSpec:
 
 @dataclass(frozen=True)
 class SamplerSpec:
-    """The graph that chooses tokens: sampling and speculative acceptance (see builder/sampler.py)."""
+    """The graph that chooses tokens: sampling and speculative acceptance (see builder/sampler_graph.py)."""
 
     graph: str  # key into Manifest.graphs
     max_depth: int  # the most drafts one step can accept (0 for an engine that does not speculate)
     top_logprobs: int  # the most alternatives it reports per token
+
+
+class QuantMethod(str, Enum):
+    """How the engine's linear weights were quantized."""
+
+    NONE = "none"
+    RTN = "rtn"  # round-to-nearest from float weights
+    GPTQ = "gptq"
+    GGUF_BLOCKS = "gguf-blocks"  # every linear keeps the GGUF file's own blocks
+    GGUF_BLOCKS_RTN = "gguf-blocks+rtn"  # some keep them, the others are quantized from float
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class SpeculationMethod(str, Enum):
+    REDRAFTER = "redrafter"  # a recurrent draft head with beam search, traced into the draft graph
+    PROMPT_LOOKUP = "prompt-lookup"  # drafts copied from earlier in the context
+    DRAFT_MODEL = "draft-model"  # a smaller engine of the same vocabulary, in a subdirectory
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class GPTQFacts:
+    damping: float
+    act_order: bool
+    static_groups: bool
+    calibration: str  # the calibration texts and how many windows of how many tokens
+
+
+@dataclass(frozen=True)
+class KVCacheQuantization:
+    dtype: str  # "int8"
+    scales: str
+    calibration: str
+
+
+@dataclass(frozen=True)
+class QuantizationSpec:
+    """What the build did to the weights (and the KV cache). Fields past `method` are None / empty for NONE."""
+
+    method: QuantMethod = QuantMethod.NONE
+    bits: int | None = None
+    group_size: int | None = None
+    lm_head: bool | None = None  # whether the LM head is quantized too
+    accuracy_level: int | None = None  # 4: int8 activations in the quantized matmuls; 0: float
+    op: str | None = None  # the graph op the quantized linears lower to
+    gptq: GPTQFacts | None = None
+    source_blocks_kept: dict[str, int] = field(default_factory=dict)  # GGUF block type -> linears keeping them
+    linears_kept: int = 0
+    linears_requantized: int = 0
+    block_offsets: bool = False  # Q4_1-style per-block minimums, applied next to the matmul
+    kv_cache: KVCacheQuantization | None = None
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> QuantizationSpec:
+        gptq, kv_cache = data.get("gptq"), data.get("kv_cache")
+        return cls(
+            **{
+                **data,
+                "method": QuantMethod(data["method"]),
+                "gptq": None if gptq is None else GPTQFacts(**gptq),
+                "kv_cache": None if kv_cache is None else KVCacheQuantization(**kv_cache),
+            }
+        )
+
+
+@dataclass(frozen=True)
+class SpeculationSpec:
+    """How a speculative engine drafts; the runner verifies trees of at most `max_tree_nodes` (root included)."""
+
+    method: SpeculationMethod
+    draft_len: int  # drafts per beam (chain)
+    max_tree_nodes: int
+    beam_width: int = 1
+    # prompt lookup (and ReDrafter's extra lookup beam of prompt_lookup_len tokens): n-gram lengths tried
+    max_ngram: int = 3
+    min_ngram: int = 2
+    prompt_lookup_len: int = 0
+    graph: str | None = None  # redrafter: the draft graph (key into Manifest.graphs)
+    draft_vocab_size: int | None = None  # redrafter: tokens the head can propose
+    draft_quant: str | None = None  # the draft's linears: "int8", "int4" or "none"
+    min_draft_prob: float = 0.0  # redrafter: draft tokens the head finds less likely than this are not verified
+    head: dict[str, Any] | None = None  # redrafter: the head's training record, as the head file gives it
+    engine: str | None = None  # draft-model: the draft engine's subdirectory
+    source: str | None = None  # draft-model: the checkpoint it was built from
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SpeculationSpec:
+        return cls(**{**data, "method": SpeculationMethod(data["method"])})
+
+    def facts(self) -> dict[str, Any]:
+        """Its fields that are set, the head's training record aside (for reports)."""
+        return {k: v for k, v in asdict(self).items() if v is not None and k != "head"}
 
 
 @dataclass(frozen=True)
@@ -119,8 +220,8 @@ class Manifest:
     phases: dict[str, PhaseSpec]
     kv_cache: KVCacheSpec
     sampler: SamplerSpec
-    quantization: dict[str, Any] = field(default_factory=lambda: {"method": "none"})
-    speculation: dict[str, Any] | None = None
+    quantization: QuantizationSpec = field(default_factory=QuantizationSpec)
+    speculation: SpeculationSpec | None = None
     tensor_parallel: int = 1
     files: dict[str, FileEntry] = field(default_factory=dict)
     # SamplingParams defaults the model's makers recommend (generation_config.json / GGUF general.sampling.*): the
@@ -137,8 +238,8 @@ class Manifest:
                 file=g["file"],
                 inputs=[TensorSpec(**t) for t in g["inputs"]],
                 outputs=[TensorSpec(**t) for t in g["outputs"]],
-                native_library=g.get("native_library"),
-                native_ops=native_ops_of(g),
+                native_library=g["native_library"],
+                native_ops=g["native_ops"],
             )
             for key, g in data["graphs"].items()
         }
@@ -155,11 +256,11 @@ class Manifest:
             phases={key: PhaseSpec(**p) for key, p in data["phases"].items()},
             kv_cache=KVCacheSpec(**data["kv_cache"]),
             sampler=SamplerSpec(**data["sampler"]),
-            quantization=data.get("quantization", {"method": "none"}),
-            speculation=data.get("speculation"),
-            tensor_parallel=data.get("tensor_parallel", 1),
-            files={name: FileEntry(**entry) for name, entry in data.get("files", {}).items()},
-            sampling_defaults=data.get("sampling_defaults", {}),
+            quantization=QuantizationSpec.from_dict(data["quantization"]),
+            speculation=None if data["speculation"] is None else SpeculationSpec.from_dict(data["speculation"]),
+            tensor_parallel=data["tensor_parallel"],
+            files={name: FileEntry(**entry) for name, entry in data["files"].items()},
+            sampling_defaults=data["sampling_defaults"],
         )
 
 
@@ -230,9 +331,3 @@ def open_artifact(directory: str | Path, verify_checksums: bool = True) -> Artif
         if name not in manifest.files:
             raise ArtifactError(f"{manifest_path} references {name}, which has no checksum entry")
     return Artifact(directory, manifest)
-
-
-def native_ops_of(graph: dict[str, Any]) -> list[str]:
-    """Our ops a manifest's graph entry runs: engines built before Int4MatMul name only the library, which then held
-    DecodeAttention alone."""
-    return graph.get("native_ops", ["DecodeAttention"] if graph.get("native_library") else [])

@@ -1,6 +1,6 @@
 """Streaming a chat reply, token by token, with sampling and a fixed seed.
 
-    python examples/chat_stream.py engines-out/default "Tell me about the Moon."
+python examples/chat_stream.py engines-out/default "Tell me about the Moon."
 """
 
 import sys

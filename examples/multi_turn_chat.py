@@ -14,5 +14,7 @@ for question in ["What is the capital of France?", "What is it famous for?", "Na
     messages.append({"role": "user", "content": question})
     reply = llm.chat(messages, SamplingParams(max_tokens=64, temperature=0.0))[0]
     messages.append({"role": "assistant", "content": reply.text})
-    print(f"> {question}\n{reply.text}\n[{len(reply.prompt_token_ids)} prompt tokens, "
-          f"{reply.num_cached_tokens} of them from the cache]\n")
+    print(
+        f"> {question}\n{reply.text}\n[{len(reply.prompt_token_ids)} prompt tokens, "
+        f"{reply.num_cached_tokens} of them from the cache]\n"
+    )

@@ -24,8 +24,9 @@ def free_port() -> int:
 
 
 def start_server(engine: str, port: int) -> subprocess.Popen:
-    server = subprocess.Popen([sys.executable, "-c", "from runner.cli import main; main()", "serve", engine,
-                               "--port", str(port)])
+    server = subprocess.Popen(
+        [sys.executable, "-c", "from runner.cli.main import main; main()", "serve", engine, "--port", str(port)]
+    )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:
@@ -43,15 +44,18 @@ def main(engine: str) -> None:
     try:
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
         model = client.models.list().data[0].id  # the engine directory's name unless --served-model-name
-        stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hello."}],
-                                                max_tokens=24, temperature=0, stream=True)
+        stream = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Say hello."}], max_tokens=24, temperature=0, stream=True
+        )
         for chunk in stream:
             print(chunk.choices[0].delta.content or "", end="", flush=True)
         print()
-        first = client.responses.create(model=model, input="Name a colour.", instructions="Answer briefly.",
-                                        max_output_tokens=24, temperature=0)
-        second = client.responses.create(model=model, input="And another one?", previous_response_id=first.id,
-                                         max_output_tokens=24, temperature=0)
+        first = client.responses.create(
+            model=model, input="Name a colour.", instructions="Answer briefly.", max_output_tokens=24, temperature=0
+        )
+        second = client.responses.create(
+            model=model, input="And another one?", previous_response_id=first.id, max_output_tokens=24, temperature=0
+        )
         print(f"{first.output_text!r} -> {second.output_text!r} ({second.usage.input_tokens} input tokens)")
     finally:
         server.send_signal(signal.SIGINT)  # running requests finish, then the server exits

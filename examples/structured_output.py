@@ -15,7 +15,10 @@ from runner import LLM, SamplingParams, StructuredOutputs
 llm = LLM(sys.argv[1] if len(sys.argv) > 1 else "engines-out/default")
 schema = {
     "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 24}, "country": {"type": "string", "enum": ["France", "Italy", "Spain"]}},
+    "properties": {
+        "city": {"type": "string", "maxLength": 24},
+        "country": {"type": "string", "enum": ["France", "Italy", "Spain"]},
+    },
     "required": ["city", "country"],
     "additionalProperties": False,
 }
@@ -25,8 +28,10 @@ asks = [
     ("Give me a time of day.", StructuredOutputs(regex=r"([01][0-9]|2[0-3]):[0-5][0-9]")),
 ]
 for question, structured in asks:
-    answer = llm.chat([{"role": "user", "content": question}],
-                      SamplingParams(max_tokens=64, temperature=0.0, structured_outputs=structured))[0]
+    answer = llm.chat(
+        [{"role": "user", "content": question}],
+        SamplingParams(max_tokens=64, temperature=0.0, structured_outputs=structured),
+    )[0]
     print(f"{question}\n  -> {answer.text!r} ({answer.finish_reason})")
     if structured.json is not None and answer.finish_reason == "stop":
         print(f"  parsed: {json.loads(answer.text)}")

@@ -69,10 +69,21 @@ def from_cache(cache: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
 
 @torch.library.custom_op("plugins::group_query_attention", mutates_args=())
 def group_query_attention(
-    qkv: torch.Tensor, past_key: torch.Tensor, past_value: torch.Tensor, seqlens_k: torch.Tensor,
-    total_len: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor, position_ids: torch.Tensor,
-    attention_bias: torch.Tensor, query_lens: torch.Tensor, num_heads: int, kv_heads: int, scale: float,
-    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    qkv: torch.Tensor,
+    past_key: torch.Tensor,
+    past_value: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    total_len: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    position_ids: torch.Tensor,
+    attention_bias: torch.Tensor,
+    query_lens: torch.Tensor,
+    num_heads: int,
+    kv_heads: int,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Reference (eager runs and tests only; the engine runs onnxruntime's fused kernel)."""
     batch, steps, _ = qkv.shape
@@ -81,8 +92,8 @@ def group_query_attention(
     x = qkv.float().view(batch, steps, num_heads + 2 * kv_heads, head_dim)
     cos, sin = cos_cache.float()[position_ids].unsqueeze(2), sin_cache.float()[position_ids].unsqueeze(2)
     q = rotate(x[:, :, :num_heads], cos, sin).transpose(1, 2)  # [B, heads, T, D]
-    k = rotate(x[:, :, num_heads:num_heads + kv_heads], cos, sin)  # [B, T, kv_heads, D]
-    v = x[:, :, num_heads + kv_heads:]
+    k = rotate(x[:, :, num_heads : num_heads + kv_heads], cos, sin)  # [B, T, kv_heads, D]
+    v = x[:, :, num_heads + kv_heads :]
 
     past = seqlens_k.long() + 1 - query_lens.long()  # [B]
     slots = past.unsqueeze(1) + torch.arange(steps)  # [B, T]: each new token's position
@@ -97,7 +108,7 @@ def group_query_attention(
     values = from_cache(present_value, v_scale).repeat_interleave(group, dim=1)
     scores = (q @ keys.transpose(-1, -2)) * scale  # [B, heads, T, L]
     bias = torch.zeros(batch, 1, steps, length)
-    bias[..., :attention_bias.shape[-1]] = attention_bias.float()
+    bias[..., : attention_bias.shape[-1]] = attention_bias.float()
     allowed = torch.arange(length) <= slots.unsqueeze(-1)  # [B, T, L]: causal over cache + new tokens
     scores = (scores + bias).masked_fill(~allowed.unsqueeze(1), float("-inf"))
     out = torch.softmax(scores, dim=-1) @ values  # [B, heads, T, D]
@@ -105,8 +116,23 @@ def group_query_attention(
 
 
 @group_query_attention.register_fake
-def _(qkv, past_key, past_value, seqlens_k, total_len, cos_cache, sin_cache, position_ids, attention_bias, query_lens,
-      num_heads, kv_heads, scale, k_scale=None, v_scale=None):
+def _(
+    qkv,
+    past_key,
+    past_value,
+    seqlens_k,
+    total_len,
+    cos_cache,
+    sin_cache,
+    position_ids,
+    attention_bias,
+    query_lens,
+    num_heads,
+    kv_heads,
+    scale,
+    k_scale=None,
+    v_scale=None,
+):
     head_dim = past_key.shape[-1]
     return qkv.new_empty(*qkv.shape[:2], num_heads * head_dim), torch.empty_like(past_key), torch.empty_like(past_value)
 
@@ -119,13 +145,33 @@ def _register_schema() -> None:
     floats = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
     register_contrib_op(
         "GroupQueryAttention",
-        inputs=["query:T", *optional, "seqlens_k:M", "total_sequence_length:M", *rotary, *scales, *unused,
-                "query_seqlens?:M"],
+        inputs=[
+            "query:T",
+            *optional,
+            "seqlens_k:M",
+            "total_sequence_length:M",
+            *rotary,
+            *scales,
+            *unused,
+            "query_seqlens?:M",
+        ],
         outputs=["output:T", "present_key:T_CACHE", "present_value:T_CACHE"],
-        types={"T": floats, "T_CACHE": [*floats, "tensor(int8)"], "T_KV_SCALE": ["tensor(float)"],
-               "M": ["tensor(int32)"]},
-        attributes={"num_heads": int, "kv_num_heads": int, "do_rotary": int, "rotary_interleaved": int, "scale": float,
-                    "k_quant_type": str, "v_quant_type": str, "kv_cache_bit_width": int},
+        types={
+            "T": floats,
+            "T_CACHE": [*floats, "tensor(int8)"],
+            "T_KV_SCALE": ["tensor(float)"],
+            "M": ["tensor(int32)"],
+        },
+        attributes={
+            "num_heads": int,
+            "kv_num_heads": int,
+            "do_rotary": int,
+            "rotary_interleaved": int,
+            "scale": float,
+            "k_quant_type": str,
+            "v_quant_type": str,
+            "kv_cache_bit_width": int,
+        },
     )
 
 
@@ -136,17 +182,54 @@ def onnx_translations() -> dict:
     _register_schema()
     microsoft = onnxscript.values.Opset("com.microsoft", 1)
 
-    def group_query_attention_to_onnx(qkv, past_key, past_value, seqlens_k, total_len, cos_cache, sin_cache,
-                                      position_ids, attention_bias, query_lens, num_heads: int, kv_heads: int,
-                                      scale: float, k_scale=None, v_scale=None):
+    def group_query_attention_to_onnx(
+        qkv,
+        past_key,
+        past_value,
+        seqlens_k,
+        total_len,
+        cos_cache,
+        sin_cache,
+        position_ids,
+        attention_bias,
+        query_lens,
+        num_heads: int,
+        kv_heads: int,
+        scale: float,
+        k_scale=None,
+        v_scale=None,
+    ):
         # an int8 cache: onnxruntime's kernel quantizes new K/V with the static per-channel scales and reads the
         # cache back through them (its kv_cache_bit_width / *_quant_type attributes)
-        int8_cache = {} if k_scale is None else dict(
-            k_quant_type="PER_CHANNEL", v_quant_type="PER_CHANNEL", kv_cache_bit_width=8)
+        int8_cache = (
+            {}
+            if k_scale is None
+            else dict(k_quant_type="PER_CHANNEL", v_quant_type="PER_CHANNEL", kv_cache_bit_width=8)
+        )
         return microsoft.GroupQueryAttention(
-            qkv, None, None, past_key, past_value, seqlens_k, total_len, cos_cache, sin_cache, position_ids,
-            attention_bias, None, k_scale, v_scale, None, None, query_lens,  # no head_sink, q/k norms
-            num_heads=num_heads, kv_num_heads=kv_heads, scale=scale, do_rotary=1, rotary_interleaved=0, **int8_cache,
+            qkv,
+            None,
+            None,
+            past_key,
+            past_value,
+            seqlens_k,
+            total_len,
+            cos_cache,
+            sin_cache,
+            position_ids,
+            attention_bias,
+            None,
+            k_scale,
+            v_scale,
+            None,
+            None,
+            query_lens,  # no head_sink, q/k norms
+            num_heads=num_heads,
+            kv_num_heads=kv_heads,
+            scale=scale,
+            do_rotary=1,
+            rotary_interleaved=0,
+            **int8_cache,
         )
 
     return {torch.ops.plugins.group_query_attention.default: group_query_attention_to_onnx}

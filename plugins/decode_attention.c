@@ -5,8 +5,7 @@
  * positions are split into chunks over the session's threads (flash-decoding), and the rows are prefetched ahead of
  * use (after a step's weights have streamed through the caches, the cache rows come from memory). Any other call
  * (prompt chunks, verify trees) runs onnxruntime's own GroupQueryAttention on the same inputs and outputs
- * (InvokeOp). Measured against onnxruntime's kernel in the int4 default model's decode call (2 threads, Zen 3 VM):
- * the whole call 1.02-1.07x faster at 40-100 cached tokens and 1.10-1.28x at 714 (plugins/decode_attention.py).
+ * (InvokeOp). docs/measurements.md has what it gains over onnxruntime's kernel.
  *
  * Inputs (GroupQueryAttention's that an fp32 cache with rotary embedding uses): qkv [B, T, (H + 2 KVH) D] f32,
  * past_key / past_value [B, KVH, L, D] f32, seqlens_k [B] i32 (P_b + Q_b - 1), total_sequence_length [] i32,
@@ -41,9 +40,7 @@ typedef struct Kernel {
 #define MAX_GROUP 16 /* query heads per kv head */
 #define DOT_LANES 16 /* head_dim is a multiple of 16 (plugins/attention.py checks it at build time) */
 /* The cache rows come from memory: the weights streamed through the caches since the layer's last step. The
- * hardware prefetcher alone left this loop waiting on them (decode calls, int4 default model, 714 cached tokens,
- * under onnxruntime's profiler: 3.31 ms for the 30 layers without software prefetch, 2.59 with it 32 rows ahead,
- * 2.63 at 64, 3.29 at 4, 2.83 prefetching the whole chunk first) */
+ * hardware prefetcher alone left this loop waiting on them; 32 rows ahead measured best (docs/measurements.md) */
 #define PREFETCH_ROWS 32
 #define LINE_FLOATS 16 /* floats per 64-byte cache line */
 

@@ -1,17 +1,14 @@
 """Decode steps' attention: our own onnxruntime CPU kernel (decode_attention.c), a custom op `DecodeAttention` that
 takes GroupQueryAttention's place in the step graph under the same contract (plugins/attention.py).
 
-Why: in the int4 default model's decode call (2 threads, Zen 3 VM, graph surgery: the attention nodes replaced by a
-slice) onnxruntime's kernel took 1.0 ms of 6.1 at 100 cached tokens and 3.6 ms of 8.9 at 714. It runs each query
-head as its own small matrix product, so each kv head's cache is read once per query head that shares it.
+Why: in the int4 default model's decode call onnxruntime's kernel took a sixth of the call at 100 cached tokens and
+two fifths at 714 (docs/measurements.md). It runs each query head as its own small matrix product, so each kv head's
+cache is read once per query head that shares it.
 For a call where every row adds one token, DecodeAttention reads each cached row once per kv head, splits the
 positions into chunks over the session's threads and prefetches rows ahead of use (they come from memory: the
 step's weights have streamed through the caches); any other call (prompt chunks, verify trees) it hands to
 onnxruntime's own GroupQueryAttention (InvokeOp), so one graph and one session serve every phase and the weights are
-packed once. Whole decode calls against onnxruntime's kernel, alternating in one process: 1.02-1.07x at 40-100
-cached tokens, 1.10-1.28x at 714; end to end (benchmarks/ab.py, 10 rounds, which then opened an
-engine with its row limit: decode calls padded to two rows, see plugins/int4_matmul.py): decode 1.06x on the short
-chat prompt, 1.08x on the 650-token one.
+packed once. What it gains, call by call and end to end: docs/measurements.md.
 
 How it gets into an engine: plugins/native_ops.py builds it into our kernel library; `use_in_graph` rewrites the
 step graph's attention nodes. For an int8 KV cache (not implemented in the kernel) the build keeps
@@ -40,10 +37,21 @@ def use_in_graph(graph_file: Path) -> int:
             return None
         inputs = list(node.input) + [""] * (GQA_INPUT_COUNT - len(node.input))
         attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        if any(inputs[i] for i in GQA_INPUTS_NOT_COVERED) or attributes.get("kv_cache_bit_width", 0) or not attributes.get("do_rotary"):
+        if (
+            any(inputs[i] for i in GQA_INPUTS_NOT_COVERED)
+            or attributes.get("kv_cache_bit_width", 0)
+            or not attributes.get("do_rotary")
+        ):
             raise ValueError(f"{node.name}: DecodeAttention covers fp32 caches with rotary embedding only")
         return helper.make_node(
-            "DecodeAttention", [inputs[i] for i in GQA_INPUTS_TAKEN], list(node.output), name=node.name, domain=DOMAIN,
-            num_heads=attributes["num_heads"], kv_num_heads=attributes["kv_num_heads"], scale=attributes["scale"])
+            "DecodeAttention",
+            [inputs[i] for i in GQA_INPUTS_TAKEN],
+            list(node.output),
+            name=node.name,
+            domain=DOMAIN,
+            num_heads=attributes["num_heads"],
+            kv_num_heads=attributes["kv_num_heads"],
+            scale=attributes["scale"],
+        )
 
     return rewrite_nodes(graph_file, replace)

@@ -5,11 +5,10 @@ activation folded into the gate / up projection's node (`fuse_swiglu`).
 
 Why: its result for a row does not depend on the other rows of the call (batch invariance), where onnxruntime's
 kernel rounds one row differently from several, so an engine had to pad one-row decode calls to two rows to keep a
-request's greedy tokens the same alone and in a batch (`Executor.pad_single_rows_if_they_round_differently`). The
-int4 default model, 2 threads, Zen 3 VM, as `runner serve` and `LLM` open it (rows up to 8): 83 tokens/s at batch 1
-with onnxruntime's kernel padded to two rows, 111 with ours. Opened for one stream (nothing to pad) the two decode
-alike (1.00x: both stream the weights as fast as memory serves them); prompt chunks run within ~5-10% of it.
-Results match onnxruntime's int8 path to ~1e-7 relative (the same per-32 activation quantization).
+request's greedy tokens the same alone and in a batch (`Executor.pad_single_rows_if_they_round_differently`). Opened
+for one stream (nothing to pad) the two decode alike: both stream the weights as fast as memory serves them
+(docs/measurements.md). Results match onnxruntime's int8 path to float rounding (the same per-32 activation
+quantization).
 
 Covered: bits 4, accuracy_level 4, blocks of a power of 2 from 32 that divides K; other nodes (int8 weights, fp32
 compute, blocks of 16) keep MatMulNBits. The kernel needs AVX2, FMA and F16C at run time.
@@ -26,8 +25,13 @@ from plugins.native_ops import DOMAIN, rewrite_initializers, rewrite_nodes
 
 def unavailable_reason(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
     """Why an engine built on this machine should not run the kernel (it needs AVX2, FMA and F16C), or None."""
-    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.read_text().splitlines()
-                  if line.startswith("flags")), []) if cpuinfo.is_file() else []
+    flags = (
+        next(
+            (line.split(":", 1)[1].split() for line in cpuinfo.read_text().splitlines() if line.startswith("flags")), []
+        )
+        if cpuinfo.is_file()
+        else []
+    )
     missing = [flag for flag in ("avx2", "fma", "f16c") if flag not in flags]
     return f"this CPU lacks {' and '.join(f.upper() for f in missing)}, which the kernel needs" if missing else None
 
@@ -35,8 +39,14 @@ def unavailable_reason(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
 def covers(attributes: dict, input_count: int) -> bool:
     """Whether Int4MatMul computes what a MatMulNBits node with these attributes and inputs computes."""
     block, k = attributes.get("block_size", 0), attributes.get("K", 0)
-    return (attributes.get("bits") == 4 and attributes.get("accuracy_level") == 4 and input_count == 3
-            and block >= 32 and block & (block - 1) == 0 and k % block == 0)
+    return (
+        attributes.get("bits") == 4
+        and attributes.get("accuracy_level") == 4
+        and input_count == 3
+        and block >= 32
+        and block & (block - 1) == 0
+        and k % block == 0
+    )
 
 
 def use_in_graph(graph_file: Path) -> int:
@@ -53,8 +63,16 @@ def use_in_graph(graph_file: Path) -> int:
             read_by_others.update(node.input)
             return None
         scales.add(node.input[2])
-        return helper.make_node("Int4MatMul", list(node.input), list(node.output), name=node.name, domain=DOMAIN,
-                                K=attributes["K"], N=attributes["N"], block_size=attributes["block_size"])
+        return helper.make_node(
+            "Int4MatMul",
+            list(node.input),
+            list(node.output),
+            name=node.name,
+            domain=DOMAIN,
+            K=attributes["K"],
+            N=attributes["N"],
+            block_size=attributes["block_size"],
+        )
 
     count = rewrite_nodes(graph_file, replace)
     rewrite_initializers(graph_file, scales - read_by_others, half_scales)
@@ -89,22 +107,41 @@ def fuse_swiglu(graph_file: Path) -> int:
         half = next(a.i for a in node.attribute if a.name == "N") // 2
         split = only_reader(node.output[0], "Split")
         # along the last axis of the [batch, tokens, N] product (Split's axis defaults to 0)
-        if split is None or len(split.output) != 2 or next((a.i for a in split.attribute if a.name == "axis"), 0) not in (-1, 2):
+        if (
+            split is None
+            or len(split.output) != 2
+            or next((a.i for a in split.attribute if a.name == "axis"), 0) not in (-1, 2)
+        ):
             continue
-        if len(split.input) > 1 and (split.input[1] not in constants
-                                     or numpy_helper.to_array(constants[split.input[1]]).tolist() != [half, half]):
+        if len(split.input) > 1 and (
+            split.input[1] not in constants or numpy_helper.to_array(constants[split.input[1]]).tolist() != [half, half]
+        ):
             continue
         gate, up = split.output
         gate_readers, up_reader = readers.get(gate, []), only_reader(up, "Mul")
         sigmoid = next((r for r in gate_readers if r.op_type == "Sigmoid"), None)
         silu = next((r for r in gate_readers if r.op_type == "Mul"), None)
-        if (len(gate_readers) != 2 or sigmoid is None or silu is None or gate in outputs or up_reader is None
-                or set(silu.input) != {gate, sigmoid.output[0]} or only_reader(sigmoid.output[0], "Mul") is not silu
-                or only_reader(silu.output[0], "Mul") is not up_reader or set(up_reader.input) != {silu.output[0], up}):
+        if (
+            len(gate_readers) != 2
+            or sigmoid is None
+            or silu is None
+            or gate in outputs
+            or up_reader is None
+            or set(silu.input) != {gate, sigmoid.output[0]}
+            or only_reader(sigmoid.output[0], "Mul") is not silu
+            or only_reader(silu.output[0], "Mul") is not up_reader
+            or set(up_reader.input) != {silu.output[0], up}
+        ):
             continue
         fused[id(node)] = helper.make_node(
-            "Int4MatMul", list(node.input), list(up_reader.output), name=node.name, domain=DOMAIN,
-            **{a.name: helper.get_attribute_value(a) for a in node.attribute}, swiglu=1)
+            "Int4MatMul",
+            list(node.input),
+            list(up_reader.output),
+            name=node.name,
+            domain=DOMAIN,
+            **{a.name: helper.get_attribute_value(a) for a in node.attribute},
+            swiglu=1,
+        )
         removed.update(id(n) for n in (split, sigmoid, silu, up_reader))
     if fused:
         nodes = [fused.get(id(n), n) for n in graph.node if id(n) not in removed]

@@ -29,7 +29,9 @@ class FloatLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-def make_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype, quant: QuantSpec | None = None) -> nn.Module:
+def make_linear(
+    in_features: int, out_features: int, bias: bool, dtype: torch.dtype, quant: QuantSpec | None = None
+) -> nn.Module:
     if quant is None:
         return FloatLinear(in_features, out_features, bias, dtype)
     return QuantizedLinear(in_features, out_features, bias, dtype, quant)

@@ -42,8 +42,10 @@ def compile_library(out_dir: Path) -> Path:
     command = ["cc", "-O3", "-shared", "-fPIC", "-o", str(target), *map(str, SOURCES), "-lm"]
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode != 0:
-        raise ValueError("compiling our kernels failed (build with --onnxruntime-decode-attention "
-                         f"--onnxruntime-int4-matmul to do without them):\n{result.stderr[-2000:]}")
+        raise ValueError(
+            "compiling our kernels failed (build with --onnxruntime-decode-attention "
+            f"--onnxruntime-int4-matmul to do without them):\n{result.stderr[-2000:]}"
+        )
     return target
 
 
@@ -68,7 +70,9 @@ def rewrite_nodes(graph_file: Path, replace) -> int:
     return replaced
 
 
-def rewrite_initializers(graph_file: Path, names: set[str], convert: Callable[[np.ndarray], np.ndarray | None]) -> set[str]:
+def rewrite_initializers(
+    graph_file: Path, names: set[str], convert: Callable[[np.ndarray], np.ndarray | None]
+) -> set[str]:
     """Store the initializers `names` of `graph_file` as `convert(array)` returns them (another dtype or shape; None
     keeps one as it is). The weights files the graph points to are written anew one tensor at a time, so no more
     than the largest converted tensor is ever in memory. Returns the names converted."""

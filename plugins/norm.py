@@ -22,7 +22,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @torch.library.custom_op("plugins::add_rms_norm", mutates_args=())
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (rms_norm(x + residual), x + residual). Reference for eager runs and tests."""
     total = x + residual
     return rms_norm(total, weight, eps), total

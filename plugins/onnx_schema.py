@@ -6,8 +6,9 @@ so each plugin declares the part of its op's schema it uses (onnxruntime itself 
 from __future__ import annotations
 
 
-def register_contrib_op(name: str, inputs: list[str], outputs: list[str], types: dict[str, list[str]],
-                        attributes: dict[str, type]) -> None:
+def register_contrib_op(
+    name: str, inputs: list[str], outputs: list[str], types: dict[str, list[str]], attributes: dict[str, type]
+) -> None:
     """Register com.microsoft::`name` version 1 unless known. Parameters are "name:type", "name?:type" when
     optional; attributes map a name to int, float or str."""
     from onnx import defs
@@ -25,8 +26,14 @@ def register_contrib_op(name: str, inputs: list[str], outputs: list[str], types:
         return schema.FormalParameter(label.rstrip("?"), kind, param_option=option)
 
     kinds = {int: schema.AttrType.INT, float: schema.AttrType.FLOAT, str: schema.AttrType.STRING}
-    defs.register_schema(schema(
-        name, "com.microsoft", 1, inputs=[parameter(p) for p in inputs], outputs=[parameter(p) for p in outputs],
-        type_constraints=[(type_name, allowed, "") for type_name, allowed in types.items()],
-        attributes=[schema.Attribute(attribute, kinds[kind], "") for attribute, kind in attributes.items()],
-    ))
+    defs.register_schema(
+        schema(
+            name,
+            "com.microsoft",
+            1,
+            inputs=[parameter(p) for p in inputs],
+            outputs=[parameter(p) for p in outputs],
+            type_constraints=[(type_name, allowed, "") for type_name, allowed in types.items()],
+            attributes=[schema.Attribute(attribute, kinds[kind], "") for attribute, kind in attributes.items()],
+        )
+    )

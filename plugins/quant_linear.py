@@ -12,8 +12,8 @@ One op, in one place:
 Rows (output features) are quantized independently, so a fused weight can be quantized slice by slice as the
 checkpoint streams by.
 
-Offsets are not a MatMulNBits input: its float zero points would express them, but onnxruntime 1.32 runs those on
-a path ~40x slower at batch 1 (measured: 7.7 ms vs 0.16 ms for 3072x576). Instead the linear adds
+Offsets are not a MatMulNBits input: its float zero points would express them, but onnxruntime runs those on a
+path far slower at batch 1 (docs/measurements.md). Instead the linear adds
 sum_b(x over block b) @ offsets[:, b], an [M, K/block] x [K/block, N] float matmul next to the fused one.
 """
 
@@ -95,8 +95,14 @@ def dequantize_blockwise(qweight: torch.Tensor, scales: torch.Tensor, in_feature
 
 @torch.library.custom_op("plugins::matmul_nbits", mutates_args=())
 def matmul_nbits(
-    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, in_features: int, out_features: int, bits: int,
-    block_size: int, accuracy_level: int,
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    in_features: int,
+    out_features: int,
+    bits: int,
+    block_size: int,
+    accuracy_level: int,
 ) -> torch.Tensor:
     """Reference: dequantize to fp32 and matmul (eager runs and tests only; the engine runs MatMulNBits)."""
     return (x.float() @ dequantize_blockwise(qweight, scales, in_features, bits).t()).to(x.dtype)
@@ -112,7 +118,9 @@ class QuantizedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features, self.spec = in_features, out_features, spec
         n_blocks = blocks(in_features, spec.block_size)
-        self.register_buffer("qweight", torch.zeros(out_features, n_blocks, spec.block_size * spec.bits // 8, dtype=torch.uint8))
+        self.register_buffer(
+            "qweight", torch.zeros(out_features, n_blocks, spec.block_size * spec.bits // 8, dtype=torch.uint8)
+        )
         self.register_buffer("scales", torch.zeros(out_features * n_blocks, dtype=torch.float32))
         if spec.offsets:
             if in_features % spec.block_size:
@@ -133,10 +141,10 @@ class QuantizedLinear(nn.Module):
         rows, n_blocks = qweight.shape[0], self.qweight.shape[1]
         if offsets is not None and self.offsets is None:
             raise ValueError("these rows carry block offsets but the linear was built without them")
-        self.qweight[start:start + rows] = qweight
-        self.scales[start * n_blocks:(start + rows) * n_blocks] = scales
+        self.qweight[start : start + rows] = qweight
+        self.scales[start * n_blocks : (start + rows) * n_blocks] = scales
         if self.offsets is not None:
-            self.offsets[start:start + rows] = 0.0 if offsets is None else offsets
+            self.offsets[start : start + rows] = 0.0 if offsets is None else offsets
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s = self.spec
@@ -166,9 +174,18 @@ def onnx_translations() -> dict:
     _register_schema()
     microsoft = onnxscript.values.Opset("com.microsoft", 1)
 
-    def matmul_nbits_to_onnx(x, qweight, scales, in_features: int, out_features: int, bits: int, block_size: int, accuracy_level: int):
+    def matmul_nbits_to_onnx(
+        x, qweight, scales, in_features: int, out_features: int, bits: int, block_size: int, accuracy_level: int
+    ):
         return microsoft.MatMulNBits(
-            x, qweight, scales, K=in_features, N=out_features, bits=bits, block_size=block_size, accuracy_level=accuracy_level
+            x,
+            qweight,
+            scales,
+            K=in_features,
+            N=out_features,
+            bits=bits,
+            block_size=block_size,
+            accuracy_level=accuracy_level,
         )
 
     return {torch.ops.plugins.matmul_nbits.default: matmul_nbits_to_onnx}

@@ -1,9 +1,9 @@
 """The Python API, in the style of vLLM's `LLM`:
 
-    from runner import LLM, SamplingParams
-    llm = LLM("engine_dir")
-    outputs = llm.generate(["Hello"], SamplingParams(max_tokens=64, temperature=0.0))
-    print(outputs[0].outputs[0].text, outputs[0].outputs[0].token_ids)  # or outputs[0].text where n is 1
+from runner import LLM, SamplingParams
+llm = LLM("engine_dir")
+outputs = llm.generate(["Hello"], SamplingParams(max_tokens=64, temperature=0.0))
+print(outputs[0].outputs[0].text, outputs[0].outputs[0].token_ids)  # or outputs[0].text where n is 1
 """
 
 from __future__ import annotations
@@ -11,37 +11,28 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from runner.llm_engine import (DEFAULT_NUM_SCHEDULER_STEPS, DEFAULT_SHARED_PREFILL_CHUNK, DEFAULT_SPECULATIVE_MAX_ROWS,
-                               LLMEngine, PromptError)
-from runner.request import RequestOutput, request_output
-from runner.sampling import SamplingParams
+from runner.core.args import EngineArgs
+from runner.core.engine import LLMEngine, PromptError
+from runner.core.request import RequestOutput, request_output
+from runner.sampling.params import SamplingParams
 
 Message = dict[str, str]
 Prompt = str | dict  # a text, or vLLM's {"prompt": text} / {"prompt_token_ids": ids} (optionally with "cache_salt")
 
 
 class LLM:
-    def __init__(
-        self, model: str | Path, threads: int | None = None, verify_checksums: bool = True, max_batch: int | None = None,
-        enable_prefix_caching: bool = False, speculative_max_rows: int | None = DEFAULT_SPECULATIVE_MAX_ROWS,
-        chat_template: str | None = None, generation_config: str = "auto", max_verify_nodes: int | str | None = "auto",
-        shared_prefill_chunk: int | None = DEFAULT_SHARED_PREFILL_CHUNK, num_scheduler_steps: int = DEFAULT_NUM_SCHEDULER_STEPS,
-    ) -> None:
-        """`model`: the engine directory (vLLM's name for what to load). `enable_prefix_caching`: a prompt starts
-        after the longest prefix whose K/V a cache row holds from an earlier or running request
-        (runner/prefix_cache.py). `speculative_max_rows`: a speculative engine verifies drafts only in steps with at
-        most this many generating rows (None: in every step). `chat_template`: a Jinja template for `chat` instead
-        of the engine's. `generation_config`: "auto" (vLLM's default): `generate` and `chat` without sampling params
-        use the ones the model recommends (get_default_sampling_params); "vllm": SamplingParams().
-        `max_verify_nodes`: the most nodes of a speculative engine's draft trees ("auto": what one pass of this CPU's
-        fp32 matmul kernel takes, for fp32 targets; None: the engine's whole trees). `shared_prefill_chunk`: prompt
-        tokens per step while other requests generate (a prompt alone goes in the engine's largest chunks).
-        `num_scheduler_steps`: the most greedy decode calls a step makes in a row (vLLM's flag; 1: one per step)."""
-        self.engine = LLMEngine(model, threads=threads, verify_checksums=verify_checksums, max_batch=max_batch,
-                                enable_prefix_caching=enable_prefix_caching, speculative_max_rows=speculative_max_rows,
-                                chat_template=chat_template, generation_config=generation_config,
-                                max_verify_nodes=max_verify_nodes, shared_prefill_chunk=shared_prefill_chunk,
-                                num_scheduler_steps=num_scheduler_steps)
+    def __init__(self, model: str | Path | EngineArgs, **options) -> None:
+        """`model`: the engine directory (vLLM's name for what to load), or EngineArgs; `options`: EngineArgs'
+        fields (vLLM's way: `LLM("engine", enable_prefix_caching=True)`). `generate`, `stream` and `chat` without
+        sampling params use the model's recommended ones (get_default_sampling_params) unless
+        generation_config="vllm"."""
+        if isinstance(model, EngineArgs):
+            if options:
+                raise TypeError("give EngineArgs or keyword options, not both")
+            args = model
+        else:
+            args = EngineArgs(model, **options)
+        self.engine = LLMEngine(args)
 
     @property
     def tokenizer(self):
@@ -68,8 +59,14 @@ class LLM:
             prompts = [prompts]
         if (prompts is None) == (prompt_token_ids is None):
             raise PromptError("give either prompts or prompt_token_ids")
-        items = [_prompt(p) for p in prompts] if prompts is not None else [(None, list(ids), None) for ids in prompt_token_ids]
-        params = _per_prompt(self.get_default_sampling_params() if sampling_params is None else sampling_params, len(items))
+        items = (
+            [_prompt(p) for p in prompts]
+            if prompts is not None
+            else [(None, list(ids), None) for ids in prompt_token_ids]
+        )
+        params = _per_prompt(
+            self.get_default_sampling_params() if sampling_params is None else sampling_params, len(items)
+        )
         per_prompt = []
         requests = []
         try:
@@ -92,7 +89,9 @@ class LLM:
     def stream(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield the text increments of one prompt as they are generated."""
         text, ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
-        request = self.engine.add_request(text, ids, self.get_default_sampling_params() if sampling_params is None else sampling_params)
+        request = self.engine.add_request(
+            text, ids, self.get_default_sampling_params() if sampling_params is None else sampling_params
+        )
         try:
             for event in self.engine.run([request]):
                 if event.request is request and event.delta:
@@ -116,11 +115,17 @@ class LLM:
         instead of answering it; `chat_template_kwargs`: more template variables; `tools`: for templates that
         describe them. vLLM's LLM.chat arguments."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.engine.codec.apply_chat_template(
-            list(c), add_generation_prompt=add_generation_prompt, tools=tools,
-            continue_final_message=continue_final_message, template_kwargs=chat_template_kwargs,
-            chat_template=chat_template)
-            for c in conversations]
+        prompts = [
+            self.engine.codec.apply_chat_template(
+                list(c),
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+                continue_final_message=continue_final_message,
+                template_kwargs=chat_template_kwargs,
+                chat_template=chat_template,
+            )
+            for c in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
 
@@ -143,8 +148,10 @@ def _prompt(prompt: Prompt) -> tuple[str | None, list[int] | None, str | None]:
             return prompt.get("prompt"), list(ids), prompt.get("cache_salt")
         if isinstance(prompt.get("prompt"), str):
             return prompt["prompt"], None, prompt.get("cache_salt")
-    raise PromptError('a prompt is a string, {"prompt": text} or {"prompt_token_ids": [ids]} (with an optional '
-                      f'"cache_salt"), got {prompt!r:.80}')
+    raise PromptError(
+        'a prompt is a string, {"prompt": text} or {"prompt_token_ids": [ids]} (with an optional '
+        f'"cache_salt"), got {prompt!r:.80}'
+    )
 
 
 class _Progress:

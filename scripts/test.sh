@@ -25,10 +25,14 @@ export DEFAULT_ENGINE_DIR="$ENGINE"
 # ... and the default model with the shipped ReDrafter head (speculative decoding on the real model)
 SPEC_ENGINE=${DEFAULT_REDRAFTER_ENGINE_DIR:-engines-out/default-redrafter}
 if [ ! -f "$SPEC_ENGINE/manifest.json" ] || [ -n "$(find builder engines plugins \( -name '*.py' -o -name '*.c' -o -name '*.h' \) -newer "$SPEC_ENGINE/manifest.json" | head -1)" ] \
-    || [ builder/drafters -nt "$SPEC_ENGINE/manifest.json" ]; then
+    || [ builder/speculation/drafters -nt "$SPEC_ENGINE/manifest.json" ]; then
     builder build default --speculative redrafter --out "$SPEC_ENGINE" --overwrite
 fi
 export DEFAULT_REDRAFTER_ENGINE_DIR="$SPEC_ENGINE"
+
+# lint and format check first (pyproject.toml's [tool.ruff]): a style slip fails here in seconds, not after the suite
+$PY -m ruff check .
+$PY -m ruff format --check .
 
 set +e
 $PY -m pytest "$@"

@@ -33,25 +33,70 @@ def engine_factory(tmp_path_factory, checkpoint_factory):
     built: dict[tuple, Path] = {}
 
     def build(
-        name: str = "gqa", max_seq_len: int = 256, max_batch: int = 4, prefill_chunk: int = 32, quant: str = "none",
-        int8_compute: bool = True, draft_head: Path | None = None, beam_width: int = 3, draft_len: int = 4,
-        speculative: str = "none", prompt_lookup_len: int = 4, draft_model: str | None = None, draft_quant: str = "int8",
-        kv_cache_dtype: str = "auto", native_decode_attention: bool = True, native_int4_matmul: bool = True,
+        name: str = "gqa",
+        max_seq_len: int = 256,
+        max_batch: int = 4,
+        prefill_chunk: int = 32,
+        quant: str = "none",
+        int8_compute: bool = True,
+        draft_head: Path | None = None,
+        beam_width: int = 3,
+        draft_len: int = 4,
+        speculative: str = "none",
+        prompt_lookup_len: int = 4,
+        draft_model: str | None = None,
+        draft_quant: str = "int8",
+        kv_cache_dtype: str = "auto",
+        native_decode_attention: bool = True,
+        native_int4_matmul: bool = True,
     ) -> Path:
         """An engine of a tiny checkpoint; a `draft_head` makes it a ReDrafter engine, a `draft_model` (a tiny
         checkpoint's name) a draft-model engine."""
-        speculative = "redrafter" if draft_head is not None else "draft-model" if draft_model is not None else speculative
-        key = (name, max_seq_len, max_batch, prefill_chunk, quant, int8_compute, draft_head, beam_width, draft_len,
-               speculative, prompt_lookup_len, draft_model, draft_quant, kv_cache_dtype, native_decode_attention, native_int4_matmul)
+        speculative = (
+            "redrafter" if draft_head is not None else "draft-model" if draft_model is not None else speculative
+        )
+        key = (
+            name,
+            max_seq_len,
+            max_batch,
+            prefill_chunk,
+            quant,
+            int8_compute,
+            draft_head,
+            beam_width,
+            draft_len,
+            speculative,
+            prompt_lookup_len,
+            draft_model,
+            draft_quant,
+            kv_cache_dtype,
+            native_decode_attention,
+            native_int4_matmul,
+        )
         if key not in built:
             out = tmp_path_factory.mktemp(f"engine_{name}") / "engine"
-            speculation = dict(speculative=speculative, draft_head=draft_head, beam_width=beam_width, draft_len=draft_len,
-                               prompt_lookup_len=prompt_lookup_len, draft_quant=draft_quant,
-                               draft_model=None if draft_model is None else str(checkpoint_factory(draft_model)))
+            speculation = dict(
+                speculative=speculative,
+                draft_head=draft_head,
+                beam_width=beam_width,
+                draft_len=draft_len,
+                prompt_lookup_len=prompt_lookup_len,
+                draft_quant=draft_quant,
+                draft_model=None if draft_model is None else str(checkpoint_factory(draft_model)),
+            )
             options = BuildOptions(
-                str(checkpoint_factory(name)), out, "fp32", max_seq_len, max_batch, prefill_chunk,
-                quant=quant, int8_compute=int8_compute, kv_cache_dtype=kv_cache_dtype,
-                native_decode_attention=native_decode_attention, native_int4_matmul=native_int4_matmul, **speculation,
+                str(checkpoint_factory(name)),
+                out,
+                "fp32",
+                max_seq_len,
+                max_batch,
+                prefill_chunk,
+                quant=quant,
+                int8_compute=int8_compute,
+                kv_cache_dtype=kv_cache_dtype,
+                native_decode_attention=native_decode_attention,
+                native_int4_matmul=native_int4_matmul,
+                **speculation,
             )
             build_engine(options, log=lambda line: None)
             built[key] = out
@@ -61,10 +106,14 @@ def engine_factory(tmp_path_factory, checkpoint_factory):
 
 
 def prebuilt_engine(variable: str) -> Path:
-    """An engine CI builds once (scripts/test.sh) and names in an environment variable; skip where there is none."""
+    """An engine CI builds once (scripts/test.sh) and names in an environment variable. Elsewhere its tests skip
+    where there is none; under CI (CI=true) a missing engine fails them, so a broken build cannot pass as skipped."""
     path = os.environ.get(variable)
     if not path or not (Path(path) / "manifest.json").is_file():
-        pytest.skip(f"{variable} does not point at a built engine (.ci/run builds one)")
+        message = f"{variable} does not point at a built engine (scripts/test.sh builds one)"
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(message)
+        pytest.skip(message)
     return Path(path)
 
 
@@ -83,12 +132,21 @@ def default_redrafter_engine():
 @pytest.fixture(scope="session")
 def tiny_draft_head(tmp_path_factory, engine_factory):
     """A draft head distilled from the tiny gqa engine's own answers (a few seconds: tiny prompts and model)."""
-    from builder.train_drafter import DrafterTrainingOptions, train_drafter
+    from training.drafter import DrafterTrainingOptions, train_drafter
 
     out = tmp_path_factory.mktemp("drafter") / "head.safetensors"
     options = DrafterTrainingOptions(
-        engine_factory("gqa"), out, prompts=32, validation=8, max_new_tokens=32, draft_vocab=128, horizon=4, epochs=6,
-        batch_size=64, learning_rate=3e-3, dropout=0.0,
+        engine_factory("gqa"),
+        out,
+        prompts=32,
+        validation=8,
+        max_new_tokens=32,
+        draft_vocab=128,
+        horizon=4,
+        epochs=6,
+        batch_size=64,
+        learning_rate=3e-3,
+        dropout=0.0,
         # the greedy tokens alone: a random tiny model's next-token distributions are near uniform, so a distilled
         # head's loss cannot fall far below their entropy (~4.5 nats) and would show little of the fit
         distill=0.0,
@@ -115,4 +173,3 @@ def recommending_engine(tmp_path_factory, checkpoint_factory):
     out = source.parent / "engine"
     build_engine(BuildOptions(str(source), out, "fp32", 256, 4, 32), log=lambda line: None)
     return out
-

@@ -27,4 +27,4 @@ def reference_greedy(model, prompt: list[int], steps: int) -> list[int]:
     tokens = list(prompt)
     for _ in range(steps):
         tokens.append(int(np.argmax(reference_logits(model, tokens)[-1])))
-    return tokens[len(prompt):]
+    return tokens[len(prompt) :]

@@ -1,15 +1,17 @@
 """The sampler written plainly in numpy (float64), one node at a time: the independent reference for the engine's
-sampler graph (builder/sampler.py). It reads the same uniforms (per node: u_test when the node is tried as a draft,
-u_draw to draw a token at the node), so graph and reference can be compared token for token."""
+sampler graph (builder/sampler_graph.py). It reads the same uniforms (per node: u_test when the node is tried as a
+draft, u_draw to draw a token at the node), so graph and reference can be compared token for token."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from runner.sampling import SamplingParams
+from runner.sampling.params import SamplingParams
 
 
-def apply_penalties(logits: np.ndarray, params: SamplingParams, prompt_ids: list[int], output_ids: list[int]) -> np.ndarray:
+def apply_penalties(
+    logits: np.ndarray, params: SamplingParams, prompt_ids: list[int], output_ids: list[int]
+) -> np.ndarray:
     """vLLM's penalties: repetition over prompt + output (divide positive logits, multiply negative ones), then
     presence and frequency over the output only."""
     logits = logits.astype(np.float64, copy=True)
@@ -69,8 +71,16 @@ def node_distribution(logits, params: SamplingParams, prompt_ids, output_ids, st
     return processed_probs(adjusted, params)
 
 
-def walk_tree(logits: np.ndarray, tokens: list[int], parents: list[int], uniforms: np.ndarray, params: SamplingParams,
-              prompt_ids: list[int], output_ids: list[int], stop_ids: set[int]) -> tuple[list[int], list[int]]:
+def walk_tree(
+    logits: np.ndarray,
+    tokens: list[int],
+    parents: list[int],
+    uniforms: np.ndarray,
+    params: SamplingParams,
+    prompt_ids: list[int],
+    output_ids: list[int],
+    stop_ids: set[int],
+) -> tuple[list[int], list[int]]:
     """Accept drafts down the tree one node at a time; returns the emitted tokens and the path of nodes (root first).
 
     At a node the children are tried in order: child c is accepted with probability r(c) / sum(r) (u_test of c),

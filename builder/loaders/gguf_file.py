@@ -90,7 +90,9 @@ def _config(meta: _Metadata, tensor_names: set[str], path: Path) -> ModelConfig:
         num_heads=heads,
         num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
         # llama.cpp writes the head size as attention.key_length where it is not hidden / heads (Qwen3: 128)
-        head_dim=int(meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count", hidden // heads)),
+        head_dim=int(
+            meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count", hidden // heads)
+        ),
         rms_norm_eps=float(meta.require(f"{arch}.attention.layer_norm_rms_epsilon")),
         rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
         max_position_embeddings=int(meta.get(f"{arch}.context_length", 2048)),
@@ -144,13 +146,18 @@ def _tokenizer(meta: _Metadata, path: Path) -> TokenizerSpec:
         tokenizer.decoder = decoders.ByteLevel()
         add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
     elif kind == "llama":
-        tokenizer = _sentencepiece_bpe(tokens, meta.require("tokenizer.ggml.scores"),
-                                       meta.get("tokenizer.ggml.unknown_token_id"),
-                                       bool(meta.get("tokenizer.ggml.add_space_prefix", True)))
+        tokenizer = _sentencepiece_bpe(
+            tokens,
+            meta.require("tokenizer.ggml.scores"),
+            meta.get("tokenizer.ggml.unknown_token_id"),
+            bool(meta.get("tokenizer.ggml.add_space_prefix", True)),
+        )
         add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", True))  # llama.cpp's default for these
     else:
-        raise CheckpointError(f"unsupported GGUF tokenizer {kind!r} in {path}; supported: gpt2 (byte-level BPE), "
-                              "llama (SentencePiece BPE)")
+        raise CheckpointError(
+            f"unsupported GGUF tokenizer {kind!r} in {path}; supported: gpt2 (byte-level BPE), "
+            "llama (SentencePiece BPE)"
+        )
     types = meta.get("tokenizer.ggml.token_type") or []
     tokenizer.add_special_tokens(
         [AddedToken(t, special=True, normalized=False) for t, kind in zip(tokens, types) if kind == _CONTROL_TOKEN]
@@ -181,11 +188,18 @@ def _sentencepiece_bpe(tokens: list[str], scores: list[float], unknown: int | No
         pairs = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in vocab and token[i:] in vocab]
         merges += [(score, left, right) for left, right in sorted(pairs, key=lambda p: (vocab[p[0]], vocab[p[1]]))]
     merges.sort(key=lambda merge: -merge[0])  # stable: ties keep the vocabulary's order
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[(left, right) for _, left, right in merges],
-                                     unk_token=None if unknown is None else tokens[int(unknown)], fuse_unk=True,
-                                     byte_fallback=True))
-    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", split=False,
-                                                       prepend_scheme="first" if space_prefix else "never")
+    tokenizer = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=[(left, right) for _, left, right in merges],
+            unk_token=None if unknown is None else tokens[int(unknown)],
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="\u2581", split=False, prepend_scheme="first" if space_prefix else "never"
+    )
     steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
     tokenizer.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if space_prefix else []))
     return tokenizer
@@ -225,17 +239,32 @@ def load_gguf(path: Path) -> Checkpoint:
                 yield name, torch.from_numpy(np.array(data, dtype=np.float32))
 
     block_formats = {
-        name: t.tensor_type.name for t in reader.tensors
+        name: t.tensor_type.name
+        for t in reader.tensors
         if (name := hf_tensor_name(t.name)) is not None and t.tensor_type.name in EXACT_FORMS and len(t.shape) == 2
     }
     defaults = {name: meta.get(f"general.sampling.{key}") for key, name in GGUF_SAMPLING.items()}
-    return Checkpoint(str(path), "gguf", config, tokenizer, read_tensors, block_formats,
-                      {name: float(f"{value:.6g}") if isinstance(value, float) else value  # (stored as float32)
-                       for name, value in defaults.items() if value is not None})
+    return Checkpoint(
+        str(path),
+        "gguf",
+        config,
+        tokenizer,
+        read_tensors,
+        block_formats,
+        {
+            name: float(f"{value:.6g}") if isinstance(value, float) else value  # (stored as float32)
+            for name, value in defaults.items()
+            if value is not None
+        },
+    )
 
 
 # a GGUF's recommended sampling (llama.cpp's general.sampling.* keys) by SamplingParams' names; penalty_last_n (the
 # window llama.cpp's repeat penalty looks back over) has no counterpart: vLLM's penalty covers prompt and output
-GGUF_SAMPLING = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
-                 "penalty_repeat": "repetition_penalty"}
-
+GGUF_SAMPLING = {
+    "temp": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "penalty_repeat": "repetition_penalty",
+}

@@ -156,15 +156,21 @@ def load_hf_directory(directory: Path) -> Checkpoint:
             except (OSError, ValueError, SafetensorError) as err:
                 raise CheckpointError(f"cannot read {file}: {err}") from None
 
-    return Checkpoint(str(directory), "hf", config, tokenizer, read_tensors,
-                      sampling_defaults=sampling_defaults(generation or {}))
+    return Checkpoint(
+        str(directory), "hf", config, tokenizer, read_tensors, sampling_defaults=sampling_defaults(generation or {})
+    )
 
 
 # generation_config.json's sampling fields (SamplingParams' names) and the values transformers takes when a field is
 # absent: vLLM reads the file as transformers' non-default values, so a field set to its default is not a default
-GENERATION_FIELDS = {"temperature": ("temperature", 1.0), "top_k": ("top_k", 50), "top_p": ("top_p", 1.0),
-                     "min_p": ("min_p", None), "repetition_penalty": ("repetition_penalty", 1.0),
-                     "max_new_tokens": ("max_tokens", None)}
+GENERATION_FIELDS = {
+    "temperature": ("temperature", 1.0),
+    "top_k": ("top_k", 50),
+    "top_p": ("top_p", 1.0),
+    "min_p": ("min_p", None),
+    "repetition_penalty": ("repetition_penalty", 1.0),
+    "max_new_tokens": ("max_tokens", None),
+}
 
 
 def sampling_defaults(generation: dict[str, Any]) -> dict[str, float | int]:

@@ -33,13 +33,15 @@ class OnnxRuntimeBackend:
             profiled.profile_file_prefix = profile_prefix
         register_native_libraries(options, artifact)
         side_graphs = {manifest.sampler.graph}
-        if manifest.speculation and "graph" in manifest.speculation:
-            side_graphs.add(manifest.speculation["graph"])
+        if manifest.speculation is not None and manifest.speculation.graph is not None:
+            side_graphs.add(manifest.speculation.graph)
         self.sessions = {}
         for key, graph in manifest.graphs.items():
             try:
                 self.sessions[key] = ort.InferenceSession(
-                    str(artifact.path(graph.file)), side_options if key in side_graphs else options, providers=[self.provider]
+                    str(artifact.path(graph.file)),
+                    side_options if key in side_graphs else options,
+                    providers=[self.provider],
                 )
             except Exception as err:  # onnxruntime raises its own exception types for damaged graphs
                 raise ArtifactError(f"onnxruntime cannot load {graph.file}: {str(err).splitlines()[0]}") from None
@@ -70,7 +72,7 @@ def session_options(ort, threads: int | None, spinning: bool):
     else:
         # Spin between a run's nodes, but stop when the run ends: another session's run comes next on the same cores
         # (a draft model's engine: with both pools spinning, its draft calls and the target's verify calls each took
-        # about twice as long on 2 cores: 50.8 + 39.5 ms per step, 29.8 + 19.0 with this; no change to a plain engine)
+        # about twice as long; no change to a plain engine; docs/measurements.md)
         options.add_session_config_entry("session.force_spinning_stop", "1")
     return options
 
@@ -83,16 +85,17 @@ def register_native_libraries(options, artifact: Artifact) -> None:
         try:
             options.register_custom_ops_library(str(artifact.path(library)))
         except Exception as err:  # onnxruntime raises its own exception types for a library it cannot load
-            raise ArtifactError(f"onnxruntime cannot load the engine's kernel library {library}: "
-                                f"{str(err).splitlines()[0]}") from None
+            raise ArtifactError(
+                f"onnxruntime cannot load the engine's kernel library {library}: {str(err).splitlines()[0]}"
+            ) from None
 
 
 class BoundGraph:
     """A session with some inputs and outputs bound to fixed memory. An array bound both as an input and as an
-    output is read and written in place (the KV cache: past_key.i and present_key.i). Binding ~120 cache tensors
-    costs ~0.3 ms, a few percent of a decode step, so it is done once per buffer generation, not per run; each
-    run binds its small inputs and the arrays its other outputs are written into (fetching outputs back from
-    onnxruntime wraps every output, the 60 cache ones too: 0.15 ms per step)."""
+    output is read and written in place (the KV cache: past_key.i and present_key.i). Binding the cache tensors costs
+    a few percent of a decode step, so it is done once per buffer generation, not per run; each run binds its small
+    inputs and the arrays its other outputs are written into (fetching outputs back from onnxruntime would wrap every
+    output, the cache ones too; docs/measurements.md)."""
 
     def __init__(self, session, buffers: dict[str, np.ndarray]) -> None:
         self.session = session

@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from benchmarks.compare_peers import check_agreement, engine_label, paired_ratio, standing
+from benchmarks.compare_peers import check_agreement, engine_label, standing
+from benchmarks.interleave import paired_ratio
 
 
 def test_paired_ratio_compares_round_by_round():
@@ -18,8 +19,13 @@ def test_paired_ratio_compares_round_by_round():
 
 def _engine(short_decode, long_decode, short_ttft, long_ttft):
     def prompt(decode, ttft):
-        return {"decode_tok_s": sorted(decode)[len(decode) // 2], "decode_tok_s_runs": decode,
-                "ttft_ms": sorted(ttft)[len(ttft) // 2], "ttft_ms_runs": ttft}
+        return {
+            "decode_tok_s": sorted(decode)[len(decode) // 2],
+            "decode_tok_s_runs": decode,
+            "ttft_ms": sorted(ttft)[len(ttft) // 2],
+            "ttft_ms_runs": ttft,
+        }
+
     return {"short": prompt(short_decode, short_ttft), "long": prompt(long_decode, long_ttft)}
 
 
@@ -44,19 +50,35 @@ def test_standing_picks_the_best_of_each_side_and_says_who_is_ahead():
 
 def test_engine_label_names_an_int8_kv_cache_and_onnxruntimes_own_kernels(tmp_path):
     def label(kv_dtype: str, quantization: dict, step: dict) -> str:
-        manifest = {"dtype": "fp32", "kv_cache": {"dtype": kv_dtype}, "quantization": quantization,
-                    "graphs": {"step": step}, "phases": {"decode": {"graph": "step"}}}
+        manifest = {
+            "dtype": "fp32",
+            "kv_cache": {"dtype": kv_dtype},
+            "quantization": quantization,
+            "graphs": {"step": step},
+            "phases": {"decode": {"graph": "step"}},
+        }
         (tmp_path / "manifest.json").write_text(json.dumps(manifest))
         return engine_label(tmp_path)
 
     int4 = {"method": "rtn", "bits": 4, "group_size": 32}
     both = {"native_library": "libnative_ops.so", "native_ops": ["DecodeAttention", "Int4MatMul"]}
     assert label("float32", int4, both) == "ours int4 rtn g32"
-    assert label("int8", int4, {"native_library": "libnative_ops.so", "native_ops": ["Int4MatMul"]}) == "ours int4 rtn g32, int8 KV cache"
-    assert label("float32", int4, {"native_library": None}) == "ours int4 rtn g32, onnxruntime attention, onnxruntime matmul"
-    # built before Int4MatMul: the library held DecodeAttention alone
-    assert label("float32", int4, {"native_library": "libdecode_attention.so"}) == "ours int4 rtn g32, onnxruntime matmul"
-    assert label("float32", {"method": "none"}, {"native_library": "libnative_ops.so", "native_ops": ["DecodeAttention"]}) == "ours fp32"
+    assert (
+        label("int8", int4, {"native_library": "libnative_ops.so", "native_ops": ["Int4MatMul"]})
+        == "ours int4 rtn g32, int8 KV cache"
+    )
+    assert (
+        label("float32", int4, {"native_library": None, "native_ops": []})
+        == "ours int4 rtn g32, onnxruntime attention, onnxruntime matmul"
+    )
+    assert (
+        label(
+            "float32",
+            {"method": "none", "bits": None},
+            {"native_library": "libnative_ops.so", "native_ops": ["DecodeAttention"]},
+        )
+        == "ours fp32"
+    )
 
 
 def test_fp32_engines_must_agree_on_first_tokens_and_perplexity_quantized_ones_are_reported():

@@ -12,11 +12,26 @@ from benchmarks.diff_peers import diff_report, improvement, main
 def run(commit: str, bandwidth: float, ours_tok_s: float, ours_ttft_ms: float, machine: str = "CPU A") -> dict:
     prompt = {"decode_tok_s": ours_tok_s, "ttft_ms": ours_ttft_ms}
     return {
-        "commit": commit, "machine": machine, "bandwidth_gbs": bandwidth, "versions": {"onnxruntime": "1.32.0"},
-        "engines": {"ours int4": {"short": prompt, "long": prompt, "peak_rss_mb": 300.0, "perplexity": 13.7},
-                    f"peer {commit}": {"short": prompt, "long": prompt, "peak_rss_mb": 400.0}},
-        "standing": [{"prompt": "short", "metric": "decode_tok_s", "ours": "ours int4", "peer": "peer",
-                      "ours_ahead_by": ours_tok_s / 100, "lowest": 0.8, "highest": 1.2, "rounds": 5}],
+        "commit": commit,
+        "machine": machine,
+        "bandwidth_gbs": bandwidth,
+        "versions": {"onnxruntime": "1.32.0"},
+        "engines": {
+            "ours int4": {"short": prompt, "long": prompt, "peak_rss_mb": 300.0, "perplexity": 13.7},
+            f"peer {commit}": {"short": prompt, "long": prompt, "peak_rss_mb": 400.0},
+        },
+        "standing": [
+            {
+                "prompt": "short",
+                "metric": "decode_tok_s",
+                "ours": "ours int4",
+                "peer": "peer",
+                "ours_ahead_by": ours_tok_s / 100,
+                "lowest": 0.8,
+                "highest": 1.2,
+                "rounds": 5,
+            }
+        ],
     }
 
 
@@ -29,7 +44,9 @@ def test_report_lists_shared_engines_and_the_paired_standings():
     text = "\n".join(diff_report(run("aaa", 20.0, 100.0, 80.0), run("bbb", 21.0, 110.0, 100.0)))
     assert "| ours int4 | 100 -> 110 (1.10x) | 100 -> 110 (1.10x) | 80 -> 100 (0.80x) |" in text
     assert "| 13.7 -> 13.7 (1.00x) |" in text  # perplexity where both have it; "-" where not
-    assert "| peer aaa" not in text and "only in the old run: peer aaa" in text and "only in the new run: peer bbb" in text
+    assert (
+        "| peer aaa" not in text and "only in the old run: peer aaa" in text and "only in the new run: peer bbb" in text
+    )
     assert "| short | decode | ours int4 / peer | 1.00x (0.80-1.20) | ours int4 / peer | 1.10x (0.80-1.20) |" in text
     assert "bandwidth moved" not in text and "Different machines" not in text
 

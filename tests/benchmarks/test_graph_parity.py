@@ -13,12 +13,18 @@ LAYERS, KV_HEADS, HEAD_SIZE, VOCAB = 2, 2, 4, 32
 
 def stand_in_peer(folder):
     """A decoder with onnxruntime-genai's interface: logits from the token, each present = its past (one buffer)."""
-    nodes = [helper.make_node("Gather", ["table", "input_ids"], ["logits"]),
-             helper.make_node("ReduceSum", ["attention_mask"], ["mask_sum"], keepdims=0)]
-    inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, "s"]),
-              helper.make_tensor_value_info("attention_mask", TensorProto.INT64, [1, "t"])]
-    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "s", VOCAB]),
-               helper.make_tensor_value_info("mask_sum", TensorProto.INT64, [])]
+    nodes = [
+        helper.make_node("Gather", ["table", "input_ids"], ["logits"]),
+        helper.make_node("ReduceSum", ["attention_mask"], ["mask_sum"], keepdims=0),
+    ]
+    inputs = [
+        helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, "s"]),
+        helper.make_tensor_value_info("attention_mask", TensorProto.INT64, [1, "t"]),
+    ]
+    outputs = [
+        helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "s", VOCAB]),
+        helper.make_tensor_value_info("mask_sum", TensorProto.INT64, []),
+    ]
     for layer in range(LAYERS):
         for kind in ("key", "value"):
             past, present = f"past_key_values.{layer}.{kind}", f"present.{layer}.{kind}"
@@ -29,10 +35,21 @@ def stand_in_peer(folder):
     graph = helper.make_graph(nodes, "decoder", inputs, outputs, initializer=[table])
     save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(folder / "model.onnx"))
     decoder = {
-        "filename": "model.onnx", "head_size": HEAD_SIZE, "num_hidden_layers": LAYERS, "num_key_value_heads": KV_HEADS,
-        "inputs": {"input_ids": "input_ids", "attention_mask": "attention_mask",
-                   "past_key_names": "past_key_values.%d.key", "past_value_names": "past_key_values.%d.value"},
-        "outputs": {"logits": "logits", "present_key_names": "present.%d.key", "present_value_names": "present.%d.value"},
+        "filename": "model.onnx",
+        "head_size": HEAD_SIZE,
+        "num_hidden_layers": LAYERS,
+        "num_key_value_heads": KV_HEADS,
+        "inputs": {
+            "input_ids": "input_ids",
+            "attention_mask": "attention_mask",
+            "past_key_names": "past_key_values.%d.key",
+            "past_value_names": "past_key_values.%d.value",
+        },
+        "outputs": {
+            "logits": "logits",
+            "present_key_names": "present.%d.key",
+            "present_value_names": "present.%d.value",
+        },
     }
     (folder / "genai_config.json").write_text(json.dumps({"model": {"decoder": decoder}}))
     return folder

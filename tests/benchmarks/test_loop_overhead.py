@@ -4,11 +4,12 @@ import numpy as np
 import pytest
 
 from benchmarks.loop_overhead import BareDecodeLoop, GraphCallClock, MatmulsAlone, bare_run, engine_run, loop_overhead
-from runner.llm_engine import LLMEngine
+from runner.core.args import EngineArgs
+from runner.core.engine import LLMEngine
 
 
 def test_the_bare_loop_decodes_what_the_engine_decodes(engine_factory):
-    engine = LLMEngine(engine_factory(), threads=1, max_batch=1)
+    engine = LLMEngine(EngineArgs(engine_factory(), threads=1, max_batch=1))
     loop = BareDecodeLoop(engine)
     clock = GraphCallClock(loop.session)
     ids = [5, 6, 7, 8]
@@ -34,7 +35,9 @@ def test_the_matmuls_alone_are_every_weight_matmul_of_the_decode_graph(engine_fa
 
     if op == "Int4MatMul" and unavailable_reason():
         pytest.skip(f"our kernels cannot be built here: {unavailable_reason()}")
-    engine = LLMEngine(engine_factory(quant=quant, native_int4_matmul=op == "Int4MatMul"), threads=1, max_batch=1)
+    engine = LLMEngine(
+        EngineArgs(engine_factory(quant=quant, native_int4_matmul=op == "Int4MatMul"), threads=1, max_batch=1)
+    )
     graph = onnx.load(str(engine.artifact.path(engine.manifest.graphs[engine.executor.decode_phase.graph].file)))
     matmuls = MatmulsAlone(engine, tmp_path, threads=1)
     alone = onnx.load(str(tmp_path / "matmuls_alone.onnx"))

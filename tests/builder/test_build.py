@@ -9,7 +9,9 @@ import pytest
 from builder.build import BuildOptions
 
 
-@pytest.mark.parametrize("method, drafts, nodes", [("redrafter", 2, 1 + 2 * 2 + 4), ("prompt-lookup", 4, 5), ("draft-model", 4, 5)])
+@pytest.mark.parametrize(
+    "method, drafts, nodes", [("redrafter", 2, 1 + 2 * 2 + 4), ("prompt-lookup", 4, 5), ("draft-model", 4, 5)]
+)
 def test_draft_length_defaults_per_speculation_method(method, drafts, nodes):
     options = BuildOptions("default", Path("out"), speculative=method)
     assert options.draft_len == drafts

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from runner import LLM, SamplingParams
-from runner.llm_engine import LLMEngine
+from runner.core.args import EngineArgs
+from runner.core.engine import LLMEngine
 from tests.reference import load_reference, reference_greedy, reference_logits
 from tests.tiny_checkpoint import CONFIGS
 
@@ -21,7 +22,7 @@ def assert_logits_close(ours: np.ndarray, reference: np.ndarray) -> None:
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_prefill_and_20_decode_steps_match_transformers(name, engine_factory, checkpoint_factory):
-    engine = LLMEngine(engine_factory(name))
+    engine = LLMEngine(EngineArgs(engine_factory(name)))
     reference = load_reference(checkpoint_factory(name))
     executor = engine.executor
     tokens = engine.codec.encode(TEXT)
@@ -38,7 +39,9 @@ def test_prefill_and_20_decode_steps_match_transformers(name, engine_factory, ch
 def test_greedy_32_tokens_identical_to_transformers(name, engine_factory, checkpoint_factory):
     llm = LLM(engine_factory(name))
     prompt = llm.tokenizer.encode(TEXT)
-    out = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))[0]
+    out = llm.generate(
+        prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    )[0]
     assert out.token_ids == reference_greedy(load_reference(checkpoint_factory(name)), prompt, 32)
     assert out.finish_reason == "length"
 
@@ -58,7 +61,7 @@ def test_alone_batched_and_chunked_prefill_give_the_same_tokens(engine_factory, 
 
 def two_prefilled_rows(engine_factory, checkpoint_factory, rows: tuple[int, int]):
     """An engine whose cache rows hold TEXT and its first 7 tokens, and the reference model of the same weights."""
-    engine = LLMEngine(engine_factory("gqa"))
+    engine = LLMEngine(EngineArgs(engine_factory("gqa")))
     prompt = engine.codec.encode(TEXT)
     other = prompt[:7]
     engine.executor.prefill(rows[0], prompt, 0)
@@ -75,7 +78,7 @@ def test_verify_phase_scores_chains_and_trees_in_one_batch_like_the_reference(en
     # a tree: root 5 with two children 17 and 42; 9 follows 42
     tree = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=bool)
     verified = executor.verify([0, 1], [(chain, chain_mask), (chain, tree)], [len(prompt), len(other)])
-    assert_logits_close(verified.logits[0], reference_logits(reference, prompt + chain)[len(prompt):])
+    assert_logits_close(verified.logits[0], reference_logits(reference, prompt + chain)[len(prompt) :])
     assert_logits_close(verified.logits[1, 1], reference_logits(reference, other + [5, 17])[-1])
     assert_logits_close(verified.logits[1, 3], reference_logits(reference, other + [5, 42, 9])[-1])
     assert (verified.argmax == verified.logits.argmax(-1)).all()  # the graph's own argmax output

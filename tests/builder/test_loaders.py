@@ -47,7 +47,12 @@ def test_recommended_sampling_from_generation_config_and_gguf(checkpoint_factory
     generation = json.loads((source / "generation_config.json").read_text())
     generation.update(temperature=0.6, top_p=0.9, top_k=50, repetition_penalty=1.0, min_p=0.05, max_new_tokens=64)
     (source / "generation_config.json").write_text(json.dumps(generation))
-    assert load_checkpoint(source).sampling_defaults == {"temperature": 0.6, "top_p": 0.9, "min_p": 0.05, "max_tokens": 64}
+    assert load_checkpoint(source).sampling_defaults == {
+        "temperature": 0.6,
+        "top_p": 0.9,
+        "min_p": 0.05,
+        "max_tokens": 64,
+    }
     from tests.tiny_checkpoint import make_gguf
 
     gguf = make_gguf(tmp_path / "tiny.gguf", source, sampling={"temp": 0.7, "top_k": 20, "penalty_repeat": 1.1})
@@ -84,11 +89,15 @@ def test_qwen2_and_mistral_read_as_llama_with_their_biases_and_window(checkpoint
     assert (qwen.attention_bias, qwen.o_proj_bias, qwen.sliding_window) == (True, False, None)
     llama = load_checkpoint(checkpoint_factory("untied_bias")).config
     assert (llama.attention_bias, llama.o_proj_bias) == (True, True)
-    windowed = copy_with_config(checkpoint_factory("mistral"), tmp_path / "mistral", lambda c: c.update(sliding_window=64))
+    windowed = copy_with_config(
+        checkpoint_factory("mistral"), tmp_path / "mistral", lambda c: c.update(sliding_window=64)
+    )
     assert load_checkpoint(windowed).config.sliding_window == 64
     with pytest.raises(ValueError, match="sliding window of 64"):
         build_engine(BuildOptions(str(windowed), tmp_path / "engine", "fp32", 128, 1, 32), log=lambda line: None)
-    used = copy_with_config(checkpoint_factory("qwen2"), tmp_path / "qwen", lambda c: c.update(use_sliding_window=True, sliding_window=64))
+    used = copy_with_config(
+        checkpoint_factory("qwen2"), tmp_path / "qwen", lambda c: c.update(use_sliding_window=True, sliding_window=64)
+    )
     assert load_checkpoint(used).config.sliding_window == 64
 
 
@@ -99,7 +108,8 @@ def test_a_qwen_gguf_is_the_same_model_as_its_hf_checkpoint(arch, checkpoint_fac
     logits. Qwen's pre-tokenizer splits every digit."""
     from builder.build import BuildOptions, build_engine
     from builder.loaders.gguf_file import _pre_tokenizer
-    from runner.llm_engine import LLMEngine
+    from runner.core.args import EngineArgs
+    from runner.core.engine import LLMEngine
     from tests.tiny_checkpoint import make_gguf
 
     source = checkpoint_factory(arch)
@@ -110,7 +120,7 @@ def test_a_qwen_gguf_is_the_same_model_as_its_hf_checkpoint(arch, checkpoint_fac
     engines = []
     for name, path in (("hf", source), ("gguf", gguf)):
         build_engine(BuildOptions(str(path), tmp_path / name, "fp32", 64, 1, 32), log=lambda line: None)
-        engines.append(LLMEngine(tmp_path / name))
+        engines.append(LLMEngine(EngineArgs(tmp_path / name)))
     tokens = engines[0].codec.encode("The quick brown fox jumps over the lazy dog.")
     hf, ours = (e.executor.prefill(0, tokens, 0).logits for e in engines)
     np.testing.assert_allclose(ours, hf, rtol=0, atol=1e-4 * np.abs(hf).max())
@@ -125,15 +135,41 @@ def test_a_sentencepiece_gguf_tokenizes_as_transformers_reads_it(tmp_path):
     from tokenizers import Tokenizer
     from transformers import AutoTokenizer
 
-    pieces = ["\u2581", *"abcdefghijklmnopqrstuvwxyzHW,!", "bc", "ab", "\u2581t", "he", "\u2581the", "ll", "llo", "\u2581he",
-              "\u2581hello", "or", "\u2581w", "\u2581wor", "ld", "\u2581world", "\u2581a", "in", "\u2581in", "er"]
+    pieces = [
+        "\u2581",
+        *"abcdefghijklmnopqrstuvwxyzHW,!",
+        "bc",
+        "ab",
+        "\u2581t",
+        "he",
+        "\u2581the",
+        "ll",
+        "llo",
+        "\u2581he",
+        "\u2581hello",
+        "or",
+        "\u2581w",
+        "\u2581wor",
+        "ld",
+        "\u2581world",
+        "\u2581a",
+        "in",
+        "\u2581in",
+        "er",
+    ]
     tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *pieces]
     types = [2, 3, 3, *[6] * 256, *[1] * len(pieces)]
     scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))]
     path = tmp_path / "spm.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
-    for add, value in ((writer.add_block_count, 1), (writer.add_context_length, 64), (writer.add_embedding_length, 64),
-                       (writer.add_feed_forward_length, 96), (writer.add_head_count, 4), (writer.add_layer_norm_rms_eps, 1e-5)):
+    for add, value in (
+        (writer.add_block_count, 1),
+        (writer.add_context_length, 64),
+        (writer.add_embedding_length, 64),
+        (writer.add_feed_forward_length, 96),
+        (writer.add_head_count, 4),
+        (writer.add_layer_norm_rms_eps, 1e-5),
+    ):
         add(value)
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
@@ -151,25 +187,41 @@ def test_a_sentencepiece_gguf_tokenizes_as_transformers_reads_it(tmp_path):
     ours = Tokenizer.from_str(spec.tokenizer_json)
     reference = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
     assert (spec.bos_token, spec.eos_token, spec.add_bos_token) == ("<s>", "</s>", True)
-    for text in ("xabc cab", "the hello world", "Hello, world!", "in  the  inner", " leading space", "caf\u00e9 \u2603 x", "<s>hello</s>"):
+    for text in (
+        "xabc cab",
+        "the hello world",
+        "Hello, world!",
+        "in  the  inner",
+        " leading space",
+        "caf\u00e9 \u2603 x",
+        "<s>hello</s>",
+    ):
         ids = ours.encode(text, add_special_tokens=False).ids
         assert ids == reference.encode(text, add_special_tokens=False), text
         assert ours.decode(ids, skip_special_tokens=False) == reference.decode(ids), text
-    assert ours.encode("the hello world", add_special_tokens=False).tokens == ["\u2581the", "\u2581hello", "\u2581world"]
+    assert ours.encode("the hello world", add_special_tokens=False).tokens == [
+        "\u2581the",
+        "\u2581hello",
+        "\u2581world",
+    ]
     assert ours.encode("xabc", add_special_tokens=False).tokens == ["\u2581", "x", "a", "bc"]  # "bc" outranks "ab"
     from engines.format import TokenizerInfo
-    from runner.tokenizer import IncrementalDetokenizer, TextCodec
+    from runner.core.tokenizer import IncrementalDetokenizer, TextCodec
 
     (tmp_path / "tokenizer.json").write_text(spec.tokenizer_json)
     codec = TextCodec(tmp_path / "tokenizer.json", TokenizerInfo("tokenizer.json", None, "<s>", "</s>", True))
     ids = codec.encode("Hello, caf\u00e9 world!")
     assert ids[0] == 1  # the BOS token llama.cpp adds to these vocabularies
     streamed = IncrementalDetokenizer(codec)
-    assert "".join(streamed.push(i) for i in ids) == codec.decode(ids) == "Hello, caf\u00e9 world!"  # as the runner streams
+    assert (
+        "".join(streamed.push(i) for i in ids) == codec.decode(ids) == "Hello, caf\u00e9 world!"
+    )  # as the runner streams
 
 
 def test_malformed_config(checkpoint_factory, tmp_path):
-    directory = copy_with_config(checkpoint_factory("gqa"), tmp_path / "broken", lambda config: config.pop("hidden_size"))
+    directory = copy_with_config(
+        checkpoint_factory("gqa"), tmp_path / "broken", lambda config: config.pop("hidden_size")
+    )
     with pytest.raises(CheckpointError, match="missing 'hidden_size'"):
         load_checkpoint(directory)
     (directory / "config.json").write_text("{")

@@ -12,10 +12,22 @@ def test_rotary_tables_and_rotation_are_those_of_transformers():
     import transformers
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-    hf = transformers.LlamaConfig(hidden_size=64, num_attention_heads=2, max_position_embeddings=512, rope_theta=10000.0)
-    config = ModelConfig(vocab_size=8, hidden_size=64, intermediate_size=8, num_layers=1, num_heads=2, num_kv_heads=2,
-                         head_dim=32, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=512,
-                         tie_word_embeddings=True)
+    hf = transformers.LlamaConfig(
+        hidden_size=64, num_attention_heads=2, max_position_embeddings=512, rope_theta=10000.0
+    )
+    config = ModelConfig(
+        vocab_size=8,
+        hidden_size=64,
+        intermediate_size=8,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=2,
+        head_dim=32,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    )
     positions = torch.tensor([[0, 1, 7, 300, 511]])
     x = torch.randn(1, 1, 5, 32)
     hf_cos, hf_sin = LlamaRotaryEmbedding(hf)(x, positions)
@@ -28,8 +40,19 @@ def test_rotary_tables_and_rotation_are_those_of_transformers():
 
 
 def test_llama3_rope_scaling_only_slows_low_frequencies():
-    base = dict(vocab_size=8, hidden_size=64, intermediate_size=8, num_layers=1, num_heads=1, num_kv_heads=1,
-                head_dim=64, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=64, tie_word_embeddings=True)
+    base = dict(
+        vocab_size=8,
+        hidden_size=64,
+        intermediate_size=8,
+        num_layers=1,
+        num_heads=1,
+        num_kv_heads=1,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
     plain = rope_inv_freq(ModelConfig(**base))
     scaled = rope_inv_freq(ModelConfig(**base, rope_scaling=RopeScaling(8.0, 1.0, 4.0, 64)))
     assert torch.equal(scaled[0], plain[0])  # highest frequency untouched

@@ -10,7 +10,8 @@ from builder.loaders import load_checkpoint
 from builder.weights import load_model
 from plugins.quant_linear import QuantSpec
 from runner import LLM, SamplingParams
-from runner.llm_engine import LLMEngine
+from runner.core.args import EngineArgs
+from runner.core.engine import LLMEngine
 
 TEXT = "The quick brown fox jumps over the lazy dog."
 
@@ -27,9 +28,9 @@ def teacher_forced_logits(engine: LLMEngine, prompt: list[int], forced: list[int
 @pytest.mark.parametrize("quant, bits", [("int8", 8), ("int4", 4)])
 def test_quantized_engine_equals_its_quantized_reference(quant, bits, engine_factory, checkpoint_factory):
     """With fp32 compute, the MatMulNBits engine computes what the plugin's reference op computes."""
-    engine = LLMEngine(engine_factory("gqa", quant=quant, int8_compute=False))
+    engine = LLMEngine(EngineArgs(engine_factory("gqa", quant=quant, int8_compute=False)))
     checkpoint = load_checkpoint(checkpoint_factory("gqa"))
-    spec = QuantSpec(bits, engine.manifest.quantization["group_size"], 0)
+    spec = QuantSpec(bits, engine.manifest.quantization.group_size, 0)
     model = load_model(checkpoint.config, checkpoint.read_tensors(), torch.float32, spec, True)
     prompt = engine.codec.encode(TEXT)
     config = checkpoint.config
@@ -37,8 +38,14 @@ def test_quantized_engine_equals_its_quantized_reference(quant, bits, engine_fac
     cache = [torch.zeros(1, config.num_kv_heads, steps, config.head_dim)] * config.num_layers
     with torch.no_grad():
         reference = model(
-            torch.tensor([prompt]), torch.arange(steps)[None], torch.tensor([0]), torch.tensor([steps]),
-            torch.zeros(1, 1, steps, steps), torch.tensor([[steps - 1]]), cache, cache,
+            torch.tensor([prompt]),
+            torch.arange(steps)[None],
+            torch.tensor([0]),
+            torch.tensor([steps]),
+            torch.zeros(1, 1, steps, steps),
+            torch.tensor([[steps - 1]]),
+            cache,
+            cache,
         )[0][0, 0].numpy()
     ours = teacher_forced_logits(engine, prompt, [])[0]
     np.testing.assert_allclose(ours, reference, rtol=0, atol=1e-4 * np.abs(reference).max())
@@ -48,8 +55,8 @@ def test_int8_engine_agrees_with_the_fp32_engine(engine_factory):
     """Stated tolerance for this deliberately sharp random model (weights ~N(0, 0.25)): teacher-forced argmax equal
     on at least 3 of 4 positions, logits within 20% of the largest logit (measured: 28/32 and 15% with int8
     compute, 30/32 and 9% with fp32 compute)."""
-    fp32 = LLMEngine(engine_factory("gqa"))
-    int8 = LLMEngine(engine_factory("gqa", quant="int8"))
+    fp32 = LLMEngine(EngineArgs(engine_factory("gqa")))
+    int8 = LLMEngine(EngineArgs(engine_factory("gqa", quant="int8")))
     prompt = fp32.codec.encode(TEXT)
     forced = []
     logits = teacher_forced_logits(fp32, prompt, [])
@@ -64,7 +71,7 @@ def test_int8_engine_agrees_with_the_fp32_engine(engine_factory):
 
 @pytest.mark.parametrize("quant, int8_compute", [("int8", True), ("int4", True), ("int4", False)])
 def test_quantized_rows_compute_the_same_alone_and_batched(quant, int8_compute, engine_factory):
-    """Issue 5's batch invariance, bit for bit: onnxruntime's MatMulNBits rounds one row differently from several at
+    """Batch invariance, bit for bit: onnxruntime's MatMulNBits rounds one row differently from several at
     some group sizes and with fp32 compute (this tiny int8 engine's groups of 128 on a Zen 5; the default model's
     int8 engine then answered 6 of 8 chat prompts differently alone than batched), so the runner pads such lone
     rows to two. Then greedy tokens cannot depend on the batch either."""
@@ -92,5 +99,10 @@ def test_quantized_artifacts_are_smaller_and_say_how_they_were_made(engine_facto
         if quant != "none":
             q = artifact.manifest.quantization
             group = {"int4": 32, "int8": 128}[quant]  # the defaults
-            assert (q["method"], q["bits"], q["group_size"], q["op"]) == ("rtn", int(quant[-1]), group, "com.microsoft::MatMulNBits")
+            assert (q.method, q.bits, q.group_size, q.op) == (
+                "rtn",
+                int(quant[-1]),
+                group,
+                "com.microsoft::MatMulNBits",
+            )
     assert sizes["int4"] < sizes["int8"] < sizes["none"]

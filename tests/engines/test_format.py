@@ -90,5 +90,6 @@ def test_foreign_backend_is_refused_by_the_runner(engine_copy):
 
 def test_a_phase_describes_its_buckets_as_ranges():
     prefill = PhaseSpec("prefill", "step", [1], list(range(1, 1025)), [64, 128, 2048], "last")
-    assert prefill.describe() == ("graph step, rows 1, tokens per row 1..1024 (1024 buckets), kv 64..2048 (3 buckets), "
-                                  "logits last")
+    assert prefill.describe() == (
+        "graph step, rows 1, tokens per row 1..1024 (1024 buckets), kv 64..2048 (3 buckets), logits last"
+    )

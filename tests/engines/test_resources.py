@@ -16,7 +16,9 @@ def test_a_worker_reports_its_own_peak_not_its_parents():
     assert peak_rss_mb() >= 400
     child = subprocess.run(
         [sys.executable, "-c", "from engines.resources import peak_rss_mb; print(peak_rss_mb())"],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert float(child.stdout) < 200, child.stdout  # a bare interpreter: tens of MiB
     del ballast

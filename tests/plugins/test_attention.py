@@ -14,14 +14,49 @@ MASKED = float(np.finfo(np.float32).min)
 
 
 class OneAttention(torch.nn.Module):
-    def forward(self, qkv, past_key, past_value, seqlens_k, total_len, cos, sin, position_ids, bias, query_lens,
-                k_scale=None, v_scale=None):
-        return group_query_attention(qkv, past_key, past_value, seqlens_k, total_len, cos, sin, position_ids, bias,
-                                     query_lens, HEADS, KV_HEADS, HEAD_DIM ** -0.5, k_scale, v_scale)
+    def forward(
+        self,
+        qkv,
+        past_key,
+        past_value,
+        seqlens_k,
+        total_len,
+        cos,
+        sin,
+        position_ids,
+        bias,
+        query_lens,
+        k_scale=None,
+        v_scale=None,
+    ):
+        return group_query_attention(
+            qkv,
+            past_key,
+            past_value,
+            seqlens_k,
+            total_len,
+            cos,
+            sin,
+            position_ids,
+            bias,
+            query_lens,
+            HEADS,
+            KV_HEADS,
+            HEAD_DIM**-0.5,
+            k_scale,
+            v_scale,
+        )
 
 
-def case(past: list[int], query: list[int], steps: int, length: int = 48, trees: dict | None = None, seed: int = 0,
-         int8_cache: bool = False):
+def case(
+    past: list[int],
+    query: list[int],
+    steps: int,
+    length: int = 48,
+    trees: dict | None = None,
+    seed: int = 0,
+    int8_cache: bool = False,
+):
     """Inputs of one call: rows holding `past` positions adding `query` real tokens each (padded to `steps`)."""
     rng = np.random.default_rng(seed)
     batch = len(past)
@@ -29,8 +64,10 @@ def case(past: list[int], query: list[int], steps: int, length: int = 48, trees:
     cache = rng.standard_normal((2, batch, KV_HEADS, length, HEAD_DIM), dtype=np.float32)
     scales = {}
     if int8_cache:  # per-channel scales that clip some new values (|x| > 127 * scale), which unseen inputs may
-        scales = {name: rng.uniform(0.01, 0.03, (1, KV_HEADS, 1, HEAD_DIM)).astype(np.float32)
-                  for name in ("k_scale", "v_scale")}
+        scales = {
+            name: rng.uniform(0.01, 0.03, (1, KV_HEADS, 1, HEAD_DIM)).astype(np.float32)
+            for name in ("k_scale", "v_scale")
+        }
         cache = rng.integers(-127, 128, cache.shape).astype(np.int8)
     total = max(past) + steps
     bias = np.zeros((batch, 1, steps, total), np.float32)
@@ -38,15 +75,22 @@ def case(past: list[int], query: list[int], steps: int, length: int = 48, trees:
     for row, (p, q) in enumerate(zip(past, query)):
         mask = (trees or {}).get(row, np.tril(np.ones((q, q), bool)))
         positions[row, :q] = p + mask.sum(axis=1) - 1
-        bias[row, 0, :q, p:p + q][~mask] = MASKED
+        bias[row, 0, :q, p : p + q][~mask] = MASKED
     # rotary rows for every position the cache can hold (at least POSITIONS)
     angles = np.arange(max(POSITIONS, length))[:, None] * (1.0 / 10000 ** (np.arange(0, HEAD_DIM, 2) / HEAD_DIM))[None]
     seqlens = np.maximum(np.array(past) + np.array(query) - 1, 0).astype(np.int32)
     return {
-        "qkv": qkv, "past_key": cache[0], "past_value": cache[1], "seqlens_k": seqlens,
-        "total_len": np.array(total, np.int32), "cos": np.cos(angles).astype(np.float32),
-        "sin": np.sin(angles).astype(np.float32), "position_ids": positions, "bias": bias,
-        "query_lens": np.array(query, np.int32), **scales,
+        "qkv": qkv,
+        "past_key": cache[0],
+        "past_value": cache[1],
+        "seqlens_k": seqlens,
+        "total_len": np.array(total, np.int32),
+        "cos": np.cos(angles).astype(np.float32),
+        "sin": np.sin(angles).astype(np.float32),
+        "position_ids": positions,
+        "bias": bias,
+        "query_lens": np.array(query, np.int32),
+        **scales,
     }
 
 
@@ -57,8 +101,15 @@ def run_onnxruntime(tmp_path, inputs: dict) -> tuple[np.ndarray, np.ndarray, np.
 
     args = tuple(torch.from_numpy(v) for v in inputs.values())
     path = tmp_path / "attention.onnx"
-    torch.onnx.export(OneAttention(), args, str(path), dynamo=True, custom_translation_table=onnx_translations(),
-                      input_names=list(inputs), output_names=["out", "present_key", "present_value"])
+    torch.onnx.export(
+        OneAttention(),
+        args,
+        str(path),
+        dynamo=True,
+        custom_translation_table=onnx_translations(),
+        input_names=list(inputs),
+        output_names=["out", "present_key", "present_value"],
+    )
     ops = [n.op_type for n in onnx.load(str(path)).graph.node]
     return *run_in_place(ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]), inputs), ops
 
@@ -84,8 +135,12 @@ CASES = {
     "decode, three rows, one idle": dict(past=[5, 9, 17], query=[1, 0, 1], steps=1),
     "decode, idle row with an empty cache": dict(past=[12, 0], query=[1, 0], steps=1),
     # row 0: a root with two children, the second with a child of its own; row 1: a chain of two, padded
-    "tree verify, two rows": dict(past=[9, 30], query=[4, 2], steps=4, trees={
-        0: np.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], bool)}),
+    "tree verify, two rows": dict(
+        past=[9, 30],
+        query=[4, 2],
+        steps=4,
+        trees={0: np.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], bool)},
+    ),
 }
 
 
@@ -99,12 +154,18 @@ def test_onnx_lowering_is_one_fused_node_matching_the_reference_in_place(tmp_pat
     # the cache: real tokens written at past + t, padding and idle rows leave it as it was; an int8 cache may
     # round a value sitting on a rounding boundary the other way (x / scale against x * (1 / scale))
     assert keys.dtype == values.dtype == inputs["past_key"].dtype
-    np.testing.assert_allclose(keys.astype(np.float32), ref_keys.astype(np.float32), rtol=0, atol=1 if int8_cache else 1e-6)
-    np.testing.assert_allclose(values.astype(np.float32), ref_values.astype(np.float32), rtol=0, atol=1 if int8_cache else 1e-6)
+    np.testing.assert_allclose(
+        keys.astype(np.float32), ref_keys.astype(np.float32), rtol=0, atol=1 if int8_cache else 1e-6
+    )
+    np.testing.assert_allclose(
+        values.astype(np.float32), ref_values.astype(np.float32), rtol=0, atol=1 if int8_cache else 1e-6
+    )
     if int8_cache:
         assert (keys != inputs["past_key"]).any() and (keys != ref_keys).mean() < 0.01
         # attention read what the kernel wrote: the reference over the kernel's own cache
-        ref_out = OneAttention()(*(torch.from_numpy(v) for v in dict(inputs, past_key=keys, past_value=values).values()))[0].numpy()
+        ref_out = OneAttention()(
+            *(torch.from_numpy(v) for v in dict(inputs, past_key=keys, past_value=values).values())
+        )[0].numpy()
     for row, q in enumerate(CASES[name]["query"]):  # outputs of padding tokens and idle rows are unspecified
         np.testing.assert_allclose(out[row, :q], ref_out[row, :q], rtol=0, atol=2e-5)
 
@@ -117,7 +178,7 @@ def test_reference_writes_only_real_tokens_and_attends_causally():
     assert changed[0].nonzero()[0].tolist() == [3, 4] and not changed[1].any()
     # token 0 of row 0 sees positions 0..3 only: the values at 4 (token 1's) must not move its output
     altered = dict(inputs, qkv=inputs["qkv"].copy())
-    altered["qkv"][0, 1, (HEADS + KV_HEADS) * HEAD_DIM:] += 10.0
+    altered["qkv"][0, 1, (HEADS + KV_HEADS) * HEAD_DIM :] += 10.0
     out_altered = OneAttention()(*(torch.from_numpy(v) for v in altered.values()))[0]
     torch.testing.assert_close(out_altered[0, 0], out[0, 0])
     assert not torch.allclose(out_altered[0, 1], out[0, 1])

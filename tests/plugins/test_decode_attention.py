@@ -12,12 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from plugins import decode_attention, native_ops
+from plugins import native_ops
 from tests.plugins.test_attention import CASES, HEAD_DIM, HEADS, KV_HEADS, MASKED, OneAttention, case, run_in_place
 from tests.reference import load_reference, reference_greedy
 
-needs_compiler = pytest.mark.skipif(native_ops.unavailable_reason() is not None,
-                                    reason=f"our kernels cannot be built here: {native_ops.unavailable_reason()}")
+needs_compiler = pytest.mark.skipif(
+    native_ops.unavailable_reason() is not None,
+    reason=f"our kernels cannot be built here: {native_ops.unavailable_reason()}",
+)
 
 
 @pytest.fixture(scope="module")
@@ -50,30 +52,47 @@ def test_the_onnxruntime_functions_the_kernel_calls_sit_where_it_calls_them():
     assert call(2, ctypes.c_char_p, p)(status) == b"a message"  # GetErrorMessage: CreateStatus made that status
     call(at["ReleaseStatus"], None, p)(status)
     memory = p()
-    assert call(69, p, ctypes.c_int, ctypes.c_int, ctypes.POINTER(p))(1, 0, ctypes.byref(memory)) is None  # CpuMemoryInfo
+    assert (
+        call(69, p, ctypes.c_int, ctypes.c_int, ctypes.POINTER(p))(1, 0, ctypes.byref(memory)) is None
+    )  # CpuMemoryInfo
     array = np.zeros((2, 3), np.float32)
     value = p()
     shape = (ctypes.c_int64 * 2)(2, 3)
-    assert call(49, p, p, p, size, p, size, ctypes.c_int, ctypes.POINTER(p))(
-        memory, array.ctypes.data, array.nbytes, shape, 2, 1, ctypes.byref(value)) is None  # a tensor over `array`
+    assert (
+        call(49, p, p, p, size, p, size, ctypes.c_int, ctypes.POINTER(p))(
+            memory, array.ctypes.data, array.nbytes, shape, 2, 1, ctypes.byref(value)
+        )
+        is None
+    )  # a tensor over `array`
     data = p()
     assert call(at["GetTensorMutableData"], p, p, ctypes.POINTER(p))(value, ctypes.byref(data)) is None
     assert data.value == array.ctypes.data
     info, rank, dims = p(), size(), (ctypes.c_int64 * 2)()
     assert call(at["GetTensorTypeAndShape"], p, p, ctypes.POINTER(p))(value, ctypes.byref(info)) is None
-    assert call(at["GetDimensionsCount"], p, p, ctypes.POINTER(size))(info, ctypes.byref(rank)) is None and rank.value == 2
+    assert (
+        call(at["GetDimensionsCount"], p, p, ctypes.POINTER(size))(info, ctypes.byref(rank)) is None and rank.value == 2
+    )
     assert call(at["GetDimensions"], p, p, p, size)(info, dims, 2) is None and list(dims) == [2, 3]
     element_type = ctypes.c_int()
-    assert call(at["GetTensorElementType"], p, p, ctypes.POINTER(ctypes.c_int))(info, ctypes.byref(element_type)) is None
+    assert (
+        call(at["GetTensorElementType"], p, p, ctypes.POINTER(ctypes.c_int))(info, ctypes.byref(element_type)) is None
+    )
     assert element_type.value == 1  # float
     call(at["ReleaseTensorTypeAndShapeInfo"], None, p)(info)
     options, domain = p(), p()
     assert call(10, p, ctypes.POINTER(p))(ctypes.byref(options)) is None  # CreateSessionOptions
-    assert call(at["CreateCustomOpDomain"], p, ctypes.c_char_p, ctypes.POINTER(p))(b"test", ctypes.byref(domain)) is None
+    assert (
+        call(at["CreateCustomOpDomain"], p, ctypes.c_char_p, ctypes.POINTER(p))(b"test", ctypes.byref(domain)) is None
+    )
     assert call(at["AddCustomOpDomain"], p, p, p)(options, domain) is None
     attribute, one = p(), ctypes.c_int64(1)
-    assert call(at["CreateOpAttr"], p, ctypes.c_char_p, p, ctypes.c_int, ctypes.c_int, ctypes.POINTER(p))(
-        b"num_heads", ctypes.addressof(one), 1, 1, ctypes.byref(attribute)) is None and attribute.value
+    assert (
+        call(at["CreateOpAttr"], p, ctypes.c_char_p, p, ctypes.c_int, ctypes.c_int, ctypes.POINTER(p))(
+            b"num_heads", ctypes.addressof(one), 1, 1, ctypes.byref(attribute)
+        )
+        is None
+        and attribute.value
+    )
     call(at["ReleaseOpAttr"], None, p)(attribute)
     # KernelContext_ParallelFor follows SetDeterministicCompute (273), which takes session options and a flag
     assert at["KernelContext_ParallelFor"] == 274 and call(273, p, p, ctypes.c_bool)(options, True) is None
@@ -87,12 +106,24 @@ def one_node_graph(path: Path, inputs: dict) -> None:
     from onnx import TensorProto, helper
 
     types = {np.float32: TensorProto.FLOAT, np.int32: TensorProto.INT32, np.int64: TensorProto.INT64}
-    node = helper.make_node("DecodeAttention", NAMES, ["out", "present_key", "present_value"],
-                            domain=native_ops.DOMAIN, num_heads=HEADS, kv_num_heads=KV_HEADS, scale=HEAD_DIM ** -0.5)
+    node = helper.make_node(
+        "DecodeAttention",
+        NAMES,
+        ["out", "present_key", "present_value"],
+        domain=native_ops.DOMAIN,
+        num_heads=HEADS,
+        kv_num_heads=KV_HEADS,
+        scale=HEAD_DIM**-0.5,
+    )
     graph = helper.make_graph(
-        [node], "one", [helper.make_tensor_value_info(n, types[inputs[n].dtype.type], inputs[n].shape) for n in NAMES],
-        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("out", "present_key", "present_value")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(native_ops.DOMAIN, 1)])
+        [node],
+        "one",
+        [helper.make_tensor_value_info(n, types[inputs[n].dtype.type], inputs[n].shape) for n in NAMES],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("out", "present_key", "present_value")],
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(native_ops.DOMAIN, 1)]
+    )
     onnx.save(model, str(path))
 
 
@@ -137,7 +168,9 @@ def test_the_kernel_computes_what_the_reference_computes(tmp_path, library, name
 
 
 @needs_compiler
-@pytest.mark.parametrize("name", sorted(set(CASES) - {"decode, three rows, one idle", "decode, idle row with an empty cache"}))
+@pytest.mark.parametrize(
+    "name", sorted(set(CASES) - {"decode, three rows, one idle", "decode, idle row with an empty cache"})
+)
 def test_calls_of_several_tokens_per_row_go_to_onnxruntimes_kernel(tmp_path, library, name):
     """Prompt chunks and verify trees: the node hands them to onnxruntime's GroupQueryAttention (InvokeOp)."""
     inputs = case(**CASES[name])
@@ -158,7 +191,9 @@ def test_an_engine_decoding_with_it_matches_transformers_alone_and_batched(engin
     manifest = llm.engine.manifest
     assert manifest.graphs["step"].native_library == native_ops.LIBRARY_NAME
     assert "DecodeAttention" in manifest.graphs["step"].native_ops
-    assert {phase.graph for phase in manifest.phases.values()} == {"step"}  # one graph, one session: weights packed once
+    assert {phase.graph for phase in manifest.phases.values()} == {
+        "step"
+    }  # one graph, one session: weights packed once
     reference = load_reference(checkpoint_factory("gqa"))
     prompts = [[5, 6, 7, 8, 9], [11, 3, 4]]
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -168,14 +203,25 @@ def test_an_engine_decoding_with_it_matches_transformers_alone_and_batched(engin
         assert llm.generate([{"prompt_token_ids": prompt}], greedy)[0].token_ids == output.token_ids
 
 
-def test_where_it_cannot_be_built_the_build_says_why_and_decodes_on_the_step_graph(monkeypatch, checkpoint_factory, tmp_path):
+def test_where_it_cannot_be_built_the_build_says_why_and_decodes_on_the_step_graph(
+    monkeypatch, checkpoint_factory, tmp_path
+):
     from builder.build import BuildOptions, build_engine
     from engines.format import open_artifact
 
     monkeypatch.setattr(native_ops, "unavailable_reason", lambda: "no C compiler (cc) on this machine")
     lines = []
-    build_engine(BuildOptions(str(checkpoint_factory("gqa")), tmp_path / "engine", max_seq_len=64, max_batch=2,
-                              prefill_chunk=16, native_decode_attention=True), log=lines.append)
+    build_engine(
+        BuildOptions(
+            str(checkpoint_factory("gqa")),
+            tmp_path / "engine",
+            max_seq_len=64,
+            max_batch=2,
+            prefill_chunk=16,
+            native_decode_attention=True,
+        ),
+        log=lines.append,
+    )
     manifest = open_artifact(tmp_path / "engine").manifest
     assert manifest.graphs["step"].native_library is None
     assert manifest.graphs["step"].native_ops == []

@@ -12,8 +12,10 @@ import pytest
 from plugins import int4_matmul, native_ops
 from plugins.native_ops import DOMAIN
 
-needs_kernel = pytest.mark.skipif(native_ops.unavailable_reason() is not None,
-                                  reason=f"our kernels cannot be built here: {native_ops.unavailable_reason()}")
+needs_kernel = pytest.mark.skipif(
+    native_ops.unavailable_reason() is not None,
+    reason=f"our kernels cannot be built here: {native_ops.unavailable_reason()}",
+)
 pytestmark = needs_kernel
 
 
@@ -35,8 +37,17 @@ def dequantized(packed: np.ndarray, scales: np.ndarray, k: int) -> np.ndarray:
     return (values * scales.reshape(n, blocks, 1)).reshape(n, k)
 
 
-def session(library: Path, op: str, packed: np.ndarray, scales: np.ndarray, k: int, n: int, block: int, rank: int = 2,
-            swiglu: int = 0):
+def session(
+    library: Path,
+    op: str,
+    packed: np.ndarray,
+    scales: np.ndarray,
+    k: int,
+    n: int,
+    block: int,
+    rank: int = 2,
+    swiglu: int = 0,
+):
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
@@ -44,14 +55,25 @@ def session(library: Path, op: str, packed: np.ndarray, scales: np.ndarray, k: i
         extra = {"swiglu": swiglu} if swiglu else {}
         node = helper.make_node(op, ["a", "w", "s"], ["y"], domain=DOMAIN, K=k, N=n, block_size=block, **extra)
     else:
-        node = helper.make_node(op, ["a", "w", "s"], ["y"], domain="com.microsoft", K=k, N=n, bits=4, block_size=block,
-                                accuracy_level=4)
+        node = helper.make_node(
+            op, ["a", "w", "s"], ["y"], domain="com.microsoft", K=k, N=n, bits=4, block_size=block, accuracy_level=4
+        )
     leading = ["rows"] if rank == 2 else ["batch", "rows"]
-    graph = helper.make_graph([node], "one", [helper.make_tensor_value_info("a", TensorProto.FLOAT, [*leading, k])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [*leading, n // 2 if swiglu else n])],
-                              [numpy_helper.from_array(packed, "w"), numpy_helper.from_array(scales, "s")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1),
-                                                    helper.make_opsetid(DOMAIN, 1)])
+    graph = helper.make_graph(
+        [node],
+        "one",
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT, [*leading, k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [*leading, n // 2 if swiglu else n])],
+        [numpy_helper.from_array(packed, "w"), numpy_helper.from_array(scales, "s")],
+    )
+    model = helper.make_model(
+        graph,
+        opset_imports=[
+            helper.make_opsetid("", 17),
+            helper.make_opsetid("com.microsoft", 1),
+            helper.make_opsetid(DOMAIN, 1),
+        ],
+    )
     options = ort.SessionOptions()
     options.intra_op_num_threads = 2
     options.register_custom_ops_library(str(library))
@@ -91,7 +113,9 @@ def test_float16_scales_compute_exactly_what_the_same_scales_in_float_compute(li
     half = scales.astype(np.float16)
     a = np.random.default_rng(1).standard_normal((70, k), dtype=np.float32)
     widened = session(library, "Int4MatMul", packed, half.astype(np.float32), k, n, block).run(None, {"a": a})[0]
-    np.testing.assert_array_equal(session(library, "Int4MatMul", packed, half, k, n, block).run(None, {"a": a})[0], widened)
+    np.testing.assert_array_equal(
+        session(library, "Int4MatMul", packed, half, k, n, block).run(None, {"a": a})[0], widened
+    )
 
 
 @pytest.mark.parametrize("n", [192, 2 * 37])  # the tiny models' MLP; halves of 37 columns (a scalar tail)
@@ -100,7 +124,7 @@ def test_swiglu_nodes_compute_silu_of_the_gate_times_up(library, n):
     packed, scales = weights(n, k, block)
     a = np.random.default_rng(2).standard_normal((70, k), dtype=np.float32) * 30
     product = session(library, "Int4MatMul", packed, scales, k, n, block).run(None, {"a": a})[0].astype(np.float64)
-    gate, up = product[:, :n // 2], product[:, n // 2:]
+    gate, up = product[:, : n // 2], product[:, n // 2 :]
     fused = session(library, "Int4MatMul", packed, scales, k, n, block, swiglu=1)
     out = fused.run(None, {"a": a})[0]
     np.testing.assert_allclose(out, gate / (1 + np.exp(-gate)) * up, rtol=2e-6, atol=1e-6 * np.abs(up).max())
@@ -121,13 +145,19 @@ def test_only_a_split_of_the_products_last_axis_is_folded(tmp_path, axis, folded
     from onnx import TensorProto, helper
 
     attributes = {} if axis is None else {"axis": axis}
-    nodes = [helper.make_node("Int4MatMul", ["a", "w", "s"], ["y"], domain=DOMAIN, K=64, N=8, block_size=32),
-             helper.make_node("Split", ["y"], ["gate", "up"], num_outputs=2, **attributes),
-             helper.make_node("Sigmoid", ["gate"], ["sigmoid"]),
-             helper.make_node("Mul", ["gate", "sigmoid"], ["silu"]),
-             helper.make_node("Mul", ["silu", "up"], ["out"])]
-    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in "aws"],
-                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)])
+    nodes = [
+        helper.make_node("Int4MatMul", ["a", "w", "s"], ["y"], domain=DOMAIN, K=64, N=8, block_size=32),
+        helper.make_node("Split", ["y"], ["gate", "up"], num_outputs=2, **attributes),
+        helper.make_node("Sigmoid", ["gate"], ["sigmoid"]),
+        helper.make_node("Mul", ["gate", "sigmoid"], ["silu"]),
+        helper.make_node("Mul", ["silu", "up"], ["out"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "mlp",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in "aws"],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)],
+    )
     path = tmp_path / "mlp.onnx"
     onnx.save(helper.make_model(graph), str(path))
     assert int4_matmul.fuse_swiglu(path) == folded
@@ -167,7 +197,7 @@ def test_a_row_computes_the_same_alone_and_in_any_batch(library):
     a = np.random.default_rng(0).standard_normal((2, 70, k), dtype=np.float32)
     everything = run.run(None, {"a": a})[0]
     for batch, rows in ((0, slice(0, 1)), (1, slice(69, 70)), (0, slice(2, 7)), (1, slice(30, 70))):
-        np.testing.assert_array_equal(run.run(None, {"a": a[batch:batch + 1, rows]})[0][0], everything[batch, rows])
+        np.testing.assert_array_equal(run.run(None, {"a": a[batch : batch + 1, rows]})[0][0], everything[batch, rows])
     assert run.run(None, {"a": a[:, :0]})[0].shape == (2, 0, n)
 
 

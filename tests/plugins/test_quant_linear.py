@@ -65,8 +65,14 @@ def export_one_linear(tmp_path, linear: QuantizedLinear, batch_shape=(2, 3)):
 
     x = torch.randn(*batch_shape, linear.in_features)
     path = tmp_path / "linear.onnx"
-    torch.onnx.export(Wrapper(), (x,), str(path), dynamo=True, custom_translation_table=onnx_translations(),
-                      dynamic_shapes=({0: torch.export.Dim("b"), 1: torch.export.Dim("t")},))
+    torch.onnx.export(
+        Wrapper(),
+        (x,),
+        str(path),
+        dynamo=True,
+        custom_translation_table=onnx_translations(),
+        dynamic_shapes=({0: torch.export.Dim("b"), 1: torch.export.Dim("t")},),
+    )
     return path, x
 
 
@@ -84,7 +90,9 @@ def test_onnx_lowering_is_one_fused_matmulnbits_matching_the_reference(tmp_path,
     path, x = export_one_linear(tmp_path, linear)
     graph = onnx.load(str(path)).graph
     assert [n.op_type for n in graph.node if n.op_type != "Add"] == ["MatMulNBits"]
-    assert not any(i.data_type == onnx.TensorProto.FLOAT and len(i.dims) == 2 for i in graph.initializer)  # no float weight
+    assert not any(
+        i.data_type == onnx.TensorProto.FLOAT and len(i.dims) == 2 for i in graph.initializer
+    )  # no float weight
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     ours = session.run(None, {session.get_inputs()[0].name: x.numpy()})[0]
     reference = linear(x).detach().numpy()

@@ -28,7 +28,9 @@ def reference():
     from builder.loaders.default import default_gguf_path
 
     path = default_gguf_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     return model.eval(), tokenizer
 
@@ -39,7 +41,9 @@ def test_greedy_32_tokens_identical_to_transformers_on_the_gguf(llm, reference, 
     prompt = llm.tokenizer.apply_chat_template(chat)
     prompt_ids = llm.tokenizer.encode(prompt)
     assert prompt_ids == hf_tokenizer.encode(prompt, add_special_tokens=False)
-    out = llm.generate(prompt_token_ids=[prompt_ids], sampling_params=SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))[0]
+    out = llm.generate(
+        prompt_token_ids=[prompt_ids], sampling_params=SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    )[0]
     assert out.token_ids == reference_greedy(model, prompt_ids, 32)
 
 
@@ -67,10 +71,16 @@ def test_a_json_schema_answer_from_the_real_model(llm):
     pytest.importorskip("xgrammar", reason="structured outputs need xgrammar (scripts/test.sh installs it)")
     import json
 
-    from runner.structured import StructuredOutputs
+    from runner.sampling.structured import StructuredOutputs
 
-    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
-              "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
     chat = [{"role": "user", "content": "What is the capital of France? Answer in JSON with the key city."}]
-    out = llm.chat(chat, SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=StructuredOutputs(json=schema)))[0]
+    out = llm.chat(
+        chat, SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=StructuredOutputs(json=schema))
+    )[0]
     assert out.finish_reason == "stop" and json.loads(out.text) == {"city": "Paris"}

@@ -19,7 +19,9 @@ def accumulate():
 
     graph = helper.make_graph(
         [helper.make_node("Add", ["state", "x"], ["new_state"]), helper.make_node("Add", ["x", "x"], ["y"])],
-        "accumulate", [value("state"), value("x")], [value("new_state"), value("y")],
+        "accumulate",
+        [value("state"), value("x")],
+        [value("new_state"), value("y")],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])

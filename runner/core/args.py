@@ -1,0 +1,86 @@
+"""How to open and run an engine artifact, in one typed place (vLLM's EngineArgs): the Python API, the command line
+and the server all build an EngineArgs and hand it to LLMEngine. What can be checked without the engine is checked
+here; limits that depend on the engine (its rows, its max_seq_len) are checked when it opens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+# Speculate only while one row generates: verification costs compute that batching already uses, so under load
+# plain steps are faster (docs/measurements.md).
+DEFAULT_SPECULATIVE_MAX_ROWS = 1
+# While requests generate, a prompt goes in chunks of this many tokens: they wait for each chunk, and a short chunk
+# keeps that wait short (docs/measurements.md).
+DEFAULT_SHARED_PREFILL_CHUNK = 128
+# A step of plain greedy rows with nothing else to do makes up to this many decode calls in a row: the engine's
+# Python between two calls is then paid once per burst, but tokens stream in groups of this many and a request that
+# arrives meanwhile waits for the burst to end (docs/measurements.md).
+DEFAULT_NUM_SCHEDULER_STEPS = 8
+
+
+class GenerationConfig(str, Enum):
+    """Where the defaults of what a request leaves unset come from (vLLM's --generation-config)."""
+
+    AUTO = "auto"  # the sampling parameters the model recommends (the manifest's sampling_defaults)
+    VLLM = "vllm"  # vLLM's own SamplingParams defaults
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """`model`: the engine directory (vLLM's name for what to load).
+    `threads`: onnxruntime's intra-op threads (None: its default, one per core).
+    `max_batch`: rows decoded together, at most the engine's largest decode bucket (None: that bucket).
+    `enable_prefix_caching`: a prompt starts after the longest prefix whose K/V a cache row holds from an earlier or
+    running request (runner/core/prefix_cache.py).
+    `speculative_max_rows`: a speculative engine verifies drafts only in steps with at most this many generating
+    rows (None: in every step).
+    `chat_template`: a Jinja chat template used instead of the artifact's (vLLM's --chat-template).
+    `generation_config`: see GenerationConfig.
+    `max_model_len`: serve shorter sequences (prompt + output) than the engine was built for (vLLM's flag).
+    `max_verify_nodes`: a speculative engine's draft trees have at most this many nodes, root included (None: as
+    many as the engine was built for; "auto": the tokens onnxruntime's fp32 matmul kernel takes in one pass over the
+    weights on this CPU when the target's weights are fp32, see engine.verify_node_limit).
+    `shared_prefill_chunk`: prompt tokens per step while other requests generate (they wait for each chunk), at most
+    the engine's largest chunk, which a prompt takes while none does (None: always the largest).
+    `num_scheduler_steps`: the most decode calls a step makes in a row where every row is a plain greedy one and
+    nothing else waits (vLLM's flag of that name; 1: one call per step).
+    `profile_prefix`: write onnxruntime's per-node trace with this prefix (runner profile)."""
+
+    model: str | Path
+    threads: int | None = None
+    verify_checksums: bool = True
+    max_batch: int | None = None
+    enable_prefix_caching: bool = False
+    speculative_max_rows: int | None = DEFAULT_SPECULATIVE_MAX_ROWS
+    chat_template: str | None = None
+    generation_config: GenerationConfig = GenerationConfig.AUTO
+    max_model_len: int | None = None
+    max_verify_nodes: int | str | None = "auto"
+    shared_prefill_chunk: int | None = DEFAULT_SHARED_PREFILL_CHUNK
+    num_scheduler_steps: int = DEFAULT_NUM_SCHEDULER_STEPS
+    profile_prefix: str | None = None
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "generation_config", GenerationConfig(self.generation_config))
+        except ValueError:
+            raise ValueError(f"generation_config must be 'auto' or 'vllm', not {self.generation_config!r}") from None
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1 (or None: onnxruntime's default), got {self.threads}")
+        if self.num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps must be >= 1, got {self.num_scheduler_steps}")
+        if self.shared_prefill_chunk is not None and self.shared_prefill_chunk < 1:
+            raise ValueError(
+                "shared_prefill_chunk must be >= 1 (or None: the engine's largest chunk), "
+                f"got {self.shared_prefill_chunk}"
+            )
+        if self.speculative_max_rows is not None and self.speculative_max_rows < 1:
+            raise ValueError(f"speculative_max_rows must be >= 1 (or None: always), got {self.speculative_max_rows}")
+        nodes = self.max_verify_nodes
+        if nodes != "auto" and nodes is not None and (not isinstance(nodes, int) or nodes < 2):
+            raise ValueError(f"max_verify_nodes must be >= 2, 'auto' or None (the engine's trees whole), got {nodes}")

@@ -1,0 +1,503 @@
+"""The step loop: schedule -> execute on the graphs -> sample -> check stops. Shared by the Python API and the CLI."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from engines.backends import open_backend
+from engines.format import QuantizationSpec, QuantMethod, SpeculationMethod, open_artifact
+from runner.core.args import EngineArgs, GenerationConfig
+from runner.core.draft_model import DraftModel
+from runner.core.executor import Executor, Scored
+from runner.core.machine import cpu_flags, fp32_matmul_rows_per_pass
+from runner.core.request import FinishReason, Request
+from runner.core.sampler_graph import SampledRow, Sampler
+from runner.core.scheduler import Scheduler
+from runner.core.tokenizer import IncrementalDetokenizer, TextCodec
+from runner.sampling.bad_words import BadWords
+from runner.sampling.logprobs import TokenLogprob, token_logprobs
+from runner.sampling.params import SamplingParams
+from runner.sampling.structured import GrammarCompiler, TokenConstraint
+from runner.speculative.drafts import SpeculationStats, TokenTree, pack_tree, prompt_lookup_draft, ranked_drafts
+
+
+class PromptError(ValueError):
+    """A prompt this engine cannot serve (empty, too long, token ids out of range)."""
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """A row the sampler graph chooses tokens for this step."""
+
+    request: Request
+    tree: TokenTree  # a verify call's draft tree, or the root alone (the first token after a prompt; plain decode)
+    logits: np.ndarray  # the target's logits at the tree's nodes [>= nodes, vocab]
+    hidden: np.ndarray  # hidden states at the nodes (where a draft head starts from)
+    verified: bool = False  # its nodes' K/V wait in the cache for the accepted path to be kept
+    argmax: np.ndarray | None = None  # the step graph's argmax at the tree's nodes
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """What one step produced for one request: a text increment, and whether the request is done."""
+
+    request: Request
+    delta: str
+    finished: bool
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        self.artifact = open_artifact(args.model, verify_checksums=args.verify_checksums)
+        manifest = self.artifact.manifest
+        self.manifest = manifest
+        self.sampling_defaults = (
+            dict(manifest.sampling_defaults) if args.generation_config == GenerationConfig.AUTO else {}
+        )
+        if args.max_model_len is not None and not 2 <= args.max_model_len <= manifest.max_seq_len:
+            raise ValueError(
+                f"max_model_len must be in [2, {manifest.max_seq_len}] for this engine (built with --max-seq-len "
+                f"{manifest.max_seq_len}); got {args.max_model_len}"
+            )
+        self._max_model_len = args.max_model_len or manifest.max_seq_len
+        tokenizer = manifest.tokenizer
+        if args.chat_template is not None:
+            tokenizer = replace(tokenizer, chat_template=args.chat_template)
+        self.codec = TextCodec(self.artifact.path(manifest.tokenizer.file), tokenizer)
+        backend = open_backend(self.artifact, threads=args.threads, profile_prefix=args.profile_prefix)
+        self.executor = Executor(self.artifact, backend)
+        rows = self.executor.max_rows if args.max_batch is None else args.max_batch
+        if not 1 <= rows <= self.executor.max_rows:
+            raise ValueError(
+                f"max_batch must be in [1, {self.executor.max_rows}] for this engine (built with --max-batch)"
+            )
+        self.num_scheduler_steps = args.num_scheduler_steps
+        self.scheduler = Scheduler(
+            rows,
+            self.executor.max_chunk,
+            prefix_caching=args.enable_prefix_caching,
+            shared_chunk=args.shared_prefill_chunk,
+        )
+        if rows > 1:  # greedy tokens must not depend on the batch a request runs in
+            self.executor.pad_single_rows_if_they_round_differently()
+        self.sampler = Sampler(backend, manifest.sampler, manifest.model.vocab_size, set(manifest.model.eos_token_ids))
+        self.speculation = manifest.speculation  # None for a plain engine
+        self.speculative_max_rows = args.speculative_max_rows
+        max_verify_nodes = args.max_verify_nodes
+        if max_verify_nodes == "auto":
+            max_verify_nodes = verify_node_limit(manifest.quantization, backend.provider)
+        self.max_verify_nodes = max_verify_nodes
+        self.draft_model = None  # draft-model engines: the draft model, an engine of its own (draft_model.py)
+        if self.speculation is not None and self.speculation.method == SpeculationMethod.DRAFT_MODEL:
+            draft_len = self.speculation.draft_len
+            if max_verify_nodes is not None:
+                draft_len = min(draft_len, max_verify_nodes - 1)
+            self.draft_model = DraftModel(
+                self.artifact.path(self.speculation.engine), draft_len, args.threads, args.verify_checksums
+            )
+        self.speculation_stats = SpeculationStats()
+        self._ids = itertools.count()
+        self._grammars: GrammarCompiler | None = None  # made on the first structured-output request
+
+    @property
+    def max_seq_len(self) -> int:
+        """The longest sequence (prompt + output) a request may reach."""
+        return self._max_model_len
+
+    def add_request(self, prompt: str | None, prompt_token_ids: list[int] | None, params: SamplingParams) -> Request:
+        request = self.new_request(prompt, prompt_token_ids, params)
+        self.add(request)
+        return request
+
+    def add(self, request: Request) -> None:
+        self.scheduler.add(request)
+
+    def new_request(self, prompt: str | None, prompt_token_ids: list[int] | None, params: SamplingParams) -> Request:
+        """Validate and tokenize a prompt into a Request, without touching the scheduler (safe from any thread)."""
+        return self.new_requests(prompt, prompt_token_ids, params)[0]
+
+    def new_requests(
+        self,
+        prompt: str | None,
+        prompt_token_ids: list[int] | None,
+        params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> list[Request]:
+        """The `params.n` completions of one prompt, as Requests (safe from any thread). Completion i samples with
+        seed + i; completions after the first are forks of it: they wait for its prompt's K/V and first logits
+        instead of computing the same prompt again (vLLM's parallel sampling; see `_fork`). `cache_salt`: with
+        prefix caching, reuse cached K/V only from requests with the same salt (vLLM's)."""
+        if prompt_token_ids is None:
+            if not isinstance(prompt, str):
+                raise PromptError(f"a prompt must be a string, got {type(prompt).__name__}")
+            prompt_token_ids = self.codec.encode(prompt)
+        prompt_token_ids = [int(t) for t in prompt_token_ids]
+        if not prompt_token_ids:
+            raise PromptError("the prompt is empty")
+        keep = self.max_seq_len - 1 if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+        if keep is not None and len(prompt_token_ids) > keep:  # vLLM's: only the prompt's last k tokens
+            prompt_token_ids = prompt_token_ids[-keep:]
+            prompt = self.codec.decode(prompt_token_ids, skip_special_tokens=False)  # what the model reads (echo)
+        vocab = self.manifest.model.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise PromptError(f"prompt token ids must be in [0, {vocab})")
+        for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids or [])):
+            if any(t >= vocab for t in ids):
+                raise PromptError(f"{name} token ids must be in [0, {vocab})")
+        bad_words = (
+            BadWords(params.bad_words, lambda text: self.codec.encode(text, add_special_tokens=False))
+            if params.bad_words
+            else None
+        )
+        if len(prompt_token_ids) >= self.max_seq_len:
+            raise PromptError(
+                f"the prompt has {len(prompt_token_ids)} tokens; this engine's max sequence length is "
+                f"{self.max_seq_len} (prompt + generated tokens), so at most {self.max_seq_len - 1} prompt tokens"
+            )
+        requests = []
+        for index in range(params.n):
+            requests.append(
+                Request(
+                    constraint=self._constraint(params),
+                    bad_words=bad_words,
+                    cache_salt=cache_salt,
+                    request_id=str(next(self._ids)),
+                    prompt=prompt,
+                    prompt_token_ids=prompt_token_ids,
+                    params=params,
+                    detokenizer=IncrementalDetokenizer(self.codec, params.skip_special_tokens),
+                    rng=np.random.default_rng(None if params.seed is None else params.seed + index),
+                    fork_of=requests[0] if requests else None,
+                )
+            )
+        return requests
+
+    def _constraint(self, params: SamplingParams) -> TokenConstraint | None:
+        if params.structured_outputs is None:
+            return None
+        if self._grammars is None:  # GrammarError (a ValueError) when xgrammar is missing or the spec is bad
+            self._grammars = GrammarCompiler(
+                self.artifact.path(self.manifest.tokenizer.file),
+                self.manifest.model.vocab_size,
+                sorted(self.manifest.model.eos_token_ids),
+            )
+        return self._grammars.constraint(params.structured_outputs)
+
+    def abort(self, request: Request) -> None:
+        if not request.finished:
+            self._finish(request, FinishReason.ABORT)
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        for fork in self.scheduler.forks_of(request):  # gone before its prompt was computed: they compute it themselves
+            fork.fork_of = None
+        row = self.scheduler.finish(request, reason)
+        if row is not None:
+            if self.scheduler.prefix_index is None:  # its cache pages go back to the system now, not when idle
+                self.executor.cache.free_row(row)
+            if self.draft_model is not None:  # the draft model computes a new request's prompt itself
+                self.draft_model.free_row(row)
+
+    def step(self) -> list[TokenEvent]:
+        step = self.scheduler.schedule()
+        for copy in step.prefix_copies:
+            self.executor.cache.copy_prefix(copy.source_row, copy.target_row, copy.length)
+        if step.empty:
+            return []
+        burst = self._burst_steps(step)
+        if burst > 1 and (events := self._decode_burst(step.decode, burst)):
+            return events
+        pending: list[_Pending] = []  # rows whose next tokens the sampler graph chooses this step
+        events: list[TokenEvent] = []
+        if step.decode and self._speculates(len(step.decode)):
+            pending += self._verify(step.decode)
+        elif step.decode:
+            if self.speculation is not None:  # a loaded step of a speculative engine: plain
+                self.speculation_stats.plain_rows += len(step.decode)
+            decoded = self.executor.decode(
+                [r.row for r in step.decode],
+                [r.output_token_ids[-1] for r in step.decode],
+                [r.num_computed for r in step.decode],
+            )
+            for index, request in enumerate(step.decode):
+                request.num_computed += 1
+                root = pack_tree(request.output_token_ids[-1], [], 0)
+                pending.append(
+                    _Pending(
+                        request,
+                        root,
+                        decoded.logits[index, None],
+                        decoded.hidden[index, None],
+                        argmax=decoded.argmax[index, None],
+                    )
+                )
+        if step.prefill is not None:
+            request, count = step.prefill
+            scored = self._prefill(request, count)
+            request.num_computed += count
+            if not request.prefilling:
+                root = pack_tree(request.prompt_token_ids[-1], [], 0)
+                for r in [request] + self._fork(request):
+                    if r.params.max_tokens == 0:  # the prompt was all it asked for (its prompt logprobs)
+                        self._finish(r, FinishReason.LENGTH)
+                        events.append(TokenEvent(r, "", True))
+                    else:
+                        pending.append(
+                            _Pending(r, root, scored.logits[None], scored.hidden[None], argmax=scored.argmax[None])
+                        )
+        if not pending:
+            return events
+        started = time.perf_counter()
+        sampled = self._sample(pending)
+        if self.speculation is not None:
+            self.speculation_stats.verify_seconds += time.perf_counter() - started  # acceptance is part of verifying
+        to_draft = []
+        for row, result in zip(pending, sampled):
+            request, emitted = row.request, 0
+            for token, logprob in zip(result.tokens, result.logprobs or [None] * len(result.tokens)):
+                events.append(self._emit(request, token, logprob))
+                emitted += 1
+                if request.finished:
+                    break
+            if row.verified:
+                self.speculation_stats.record(emitted)
+                if not request.finished:
+                    self.executor.commit(request.row, request.num_computed, result.path)
+                    request.num_computed += len(result.path)
+                    if self.draft_model is not None:
+                        self.draft_model.accepted(request, len(result.path) - 1)
+            if self.speculation is not None and not request.finished:
+                to_draft.append((request, row.hidden[result.path[-1]]))  # drafting resumes where acceptance stopped
+        if to_draft and self._speculates(len(to_draft)):  # to_draft: every row the next step decodes
+            self._draft(to_draft)
+        else:  # drafts for a step that will not verify them are wasted; old ones would follow another position
+            for request, _ in to_draft:
+                request.drafts = []
+        return events
+
+    def _burst_steps(self, step) -> int:
+        """How many decode calls this step may make in a row: more than one only where every row takes the step
+        graph's argmax as its token (greedy, nothing adjusts the logits), no prompt is computed or waits for a row,
+        and the engine does not speculate; no more than any row has room for."""
+        if (
+            self.num_scheduler_steps < 2
+            or not step.decode
+            or step.prefill is not None
+            or self.scheduler.waiting
+            or self.speculation is not None
+            or any(r.masked or not self.sampler.may_walk(r) for r in step.decode)
+        ):
+            return 1
+        rooms = (
+            min(r.params.max_tokens - len(r.output_token_ids), self.max_seq_len - r.num_tokens) for r in step.decode
+        )
+        return min(self.num_scheduler_steps, *rooms)
+
+    def _decode_burst(self, requests: list[Request], steps: int) -> list[TokenEvent]:
+        """Up to `steps` greedy tokens for each request from decode calls in a row (Executor.decode_greedy), emitted
+        in order. The burst ends before a call that chooses a stop token in any row, which the sampler must see
+        (min_tokens bans them); no events where that was the first call, and the step goes on as usual."""
+        vocab_size = self.manifest.model.vocab_size
+        stop = np.zeros(vocab_size, bool)
+        for request in requests:
+            stop[[t for t in self.sampler.stop_ids(request) if 0 <= t < vocab_size]] = True
+        tokens = self.executor.decode_greedy(
+            [r.row for r in requests],
+            [r.output_token_ids[-1] for r in requests],
+            [r.num_computed for r in requests],
+            steps,
+            stop,
+        )
+        events = []
+        for column in tokens.T.tolist():
+            for request, token in zip(requests, column):
+                if not request.finished:  # a stop string or the length limit ended it earlier in the burst
+                    request.num_computed += 1
+                    events.append(self._emit(request, token, None))
+        return events
+
+    def _prefill(self, request: Request, count: int) -> Scored:
+        """Compute the request's next `count` prompt tokens; returns the last one's logits, argmax and hidden state.
+        A request that wants prompt logprobs runs the score phase instead (logits after every token, the same
+        computation) and keeps the logprob each prompt token gets from the tokens before it."""
+        start = request.num_computed
+        tokens = request.prompt_token_ids[start : start + count]
+        top = request.params.prompt_logprobs
+        if top is None:
+            return self.executor.prefill(request.row, tokens, start)
+        if start == 0:
+            request.prompt_logprobs.append(None)  # nothing predicts the first token
+        scored = self.executor.score(request.row, tokens, start)  # its buckets are the prefill chunk's (phases.py)
+        # row j predicts the token after it: the next prompt token, or past the prompt's end the first output token
+        request.prompt_logprobs += token_logprobs(
+            scored.logits, request.prompt_token_ids[start + 1 : start + count + 1], top
+        )
+        return scored[-1]
+
+    def _speculates(self, rows: int) -> bool:
+        return self.speculation is not None and (self.speculative_max_rows is None or rows <= self.speculative_max_rows)
+
+    def _fork(self, request: Request) -> list[Request]:
+        """`request` has just computed its prompt: the other completions of it that hold a cache row get a copy of
+        its prompt's K/V and start from the same logits, which the sampler graph samples with their own seeds; so
+        each completes exactly as it would have alone, and the prompt was computed once. Forks still waiting for a
+        row compute the prompt themselves when they get one."""
+        forked = []
+        for fork in self.scheduler.forks_of(request):
+            fork.fork_of = None
+            if fork.row is not None:
+                self.executor.cache.copy_prefix(request.row, fork.row, request.num_computed)
+                fork.num_computed = request.num_computed
+                fork.prompt_logprobs = list(request.prompt_logprobs)
+                forked.append(fork)
+        return forked
+
+    def _sample(self, pending: list[_Pending]) -> list[SampledRow]:
+        """The sampler graph's choice for every pending row, in one call; greedy rows whose choice the step graph's
+        argmax already gives (Sampler.greedy_walk) take it without one."""
+        walked = [
+            None if p.argmax is None else self.sampler.greedy_walk(p.request, p.tree, p.argmax, p.logits)
+            for p in pending
+        ]
+        to_sample = [(p.request, p.tree, p.logits) for p, row in zip(pending, walked) if row is None]
+        sampled = iter(self.sampler.sample(to_sample) if to_sample else [])
+        return [next(sampled) if row is None else row for row in walked]
+
+    def _verify(self, requests: list[Request]) -> list[_Pending]:
+        """Score each generating request's draft tree (one verify call for all); the sampler graph then accepts."""
+        trees = []
+        for request in requests:
+            room = min(request.params.max_tokens - len(request.output_token_ids), self.max_seq_len - request.num_tokens)
+            trees.append(pack_tree(request.output_token_ids[-1], request.drafts, max_depth=max(room - 1, 0)))
+        started = time.perf_counter()
+        verified = self.executor.verify(
+            [r.row for r in requests], [(t.tokens, t.mask) for t in trees], [r.num_computed for r in requests]
+        )
+        self.speculation_stats.verify_seconds += time.perf_counter() - started
+        pending = []
+        for index, (request, tree) in enumerate(zip(requests, trees)):
+            logits, argmax = verified.logits[index], verified.argmax[index]
+            if request.masked and len(tree.tokens) > 1:  # each node's own mask (a one-node tree's: the sampler's)
+                masks = request.tree_masks(tree.tokens, tree.parents, self.manifest.model.vocab_size)
+                logits = np.where(masks, logits[: len(tree.tokens)], -np.inf).astype(np.float32)
+                argmax = logits.argmax(-1)  # the first maximum among allowed tokens, as the sampler graph's choice
+            pending.append(_Pending(request, tree, logits, verified.hidden[index], True, argmax))
+        return pending
+
+    def _draft(self, requests: list[tuple[Request, np.ndarray]]) -> None:
+        """New drafts for the next step: the draft graph's beams from each request's hidden state (ReDrafter), the
+        draft model's greedy continuation, and/or the continuation of the latest earlier match of the context's last
+        tokens (prompt lookup)."""
+        for request, _ in requests:
+            request.drafts = []
+        # a masked request's tree gets its masks on the logits (`_verify`), which would change the logprobs it asked
+        # for (those are the model's own): such a request goes without drafts
+        requests = [(r, hidden) for r, hidden in requests if not (r.masked and r.params.logprobs is not None)]
+        if not requests:
+            return
+        started = time.perf_counter()
+        spec = self.speculation
+        lookup_len = spec.draft_len if spec.method == SpeculationMethod.PROMPT_LOOKUP else spec.prompt_lookup_len
+        chains = [
+            prompt_lookup_draft(r.prompt_token_ids + r.output_token_ids, lookup_len, spec.max_ngram, spec.min_ngram)
+            if lookup_len
+            else []
+            for r, _ in requests
+        ]
+        beams, scores = np.zeros((len(requests), 0, 0), np.int64), None
+        if spec.method == SpeculationMethod.DRAFT_MODEL:  # its greedy continuation is a chain as the lookup draft is
+            chains = self.draft_model.draft([request for request, _ in requests])
+        elif spec.method == SpeculationMethod.REDRAFTER:
+            beams, scores = self.executor.draft(
+                np.stack([hidden for _, hidden in requests]), [r.output_token_ids[-1] for r, _ in requests]
+            )
+        for index, ((request, _), chain) in enumerate(zip(requests, chains)):
+            request.drafts = ranked_drafts(
+                chain,
+                beams[index],
+                None if scores is None else scores[index],
+                spec.min_draft_prob,
+                self.max_verify_nodes,
+            )
+            if request.masked:  # a grammar or bad words: a draft ends where they stop allowing it
+                request.drafts = [request.draft_prefix(list(beam)) for beam in request.drafts]
+        self.speculation_stats.draft_seconds += time.perf_counter() - started
+
+    def _emit(self, request: Request, token: int, logprob: TokenLogprob | None) -> TokenEvent:
+        """Append a chosen token: logprobs, detokenization, stop strings/tokens and length limits."""
+        params = request.params
+        if logprob is not None:
+            request.logprobs.append(logprob)
+        request.output_token_ids.append(token)
+        if request.constraint is not None:
+            request.constraint.accept(token)
+        reason = None
+        if token in self.sampler.stop_ids(request) or (request.constraint is not None and request.constraint.complete):
+            reason = FinishReason.STOP
+            # vLLM's stop_reason: a stop token the request named (not the model's own end of sequence)
+            if token in params.stop_token_ids and (params.ignore_eos or token not in self.sampler.eos_token_ids):
+                request.stop_reason = token
+        if reason is None and (
+            len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_seq_len
+        ):
+            reason = FinishReason.LENGTH
+        delta = ""
+        if params.detokenize:  # (without it: token ids only, and no stop strings, which SamplingParams refuses then)
+            delta, reason = self._append_text(request, token, reason)
+        if reason is not None:
+            self._finish(request, reason)
+        return TokenEvent(request, delta, reason is not None)
+
+    def _append_text(
+        self, request: Request, token: int, reason: FinishReason | None
+    ) -> tuple[str, FinishReason | None]:
+        """Detokenize a chosen token: the text increment to show (held back where it could grow into a stop string)
+        and the reason to finish, "stop" where a stop string now appears (it wins over a length limit)."""
+        params = request.params
+        # a stop token's text is not part of the answer
+        if reason != FinishReason.STOP or params.include_stop_str_in_output:
+            request.detokenizer.push(token)
+        full_text = request.detokenizer.text
+        visible = full_text
+        for stop in params.stop:
+            index = full_text.find(stop)
+            if index != -1:
+                end = index + len(stop) if params.include_stop_str_in_output else index
+                visible, reason, request.stop_reason = full_text[:end], FinishReason.STOP, stop
+                break
+        if reason is None:
+            visible = full_text[: len(full_text) - held_back(full_text, params.stop)]
+        delta = visible[len(request.text) :]
+        request.text = visible
+        return delta, reason
+
+    def run(self, requests: list[Request]) -> Iterator[TokenEvent]:
+        """Step until every request in `requests` is finished, yielding every event on the way."""
+        while any(not r.finished for r in requests):
+            yield from self.step()
+
+
+def verify_node_limit(quantization: QuantizationSpec, provider: str) -> int | None:
+    """The most nodes a draft tree should have on this CPU: the tokens onnxruntime's fp32 matmul kernel multiplies
+    in one pass over the weights (runner/core/machine.py), beyond which a verify call makes a second pass
+    (docs/measurements.md). None for quantized targets, whose matmul kernels block differently, on GPUs and on CPUs
+    not measured."""
+    if provider != "CPUExecutionProvider" or quantization.method != QuantMethod.NONE:
+        return None
+    return fp32_matmul_rows_per_pass(cpu_flags())
+
+
+def held_back(text: str, stops: list[str]) -> int:
+    """How many trailing characters could still grow into a stop string (not shown yet while streaming)."""
+    held = 0
+    for stop in stops:
+        for size in range(min(len(stop) - 1, len(text)), held, -1):
+            if text.endswith(stop[:size]):
+                held = size
+                break
+    return held

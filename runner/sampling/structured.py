@@ -1,0 +1,169 @@
+"""Structured outputs (vLLM's name): a request's tokens held to a JSON schema, to any JSON, to a regular expression
+or to one of given strings, by xgrammar (vLLM's default backend, an optional dependency: `pip install xgrammar`;
+it imports torch and transformers).
+
+Before each token the request's grammar matcher says which tokens may come next; the others get -inf in the
+sampler graph's `logit_bias` row, so every sampling parameter keeps its meaning over the tokens the grammar allows
+(vLLM applies its bitmask to the logits the same way), and the chosen token advances the matcher. The grammar ends
+the request when it is complete (its end is the stop token). On a speculative engine a draft ends where the grammar
+stops allowing it (`draft_prefix`) and every node of the verified tree gets the mask of the grammar's state there
+(`tree_masks`, a walk of the matcher with rollback), put on that node's logits (runner/core/engine.py `_verify`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """What the output must be: exactly one of a JSON schema, any JSON value, a regular expression, or a choice."""
+
+    json: dict | str | None = None  # a JSON schema (as a dict or its text)
+    json_object: bool = False  # any JSON value (OpenAI's response_format json_object)
+    regex: str | None = None
+    choice: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        given = [self.json is not None, self.json_object, self.regex is not None, self.choice is not None]
+        if sum(given) != 1:
+            raise ValueError("structured outputs need exactly one of json, json_object, regex or choice")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured outputs: choice must be a non-empty list of non-empty strings")
+
+
+# whitespace characters JSON may have in one place: enough to pretty-print a few levels deep, not so many that a
+# weak model writes whitespace until max_tokens (unbounded, a random test model did at every temperature)
+MAX_WHITESPACE = 8
+
+
+class GrammarError(ValueError):
+    """A schema or regex xgrammar cannot compile, or xgrammar is missing."""
+
+
+class GrammarCompiler:
+    """The engine's vocabulary as xgrammar sees it, and its compiled grammars (cached by xgrammar)."""
+
+    def __init__(self, tokenizer_file: Path, vocab_size: int, stop_token_ids: list[int]) -> None:
+        try:
+            import xgrammar
+        except ImportError as err:  # itself, or torch / transformers, which it imports
+            raise GrammarError(f"structured outputs need xgrammar (pip install xgrammar): {err}") from None
+        from tokenizers import Tokenizer
+
+        self._xgrammar = xgrammar
+        tokenizer_json = Path(tokenizer_file).read_text()
+        vocab = Tokenizer.from_str(tokenizer_json).get_vocab(with_added_tokens=True)
+        encoded = [""] * vocab_size  # ids past the tokenizer's (the model's padding rows) decode to nothing
+        for token, token_id in vocab.items():
+            if token_id < vocab_size:
+                encoded[token_id] = token
+        # how the vocabulary spells bytes (byte-level "Ġ", SentencePiece byte fallback, raw), as xgrammar's own
+        # from_huggingface detects it from the same tokenizer.json
+        metadata = xgrammar.TokenizerInfo._detect_metadata_from_hf(tokenizer_json)
+        info = xgrammar.TokenizerInfo(
+            encoded,
+            vocab_type=metadata["vocab_type"],
+            vocab_size=vocab_size,
+            stop_token_ids=stop_token_ids,
+            add_prefix_space=metadata["add_prefix_space"],
+        )
+        self.vocab_size = vocab_size
+        self._compiler = xgrammar.GrammarCompiler(info)
+
+    def constraint(self, spec: StructuredOutputs) -> TokenConstraint:
+        """A fresh matcher for one request."""
+        compiler = self._compiler
+        try:
+            if spec.json is not None or spec.json_object:
+                schema = {"type": "object"} if spec.json_object else spec.json  # OpenAI's JSON mode answers an object
+                grammar = compiler.compile_json_schema(
+                    schema if isinstance(schema, str) else json.dumps(schema), max_whitespace_cnt=MAX_WHITESPACE
+                )
+            elif spec.regex is not None:
+                grammar = compiler.compile_regex(spec.regex)
+            else:
+                grammar = compiler.compile_regex("|".join(_regex_literal(c) for c in spec.choice))
+        except Exception as err:  # xgrammar raises RuntimeError / ValueError with the parser's message
+            message = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(err).splitlines()[0])  # its log prefix: time, source
+            raise GrammarError(f"cannot compile the structured output: {message}") from None
+        return TokenConstraint(self._xgrammar.GrammarMatcher(grammar), self.vocab_size)
+
+
+class TokenConstraint:
+    """One request's place in its grammar."""
+
+    def __init__(self, matcher, vocab_size: int) -> None:
+        self._matcher = matcher
+        self._bitmask = np.zeros((1, (vocab_size + 31) // 32), np.int32)
+        self._vocab_size = vocab_size
+
+    def allowed(self) -> np.ndarray:
+        """[vocab] bool: the tokens the grammar lets come next."""
+        self._matcher.fill_next_token_bitmask(self._bitmask)
+        return np.unpackbits(self._bitmask[0].view(np.uint8), bitorder="little")[: self._vocab_size].astype(bool)
+
+    def accept(self, token: int) -> None:
+        if not self._matcher.accept_token(token):
+            raise RuntimeError(f"token {token} breaks the request's grammar")  # the mask makes this unreachable
+
+    @property
+    def complete(self) -> bool:
+        """The grammar has taken its stop token: nothing more may come."""
+        return self._matcher.is_terminated()
+
+    def _advance(self, tokens: list[int]) -> int:
+        """Take `tokens` while the grammar allows them; how many it took (`_rollback` them after)."""
+        taken = 0
+        for token in tokens:
+            if self._matcher.is_terminated() or not self._matcher.accept_token(int(token)):
+                break
+            taken += 1
+        return taken
+
+    def _rollback(self, taken: int) -> None:
+        if taken:
+            self._matcher.rollback(taken)
+
+    def draft_prefix(self, tokens: list[int]) -> list[int]:
+        """The longest prefix of a draft the grammar allows from here (the matcher is left where it was)."""
+        taken = self._advance(tokens)
+        self._rollback(taken)
+        return list(tokens[:taken])
+
+    def allowed_after(self, tokens: list[int]) -> np.ndarray | None:
+        """[vocab] bool: the tokens allowed after `tokens` (the matcher is left where it was); None where the grammar
+        does not allow them or ends within them."""
+        taken = self._advance(tokens)
+        allowed = None if taken < len(tokens) or self._matcher.is_terminated() else self.allowed()
+        self._rollback(taken)
+        return allowed
+
+    def tree_masks(self, tokens: list[int], parents: list[int]) -> np.ndarray:
+        """[nodes, vocab] bool: the tokens the grammar allows after each node of a draft tree (node 0: the token it
+        has taken last; every other node's token allowed after its parent, see `draft_prefix`). After the grammar's
+        end nothing is masked: the request ends there."""
+        masks = np.ones((len(tokens), self._vocab_size), bool)
+        children = [[c for c in range(1, len(tokens)) if parents[c] == node] for node in range(len(tokens))]
+
+        def visit(node: int) -> None:
+            if self._matcher.is_terminated():
+                return
+            masks[node] = self.allowed()
+            for child in children[node]:
+                if self._matcher.accept_token(int(tokens[child])):
+                    visit(child)
+                    self._matcher.rollback(1)
+
+        visit(0)
+        return masks
+
+
+def _regex_literal(text: str) -> str:
+    special = set(r"\.^$|?*+()[]{}")
+    return "".join("\\" + c if c in special else c for c in text)

@@ -1,0 +1,108 @@
+"""The OpenAI-compatible server's app factory: its settings as one dataclass, the serving classes built once and
+kept in the app's state, the routers (routers.py), API-key and CORS middleware, and OpenAI-style error objects for
+every error, so a request that fails never disturbs the others."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from runner.core.async_engine import AsyncEngine
+from runner.serving.protocol import APIError, error_response
+from runner.serving.routers import ROUTERS
+from runner.serving.serving_chat import ServingChat
+from runner.serving.serving_completions import ServingCompletions
+from runner.serving.serving_responses import ServingResponses
+from runner.serving.serving_tokenization import ServingTokenization
+from runner.serving.tool_parsers import PARSERS
+
+OPEN_PATHS = ("/health", "/metrics", "/version")  # probes and scrapers need no API key
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """`api_key`: when set, every route but OPEN_PATHS wants `Authorization: Bearer <api_key>` (401 otherwise).
+    `tool_call_parser` (a name in runner/serving/tool_parsers.PARSERS): read the calls the model makes by itself,
+    which serves tool_choice "auto". `allowed_origins`: the browser origins (CORS) that may call the API ("*": any).
+    `shutdown_grace`: seconds running requests get to finish when the server stops."""
+
+    model_name: str
+    shutdown_grace: float = 10.0
+    api_key: str | None = None
+    tool_call_parser: str | None = None
+    allowed_origins: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            raise ValueError(f"unknown tool call parser {self.tool_call_parser!r}; known: {', '.join(PARSERS)}")
+
+
+def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        # on shutdown: no new requests, running ones get `shutdown_grace` seconds, then are aborted
+        await asyncio.to_thread(engine.shutdown, config.shutdown_grace)
+
+    app = FastAPI(title="llm-engine-builder runner", version="0.1.0", lifespan=lifespan)
+    parser = None if config.tool_call_parser is None else PARSERS[config.tool_call_parser]
+    state = app.state
+    state.engine, state.model_name = engine, config.model_name
+    state.completions = ServingCompletions(engine, config.model_name, parser)
+    state.chat = ServingChat(engine, config.model_name, parser)
+    state.responses = ServingResponses(engine, config.model_name, parser)
+    state.tokenization = ServingTokenization(engine, config.model_name, parser)
+    for router in ROUTERS:
+        app.include_router(router)
+    _add_error_handlers(app)
+    if config.api_key is not None:
+        _require_api_key(app, config.api_key)
+    if config.allowed_origins:  # added last, so outermost: a browser's preflight is answered before the key check
+        app.add_middleware(
+            CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["*"], allow_headers=["*"]
+        )
+    return app
+
+
+def _require_api_key(app: FastAPI, api_key: str) -> None:
+    expected = f"Bearer {api_key}".encode()
+
+    @app.middleware("http")
+    async def check_api_key(http: Request, call_next):
+        given = http.headers.get("authorization", "").encode()
+        if http.url.path not in OPEN_PATHS and not hmac.compare_digest(given, expected):
+            return error_response(
+                401, "invalid or missing API key (Authorization: Bearer ...)", "invalid_request_error"
+            )
+        return await call_next(http)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, err: APIError) -> JSONResponse:
+        return error_response(err.status, err.message, err.kind, err.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, err: RequestValidationError) -> JSONResponse:
+        first = err.errors()[0] if err.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        if first.get("type") == "json_invalid":
+            return error_response(
+                400, f"malformed JSON body: {first.get('ctx', {}).get('error', 'invalid')}", "invalid_request_error"
+            )
+        return error_response(400, f"{where}: {first.get('msg', 'invalid')}", "invalid_request_error", where or None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
+        """Unknown routes and methods get OpenAI error objects too (not FastAPI's {"detail": ...})."""
+        return error_response(
+            err.status_code, f"{err.detail}", "invalid_request_error" if err.status_code < 500 else "server_error"
+        )

@@ -1,0 +1,131 @@
+"""The HTTP routes, one router per API family, each a thin map from a route onto a serving class that app.py puts
+in the app's state: what a route adds is HTTP itself (the client's connection, SSE responses, the status 499 for a
+client that left)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+
+from runner.serving.protocol import ChatBody, CompletionBody, DetokenizeBody, ResponsesBody, TokenizeBody
+from runner.serving.serving_chat import ServingChat
+from runner.serving.serving_completions import ServingCompletions
+from runner.serving.serving_responses import ServingResponses
+from runner.serving.serving_tokenization import ServingTokenization
+
+
+def http_answer(answer: dict | AsyncIterator[str] | None) -> dict | Response:
+    if answer is None:
+        return Response(status_code=499)  # the client left before the answer was complete
+    if isinstance(answer, dict):
+        return answer
+    return StreamingResponse(answer, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+service = APIRouter()  # health, metrics, version: probes and scrapers
+
+
+@service.get("/health")
+async def health() -> dict:
+    return {"status": "ok"}
+
+
+@service.get("/metrics")
+async def metrics(http: Request) -> Response:
+    state = http.app.state
+    return Response(state.engine.metrics.render(state.model_name), media_type="text/plain; version=0.0.4")
+
+
+@service.get("/version")
+async def version(http: Request) -> dict:
+    return {"version": http.app.version}
+
+
+models = APIRouter()
+
+
+@models.get("/v1/models")
+async def list_models(http: Request) -> dict:
+    return {"object": "list", "data": [http.app.state.chat.model_card]}
+
+
+@models.get("/v1/models/{name:path}")
+async def retrieve_model(name: str, http: Request) -> dict:
+    """OpenAI's retrieve-a-model (client.models.retrieve)."""
+    http.app.state.chat.check_model(name)
+    return http.app.state.chat.model_card
+
+
+tokenization = APIRouter()
+
+
+def _tokenization(http: Request) -> ServingTokenization:
+    return http.app.state.tokenization
+
+
+@tokenization.post("/tokenize")
+async def tokenize(body: TokenizeBody, http: Request) -> dict:
+    return _tokenization(http).tokenize(body)
+
+
+@tokenization.post("/detokenize")
+async def detokenize(body: DetokenizeBody, http: Request) -> dict:
+    return _tokenization(http).detokenize(body)
+
+
+completions = APIRouter()
+
+
+@completions.post("/v1/completions")
+async def create_completion(body: CompletionBody, http: Request):
+    serving: ServingCompletions = http.app.state.completions
+    return http_answer(await serving.create(body, http.is_disconnected))
+
+
+chat = APIRouter()
+
+
+@chat.post("/v1/chat/completions")
+async def create_chat_completion(body: ChatBody, http: Request):
+    serving: ServingChat = http.app.state.chat
+    return http_answer(await serving.create(body, http.is_disconnected))
+
+
+responses = APIRouter()
+
+
+def _responses(http: Request) -> ServingResponses:
+    return http.app.state.responses
+
+
+@responses.post("/v1/responses")
+async def create_response(body: ResponsesBody, http: Request):
+    return http_answer(await _responses(http).create(body, http.is_disconnected))
+
+
+@responses.get("/v1/responses/{response_id}")
+async def get_response(response_id: str, http: Request) -> dict:
+    return _responses(http).get(response_id)
+
+
+@responses.get("/v1/responses/{response_id}/input_items")
+async def list_input_items(
+    response_id: str,
+    http: Request,
+    order: Literal["asc", "desc"] = "desc",
+    limit: int = 20,
+    after: str | None = None,
+    before: str | None = None,
+) -> dict:
+    return _responses(http).input_items(response_id, order, limit, after, before)
+
+
+@responses.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, http: Request) -> dict:
+    return _responses(http).delete(response_id)
+
+
+ROUTERS = (service, models, tokenization, completions, chat, responses)

@@ -1,0 +1,1 @@
+"""Tools around an engine: `runner bench`, `eval` (perplexity), `info` and `profile`."""

@@ -1,0 +1,381 @@
+"""`builder train-drafter`: distil a ReDrafter draft head from a built target engine's own greedy answers.
+
+1. The target engine answers the shipped chat prompts (builder/speculation/drafter_prompts.py) greedily, batched.
+2. The engine's `score` phase gives the target's final hidden state at every position of prompt + answer.
+3. At every answer position t, the head sees (h_t, the target's next token x_{t+1}) and learns to predict
+   x_{t+2} .. x_{t+1+horizon} (teacher forcing, dropout on its input), over a draft vocabulary of the target's most
+   frequent output tokens, starting from the target's own embeddings. The loss mixes cross-entropy on the target's
+   greedy tokens with distillation: cross-entropy against the target's whole next-token distribution at each of
+   those positions, which its stored hidden states give for the price of one matmul with its LM head.
+4. On the answers to validation prompts (templates and topics training never saw) it measures after every epoch
+   the greedy acceptance the engine would see: beam search from (h_t, x_{t+1}), the longest beam prefix equal to
+   the target's continuation, plus the target's own token; the best epoch's head is kept.
+
+Answers and hidden states can be kept in a trace file (`traces`), so trying other training settings does not
+regenerate them.
+
+This tool sits above both halves of the project: it runs the target through the runner (the engine is the
+target) and writes a head the builder folds into a speculative engine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from builder.speculation.draft_head import BeamSearchDrafter, DraftHead, DraftHeadConfig, save_draft_head
+from builder.speculation.drafter_prompts import drafter_prompts, validation_prompts
+
+IGNORE = -100
+
+
+@dataclass(frozen=True)
+class DrafterTrainingOptions:
+    engine: Path
+    out: Path
+    prompts: int = 1200
+    validation: int = 40  # validation prompts (unseen templates and topics)
+    max_new_tokens: int = 128
+    draft_vocab: int = 4096
+    horizon: int = 4  # draft tokens trained per position (an engine may draft fewer)
+    num_blocks: int = 2
+    epochs: int = 6
+    batch_size: int = 256
+    learning_rate: float = 2e-3
+    dropout: float = 0.1
+    # weight of the soft loss: cross-entropy against the target's own next-token distribution at each drafted
+    # position (its final hidden state through its LM head, over the draft vocabulary), the rest on the
+    # target's greedy token; 0 trains on the greedy tokens alone (0.5 and 1.0 both beat 0 on held-out prompts)
+    distill: float = 1.0
+    beam_width: int = 3  # for the validation acceptance that picks the best epoch
+    seed: int = 0
+    threads: int | None = None
+    checkpoint: str | None = None  # where the target's embeddings come from (default: the engine's source)
+    traces: Path | None = None  # answers + hidden states: read if the file exists, else written there
+    bf16: bool | None = None  # train the head's matmuls in bfloat16 autocast (None: where the CPU has native bf16)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.distill <= 1.0:
+            raise ValueError(f"distill is the soft loss's weight, between 0 and 1; got {self.distill}")
+
+
+@dataclass(frozen=True)
+class Trace:
+    """One answer: tokens[0] is the prompt's last token, hidden[i] the target's state after tokens[i] (it predicts
+    tokens[i + 1])."""
+
+    tokens: np.ndarray  # [n] int64
+    hidden: np.ndarray  # [n, hidden] float32
+
+
+def collect_traces(
+    engine_dir: Path, prompts: list[str], max_new_tokens: int, threads: int | None, log: Callable[[str], None]
+) -> list[Trace]:
+    from runner.llm import LLM
+    from runner.sampling.params import SamplingParams
+
+    llm = LLM(engine_dir, threads=threads)
+    texts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    start = time.perf_counter()
+    outputs = llm.generate(texts, SamplingParams(max_tokens=max_new_tokens, temperature=0.0))
+    generated = sum(len(o.token_ids) for o in outputs)
+    log(f"      target answered {len(prompts)} prompts: {generated} tokens in {time.perf_counter() - start:.0f} s")
+    executor = llm.engine.executor
+    traces = []
+    for output in outputs:
+        tokens = output.prompt_token_ids + output.token_ids
+        hidden = np.concatenate([scored.hidden for scored in executor.score_chunks(tokens)])
+        first = len(output.prompt_token_ids) - 1
+        traces.append(Trace(np.asarray(tokens[first:], np.int64), hidden[first:].astype(np.float32)))
+    executor.cache.release()
+    return traces
+
+
+def save_traces(path: Path, key: str, groups: dict[str, list[Trace]]) -> None:
+    arrays = {"key": np.array(key)}
+    for name, traces in groups.items():
+        arrays[f"{name}_lengths"] = np.array([len(t.tokens) for t in traces])
+        arrays[f"{name}_tokens"] = np.concatenate([t.tokens for t in traces])
+        arrays[f"{name}_hidden"] = np.concatenate([t.hidden for t in traces]).astype(np.float16)
+    np.savez(path, **arrays)
+
+
+def load_traces(path: Path, key: str) -> dict[str, list[Trace]]:
+    data = np.load(path)
+    if str(data["key"]) != key:
+        raise ValueError(
+            f"{path} holds traces of another engine or prompt set ({data['key']}); delete it or pass another --traces"
+        )
+    groups = {}
+    for name in ("train", "validation"):
+        bounds = np.cumsum(np.concatenate(([0], data[f"{name}_lengths"])))
+        tokens, hidden = data[f"{name}_tokens"], data[f"{name}_hidden"].astype(np.float32)
+        groups[name] = [Trace(tokens[a:b], hidden[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+    return groups
+
+
+def draft_vocabulary(traces: list[Trace], size: int, target_vocab: int) -> torch.Tensor:
+    """The `size` most frequent answer tokens (ties by id), topped up with the lowest unused ids if too few."""
+    counts = Counter(int(t) for trace in traces for t in trace.tokens[1:])
+    ranked = [token for token, _ in sorted(counts.items(), key=lambda item: (-item[1], item[0]))][:size]
+    seen = set(ranked)
+    ranked += [t for t in range(target_vocab) if t not in seen][: size - len(ranked)]
+    return torch.tensor(ranked, dtype=torch.long)
+
+
+@dataclass(frozen=True)
+class Examples:
+    """Teacher-forced positions: rows index `hidden` (every trace's states, concatenated)."""
+
+    hidden: torch.Tensor  # [states, C]
+    rows: torch.Tensor  # [N] the state h_t each example drafts from
+    inputs: torch.Tensor  # [N, horizon] x_{t+1} .. (0 past the end)
+    labels: torch.Tensor  # [N, horizon] x_{t+2} .. (IGNORE past the end)
+    future: torch.Tensor  # [N, horizon] the state that predicts each label (h_{t+1} ..; 0 past the end)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def take(self, pick: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.hidden[self.rows[pick]], self.inputs[pick], self.labels[pick]
+
+
+def training_examples(traces: list[Trace], horizon: int) -> Examples:
+    rows, inputs, labels, future = [], [], [], []
+    offset = 0
+    for trace in traces:
+        n = len(trace.tokens)
+        padded = np.concatenate((trace.tokens, np.full(horizon + 1, IGNORE, np.int64)))
+        state = np.arange(offset, offset + n + horizon)
+        for t in range(n - 1):
+            rows.append(offset + t)
+            inputs.append(padded[t + 1 : t + 1 + horizon])
+            labels.append(padded[t + 2 : t + 2 + horizon])
+            future.append(np.where(labels[-1] == IGNORE, 0, state[t + 1 : t + 1 + horizon]))
+        offset += n
+    inputs = np.stack(inputs)
+    return Examples(
+        torch.from_numpy(np.concatenate([t.hidden for t in traces])),
+        torch.tensor(rows),
+        torch.from_numpy(np.where(inputs == IGNORE, 0, inputs)),
+        torch.from_numpy(np.stack(labels)),
+        torch.from_numpy(np.stack(future)),
+    )
+
+
+def greedy_acceptance(
+    head: DraftHead, hidden: torch.Tensor, inputs: torch.Tensor, labels: torch.Tensor, beam_width: int, draft_len: int
+) -> float:
+    """Mean tokens per verify step under greedy decoding: the best beam's matching prefix + the target's token."""
+    drafter = BeamSearchDrafter(head, beam_width, draft_len).eval()
+    with torch.no_grad():
+        beams, _ = drafter(hidden, inputs[:, 0])  # [N, W, K]
+    matches = (beams == labels[:, None, :draft_len]).long().cumprod(dim=-1).sum(-1)  # [N, W]
+    return 1.0 + matches.max(dim=1).values.float().mean().item()
+
+
+def first_draft_accuracy(head: DraftHead, hidden: torch.Tensor, inputs: torch.Tensor, labels: torch.Tensor) -> float:
+    """How often the head's first draft token is the target's next-but-one token (teacher forced)."""
+    with torch.no_grad():
+        best = head.teacher_forced(hidden, inputs[:, :1])[:, 0].argmax(-1)
+    valid = labels[:, 0] != IGNORE
+    return (head.draft_to_target[best] == labels[:, 0])[valid].float().mean().item()
+
+
+def _soft_cross_entropy(logprobs: torch.Tensor, target_logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Mean over valid drafted positions of -sum_v p_target(v) log p_draft(v), both over the draft vocabulary."""
+    per_position = -(torch.softmax(target_logits.float(), dim=-1) * logprobs).sum(-1)
+    return per_position[valid].mean()
+
+
+def native_bf16() -> bool:
+    """bfloat16 matmuls are faster than float32 for the head on a CPU with AVX-512 BF16, slower without it
+    (docs/measurements.md)."""
+    probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+    return bool(probe and probe())
+
+
+def target_tables(source: str, tied: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's input embedding and its LM head's weight (the same table when tied), float32."""
+    from builder.loaders import load_checkpoint
+
+    wanted = {"model.embed_tokens.weight"} | (set() if tied else {"lm_head.weight"})
+    tables = {name: tensor.float() for name, tensor in load_checkpoint(source).read_tensors() if name in wanted}
+    if wanted - tables.keys():
+        raise ValueError(f"{source} has no {', '.join(sorted(wanted - tables.keys()))}")
+    embedding = tables["model.embed_tokens.weight"]
+    return embedding, tables.get("lm_head.weight", embedding)
+
+
+def train_drafter(options: DrafterTrainingOptions, log: Callable[[str], None] = print) -> dict:
+    """Distil a head from the target's answers (or the traces file) and write it with its training record."""
+    from engines.format import open_artifact
+
+    torch.manual_seed(options.seed)
+    manifest = open_artifact(options.engine).manifest
+    begin = time.perf_counter()
+    groups = _target_traces(options, manifest, log)
+    train_traces, held_traces = groups["train"], groups["validation"]
+    head, draft_table = _new_head(options, manifest, train_traces, held_traces, log)
+    vocab_size = head.config.draft_vocab_size
+
+    train = training_examples(train_traces, options.horizon)
+    draft_labels = torch.where(train.labels == IGNORE, IGNORE, head.target_to_draft[train.labels.clamp(min=0)])
+    draft_labels = torch.where(draft_labels == vocab_size, IGNORE, draft_labels)
+    held = training_examples(held_traces, options.horizon)
+    held_split = held.take(torch.arange(len(held)))
+    log(
+        f"[2/3] training on {len(train)} positions ({len(held)} for validation), "
+        f"{sum(p.numel() for p in head.parameters()) / 1e6:.2f} M parameters"
+    )
+    probe = torch.randperm(len(train))[:4096]  # training positions the fit is measured on
+    splits = {"train": train.take(probe), "validation": held_split}
+    accuracy = {f"{name}_before": first_draft_accuracy(head, *split) for name, split in splits.items()}
+    bf16 = native_bf16() if options.bf16 is None else options.bf16
+    kept_epoch, epoch_losses = _fit(options, head, train, draft_labels, draft_table, held_split, bf16, log)
+
+    acceptance = {
+        f"beams{w}_len{k}": round(greedy_acceptance(head, *held_split, w, k), 3)
+        for w in (1, 2, 3, 4)
+        for k in range(1, options.horizon + 1)
+    }
+    facts = {
+        "target": manifest.source,
+        "prompts": options.prompts,
+        "validation_prompts": options.validation,
+        "answer_tokens": int(sum(len(t.tokens) - 1 for t in train_traces)),
+        "epochs": options.epochs,
+        "kept_epoch": kept_epoch,
+        "epoch_losses": epoch_losses,
+        "horizon": options.horizon,
+        "dropout": options.dropout,
+        "draft_vocab": vocab_size,
+        "bf16": bf16,
+        "distill": options.distill,
+        "validation_tokens_per_step": acceptance,
+        "first_draft_accuracy": {
+            **{k: round(v, 4) for k, v in accuracy.items()},
+            **{f"{name}_after": round(first_draft_accuracy(head, *split), 4) for name, split in splits.items()},
+        },
+        "seconds": round(time.perf_counter() - begin, 1),
+    }
+    log(f"[3/3] writing {options.out}")
+    Path(options.out).parent.mkdir(parents=True, exist_ok=True)
+    save_draft_head(head, Path(options.out), facts)
+    return facts
+
+
+def _target_traces(options: DrafterTrainingOptions, manifest, log: Callable[[str], None]) -> dict[str, list[Trace]]:
+    """The target's answers to the training and validation prompts, with its hidden states: from the traces file
+    when it holds this engine's answers to these prompts, else generated (and written there)."""
+    prompts = drafter_prompts(options.prompts) + validation_prompts(options.validation)
+    # The key names everything the traces depend on, prompt texts included, so that an edited prompt set is never
+    # trained on answers to the old one.
+    prompt_digest = hashlib.sha256(json.dumps([options.prompts, prompts]).encode()).hexdigest()[:16]
+    graph_digest = manifest.files[manifest.graphs["step"].file].sha256[:16]
+    key = f"{manifest.source}|{graph_digest}|{prompt_digest}|{options.max_new_tokens}"
+    if options.traces is not None and Path(options.traces).is_file():
+        log(f"[1/3] reading the target's answers from {options.traces}")
+        return load_traces(Path(options.traces), key)
+    log(
+        f"[1/3] target {options.engine} answers {options.prompts} + {options.validation} validation prompts "
+        f"(greedy, {options.max_new_tokens} tokens max)"
+    )
+    traces = collect_traces(options.engine, prompts, options.max_new_tokens, options.threads, log)
+    groups = {"train": traces[: options.prompts], "validation": traces[options.prompts :]}
+    if options.traces is not None:
+        save_traces(Path(options.traces), key, groups)
+    return groups
+
+
+def _new_head(
+    options: DrafterTrainingOptions, manifest, train_traces: list[Trace], held_traces: list[Trace], log
+) -> tuple[DraftHead, torch.Tensor]:
+    """A head over the answers' most frequent tokens, started from the target's embeddings, and the target's LM head
+    rows of that vocabulary (the soft targets' projection)."""
+    config = manifest.model
+    vocab_size = min(options.draft_vocab, config.vocab_size)
+    head = DraftHead(DraftHeadConfig(config.hidden_size, config.vocab_size, vocab_size, options.num_blocks))
+    head.set_vocabulary(draft_vocabulary(train_traces, vocab_size, config.vocab_size))
+    embedding, lm_head = target_tables(options.checkpoint or manifest.source, config.tie_word_embeddings)
+    head.init_from_target(embedding)
+    draft_table = lm_head[head.draft_to_target]
+    covered = head.target_to_draft < vocab_size
+    answer_tokens = torch.from_numpy(np.concatenate([t.tokens[1:] for t in held_traces]))
+    log(
+        f"      draft vocabulary {vocab_size} tokens covers {covered[answer_tokens].float().mean().item():.1%} of "
+        "validation answer tokens"
+    )
+    return head, draft_table
+
+
+def _fit(
+    options: DrafterTrainingOptions,
+    head: DraftHead,
+    train: Examples,
+    draft_labels: torch.Tensor,
+    draft_table: torch.Tensor,
+    held_split,
+    bf16: bool,
+    log: Callable[[str], None],
+) -> tuple[int, list[float]]:
+    """Train for the epochs asked and keep the epoch whose head the validation answers accept most of;
+    -> (that epoch, every epoch's mean loss)."""
+    head.dropout.p = options.dropout
+    log(f"      matmuls in {'bfloat16 autocast (fp32 weights and softmax)' if bf16 else 'float32'}")
+    optimizer = torch.optim.AdamW(head.parameters(), lr=options.learning_rate, weight_decay=0.0)
+    batches = math.ceil(len(train) / options.batch_size)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, options.learning_rate, total_steps=options.epochs * batches
+    )
+    best = (0.0, None, 0)  # validation tokens per step, weights, epoch
+    epoch_losses = []
+    for epoch in range(options.epochs):
+        head.train()
+        order = torch.randperm(len(train))
+        total = 0.0
+        for index in range(batches):
+            pick = order[index * options.batch_size : (index + 1) * options.batch_size]
+            loss = _batch_loss(options, head, train, pick, draft_labels, draft_table, bf16)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+            total += loss.item()
+        epoch_losses.append(round(total / batches, 4))
+        head.eval()
+        accepted = greedy_acceptance(head, *held_split, options.beam_width, options.horizon)
+        log(
+            f"      epoch {epoch + 1}/{options.epochs}: loss {total / batches:.3f}, validation tokens per step "
+            f"{accepted:.2f} (beams {options.beam_width} x {options.horizon})"
+        )
+        if accepted > best[0]:
+            best = (accepted, {k: v.clone() for k, v in head.state_dict().items()}, epoch + 1)
+    head.load_state_dict(best[1])
+    log(f"      kept epoch {best[2]}")
+    return best[2], epoch_losses
+
+
+def _batch_loss(options, head, train: Examples, pick, draft_labels, draft_table, bf16: bool) -> torch.Tensor:
+    """Cross-entropy on the target's greedy tokens and against its whole next-token distributions, mixed by
+    `distill`."""
+    hidden, inputs, labels = train.take(pick)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        logprobs = head.teacher_forced(hidden, inputs)
+    loss = torch.zeros(())
+    if options.distill < 1:
+        hard = torch.nn.functional.nll_loss(logprobs.flatten(0, 1), draft_labels[pick].flatten(), ignore_index=IGNORE)
+        loss = loss + (1 - options.distill) * hard
+    if options.distill > 0:
+        soft = _soft_cross_entropy(logprobs, train.hidden[train.future[pick]] @ draft_table.t(), labels != IGNORE)
+        loss = loss + options.distill * soft
+    return loss
