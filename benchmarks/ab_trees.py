@@ -56,8 +56,9 @@ def worker(engine: str, threads: int, prompts_file: str, new_tokens: int) -> Non
 @click.option("--runs", default=8, show_default=True, help="Rounds; each times every prompt on both sides.")
 @click.option("--threads", default=2, show_default=True)
 @click.option("--new-tokens", default=128, show_default=True)
+@click.option("--long-prompt-tokens", default=650, show_default=True, help="0: the short chat prompt alone.")
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="Also write the results as JSON.")
-def main(before, after, runs, threads, new_tokens, out) -> None:
+def main(before, after, runs, threads, new_tokens, long_prompt_tokens, out) -> None:
     from benchmarks.interleave import interleaved_runs, paired_ratio
     from engines.format import ArtifactError
     from runner import LLM
@@ -65,9 +66,9 @@ def main(before, after, runs, threads, new_tokens, out) -> None:
     from runner.tools.bench import chat_prompts
 
     try:  # the prompts as this checkout's runner tokenizes them, from whichever engine it can open
-        prompts = chat_prompts(LLM(after[1], verify_checksums=False).tokenizer)
+        prompts = chat_prompts(LLM(after[1], verify_checksums=False).tokenizer, long_prompt_tokens)
     except ArtifactError:
-        prompts = chat_prompts(LLM(before[1], verify_checksums=False).tokenizer)
+        prompts = chat_prompts(LLM(before[1], verify_checksums=False).tokenizer, long_prompt_tokens)
     prompts_file = Path(tempfile.mkstemp(suffix=".json")[1])
     prompts_file.write_text(json.dumps(prompts))
     workers = {}

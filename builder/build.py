@@ -8,7 +8,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -212,8 +212,7 @@ class BuildReport:
         out += [f"  {name:<24} {size / 2**20:10.1f} MiB" for name, size in self.files.items()]
         out.append(f"  {'total':<24} {total / 2**20:10.1f} MiB")
         out += [f"  phase {name:<10} {shape}" for name, shape in self.phases.items()]
-        facts = {k: v for k, v in asdict(self.quantization).items() if v is not None and v != {}}
-        out.append(f"  quantization {_key_values(facts)}")
+        out.append(f"  quantization {_key_values(self.quantization.facts())}")
         if self.speculation:
             out.append(f"  speculation {_key_values(self.speculation.facts())}")
         out.append(f"built in {self.seconds:.1f} s, peak RSS {self.peak_rss_mb:.0f} MiB")

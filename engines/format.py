@@ -149,6 +149,12 @@ class QuantizationSpec:
     block_offsets: bool = False  # Q4_1-style per-block minimums, applied next to the matmul
     kv_cache: KVCacheQuantization | None = None
 
+    def facts(self) -> dict[str, Any]:
+        """Its method and the fields that differ from their defaults (for reports)."""
+        defaults = QuantizationSpec()
+        changed = {k: v for k, v in asdict(self).items() if v != getattr(defaults, k) and v is not None}
+        return {"method": self.method, **changed}
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> QuantizationSpec:
         gptq, kv_cache = data.get("gptq"), data.get("kv_cache")

@@ -3,8 +3,6 @@ speculation), its phase buckets, KV cache and files. `runner info ENGINE` prints
 
 from __future__ import annotations
 
-from dataclasses import asdict
-
 from engines.format import Artifact
 
 
@@ -18,7 +16,7 @@ def describe(artifact: Artifact) -> list[str]:
         f"model: {model.num_layers} layers, hidden {model.hidden_size}, MLP {model.intermediate_size}, "
         f"{model.num_heads} heads / {model.num_kv_heads} KV heads x {model.head_dim}, vocabulary {model.vocab_size}, "
         f"rope theta {model.rope_theta:g}{', tied embeddings' if model.tie_word_embeddings else ''}",
-        f"dtype: {manifest.dtype}; quantization: {_settings(asdict(manifest.quantization))}",
+        f"dtype: {manifest.dtype}; quantization: {_settings(manifest.quantization.facts())}",
         f"max_seq_len: {manifest.max_seq_len}; KV cache: {cache.dtype}, updated {cache.update.replace('_', ' ')}; "
         f"tensor parallel ranks: {manifest.tensor_parallel}",
         f"speculation: {_settings(manifest.speculation.facts()) if manifest.speculation else 'none'}",

@@ -4,10 +4,22 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import asdict
 
 import pytest
 
-from engines.format import SCHEMA_VERSION, ArtifactError, PhaseSpec, open_artifact
+from engines.format import (
+    SCHEMA_VERSION,
+    ArtifactError,
+    GPTQFacts,
+    KVCacheQuantization,
+    PhaseSpec,
+    QuantizationSpec,
+    QuantMethod,
+    SpeculationMethod,
+    SpeculationSpec,
+    open_artifact,
+)
 from plugins import native_ops
 
 
@@ -93,3 +105,22 @@ def test_a_phase_describes_its_buckets_as_ranges():
     assert prefill.describe() == (
         "graph step, rows 1, tokens per row 1..1024 (1024 buckets), kv 64..2048 (3 buckets), logits last"
     )
+
+
+def test_typed_sections_round_trip_through_json_and_report_what_is_set():
+    quantization = QuantizationSpec(
+        QuantMethod.GPTQ,
+        bits=4,
+        group_size=32,
+        gptq=GPTQFacts(0.1, True, True, "text.txt: 4 x 16 tokens"),
+        kv_cache=KVCacheQuantization("int8", "static", "text.txt: 2 x 64 tokens"),
+    )
+    speculation = SpeculationSpec(SpeculationMethod.REDRAFTER, 2, 9, beam_width=2, graph="draft", head={"epochs": 1})
+    for spec in (quantization, speculation):
+        assert type(spec).from_dict(json.loads(json.dumps(asdict(spec)))) == spec
+    assert json.loads(json.dumps(asdict(quantization)))["method"] == "gptq"
+    assert QuantizationSpec().facts() == {"method": QuantMethod.NONE}
+    assert quantization.facts()["gptq"]["damping"] == 0.1 and "linears_kept" not in quantization.facts()
+    assert "head" not in speculation.facts() and speculation.facts()["graph"] == "draft"
+    with pytest.raises(ValueError, match="'rtn4'"):
+        QuantizationSpec.from_dict({"method": "rtn4"})
