@@ -234,7 +234,8 @@ def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> B
     drafter, speculation = _prepare_speculation(options, checkpoint, draft_head_path)
     _log_checkpoint(checkpoint, log)
 
-    progress.step(2, f"loading weights as {_weights_description(options, log)}")
+    _warn_if_speculation_is_inexact(options, log)
+    progress.step(2, f"loading weights as {_weights_description(options)}")
     model, quantization = _load_weights(options, checkpoint, shapes, log)
 
     with _staging(out) as staging:
@@ -349,18 +350,22 @@ def _log_checkpoint(checkpoint, log: Callable[[str], None]) -> None:
         log(f"      recommended sampling (the runner's defaults): {_key_values(checkpoint.sampling_defaults)}")
 
 
-def _weights_description(options: BuildOptions, log: Callable[[str], None]) -> str:
-    """How the weights are loaded, for the progress line; warns where speculation cannot be exact."""
+def _warn_if_speculation_is_inexact(options: BuildOptions, log: Callable[[str], None]) -> None:
     quant = options.quant_spec()
-    if quant is None:
-        return options.dtype
-    if quant.accuracy_level == 4 and options.speculative != "none":
+    if quant is not None and quant.accuracy_level == 4 and options.speculative != "none":
         log(
             "warning: this target quantizes activations to int8, so speculation is exact only up to rounding: a verify "
             "call's attention over several tokens rounds differently from a one-token decode step, int8 activations "
             "grow that into whole logits, and greedy answers can part from the plain engine's "
             "(docs/speculative-decoding.md)"
         )
+
+
+def _weights_description(options: BuildOptions) -> str:
+    """How the weights are loaded, for the progress line."""
+    quant = options.quant_spec()
+    if quant is None:
+        return options.dtype
     head = "quantized" if options.quantize_lm_head else "float"
     activations = "int8" if quant.accuracy_level == 4 else "fp32"
     return (

@@ -79,7 +79,7 @@ def test_imports_follow_the_dependency_rule(path):
     assert violations(path) == []
 
 
-def test_the_rule_catches_a_violation(tmp_path, monkeypatch):
+def test_the_rule_catches_a_violation(monkeypatch):
     offender = ROOT / "runner" / "core" / "x_offender.py"
     monkeypatch.setattr(
         Path, "read_text", lambda self, *a, **k: "from runner.serving.app import create_app\nimport builder.build\n"

@@ -53,7 +53,6 @@ class TokenEvent:
 
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
-        self.args = args
         self.artifact = open_artifact(args.model, verify_checksums=args.verify_checksums)
         manifest = self.artifact.manifest
         self.manifest = manifest

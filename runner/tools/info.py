@@ -49,10 +49,9 @@ def _kernels(manifest) -> str:
 
 
 def _settings(settings: dict) -> str:
-    """`method`, then the other settings as key=value; long values (per-tensor tables) as their length."""
-    rest = ", ".join(
-        f"{key}={_short(value)}" for key, value in settings.items() if key != "method" and value not in (None, {})
-    )
+    """`method`, then the other settings (a section's facts(): those it sets) as key=value; long values (per-tensor
+    tables) as their length."""
+    rest = ", ".join(f"{key}={_short(value)}" for key, value in settings.items() if key != "method")
     return str(settings["method"]) + (f" ({rest})" if rest else "")
 
 
