@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from builder import __version__
+from builder import __version__, aoti, tensorrt
 from builder.export import export_draft_graph, export_sampler_graph, export_step_graph
 from builder.loaders import load_checkpoint
 from builder.loaders.checkpoint import TokenizerSpec
@@ -26,6 +26,7 @@ from builder.sampler_graph import TOP_LOGPROBS
 from builder.speculation.draft_head import BeamSearchDrafter, load_draft_head
 from builder.weights import kept_block_specs, linear_sources, load_model
 from engines.format import (
+    BACKENDS,
     SCHEMA_VERSION,
     GPTQFacts,
     GraphSpec,
@@ -112,6 +113,8 @@ class BuildOptions:
     # attention, Int4MatMul for int4 weights with int8 activations
     native_decode_attention: bool = True
     native_int4_matmul: bool = True
+    backend: str = "onnxruntime"  # one of engines.format.BACKENDS
+    device: str = "cpu"  # aoti: the device the package is compiled for ("cpu" or "cuda")
 
     def __post_init__(self) -> None:
         if self.draft_len is None:
@@ -161,7 +164,9 @@ class BuildOptions:
         if self.quant not in QUANT_BITS:
             raise ValueError(f"unknown quantization {self.quant!r}; choose one of none, {', '.join(QUANT_BITS)}")
         group = self.group_size or DEFAULT_GROUP[self.quant]
-        return QuantSpec(QUANT_BITS[self.quant], group, 4 if self.int8_compute else 0)
+        # int8 activations are onnxruntime's MatMulNBits option; the torch backends' kernel computes in float
+        int8_compute = self.int8_compute and self.backend == "onnxruntime"
+        return QuantSpec(QUANT_BITS[self.quant], group, 4 if int8_compute else 0)
 
     def quantization(self) -> QuantizationSpec:
         """The manifest's quantization section as the options ask for it (the build adds what it kept)."""
@@ -178,10 +183,18 @@ class BuildOptions:
             bits=spec.bits,
             group_size=spec.block_size,
             lm_head=self.quantize_lm_head,
-            accuracy_level=spec.accuracy_level,
-            op="com.microsoft::MatMulNBits",
+            accuracy_level=spec.accuracy_level if self.backend == "onnxruntime" else None,
+            op=self.quantized_op(),
             gptq=gptq,
         )
+
+    def quantized_op(self) -> str:
+        """What the quantized linears run, as the manifest records it."""
+        if self.backend == "onnxruntime":
+            return "com.microsoft::MatMulNBits"
+        if self.backend == "aoti" and self.device == "cpu":
+            return "plugins::blockwise_matmul as dequantize + matmul (AOTInductor CPU: not a fused kernel)"
+        return "plugins::blockwise_matmul (Triton kernel, block offsets fused)"
 
 
 @dataclass
@@ -239,10 +252,29 @@ def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> B
     model, quantization = _load_weights(options, checkpoint, shapes, log)
 
     with _staging(out) as staging:
-        progress.step(3, "tracing the step and sampler graphs with torch.export and emitting ONNX")
-        graphs = {
-            STEP_GRAPH: _native_kernels(options, export_step_graph(model, staging, shapes.max_seq_len), staging, log)
-        }
+        target = {}
+        if options.backend == "tensorrt":
+            progress.step(
+                3, "tracing the step graph as ONNX for TensorRT and building its engine; sampler graph as ONNX"
+            )
+            step = tensorrt.export_tensorrt_onnx(model, staging, shapes.max_seq_len)
+            target = tensorrt.build_engine_file(
+                staging / step.file,
+                list(plan_phases(shapes).values()),
+                shapes.max_seq_len,
+                staging / tensorrt.ENGINE_FILE,
+            )
+            graphs = {STEP_GRAPH: replace(step, file=tensorrt.ENGINE_FILE)}
+        elif options.backend == "aoti":
+            target = aoti.target_facts(options.device)
+            progress.step(
+                3, f"tracing the step graph, compiling it with AOTInductor for {options.device}; sampler graph as ONNX"
+            )
+            graphs = {STEP_GRAPH: aoti.export_aoti_step_graph(model, staging, shapes.max_seq_len, options.device)}
+        else:
+            progress.step(3, "tracing the step and sampler graphs with torch.export and emitting ONNX")
+            step = export_step_graph(model, staging, shapes.max_seq_len)
+            graphs = {STEP_GRAPH: _native_kernels(options, step, staging, log)}
         del model  # the float weights are in the graph's file now; the side graphs need far less
         graphs[SAMPLER_GRAPH] = export_sampler_graph(checkpoint.config.vocab_size, options.tree_depth, staging)
         if drafter is not None:
@@ -253,7 +285,7 @@ def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> B
             draft_options = _draft_model_options(options, staging / DRAFT_ENGINE, shapes.max_seq_len)
             build_engine(draft_options, log=lambda line: log(f"      draft: {line}"))
         progress.step(progress.total, "writing tokenizer, manifest and checksums")
-        manifest = _write_manifest(staging, options, checkpoint, shapes, graphs, quantization, speculation)
+        manifest = _write_manifest(staging, options, checkpoint, shapes, graphs, quantization, speculation, target)
     return BuildReport.of(out, manifest, progress.seconds())
 
 
@@ -276,6 +308,19 @@ def _check_options(options: BuildOptions) -> None:
     if options.kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(
             f"unknown KV cache dtype {options.kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}"
+        )
+    if options.backend not in BACKENDS:
+        raise ValueError(f"unknown backend {options.backend!r}; choose one of {', '.join(BACKENDS)}")
+    if options.backend == "aoti" and (reason := aoti.unavailable_reason(options.device)):
+        raise ValueError(reason)
+    if options.backend == "tensorrt" and (reason := tensorrt.unavailable_reason()):
+        raise ValueError(reason)
+    if options.backend == "onnxruntime" and options.device != "cpu":
+        raise ValueError("--device is the torch backends' choice: an onnxruntime engine runs where onnxruntime does")
+    quant = options.quant_spec()
+    if options.backend != "onnxruntime" and quant is not None and quant.bits == 4 and quant.block_size < 32:
+        raise ValueError(
+            f"the {options.backend} backend's int4 kernel takes groups of 32 or more, not {quant.block_size}"
         )
 
 
@@ -438,6 +483,7 @@ def _write_manifest(
     graphs: dict[str, GraphSpec],
     quantization: QuantizationSpec,
     speculation: SpeculationSpec | None,
+    target: dict[str, str],
 ) -> Manifest:
     (staging / TOKENIZER_FILE).write_text(checkpoint.tokenizer.tokenizer_json)
     config, tokenizer = checkpoint.config, checkpoint.tokenizer
@@ -446,7 +492,7 @@ def _write_manifest(
         schema_version=SCHEMA_VERSION,
         builder_version=__version__,
         source=checkpoint.source,
-        backend="onnxruntime",
+        backend=options.backend,
         dtype=options.dtype,
         max_seq_len=shapes.max_seq_len,
         model=config,
@@ -460,6 +506,8 @@ def _write_manifest(
         quantization=quantization,
         speculation=speculation,
         sampling_defaults=checkpoint.sampling_defaults,
+        device=options.device,
+        target=target,
     )
     return write_manifest(staging, manifest)
 

@@ -11,6 +11,7 @@ from builder.build import DEFAULT_DRAFT_LEN, DTYPES, KV_CACHE_DTYPES, BuildOptio
 from builder.loaders import CheckpointError
 from builder.quantization.gptq import GPTQOptions
 from engines.cli_errors import exit_on
+from engines.format import BACKENDS
 
 
 @click.group()
@@ -155,6 +156,21 @@ def main() -> None:
     help="int4 weights with int8 activations run our Int4MatMul CPU kernel (batch-invariant; AVX2 + FMA), "
     "compiled here with cc, instead of onnxruntime's MatMulNBits.",
 )
+@click.option(
+    "--backend",
+    type=click.Choice(list(BACKENDS)),
+    default="onnxruntime",
+    show_default=True,
+    help="onnxruntime: ONNX graphs (CPU, or CUDA with onnxruntime-gpu); aoti: the step graph compiled by "
+    "AOTInductor (needs torch where it runs); tensorrt: a TensorRT engine from the step graph's ONNX.",
+)
+@click.option(
+    "--device",
+    type=click.Choice(["cpu", "cuda"]),
+    default="cpu",
+    show_default=True,
+    help="aoti: the device the package is compiled for (cuda: on this machine's GPU, int4 through a Triton kernel).",
+)
 def build(
     checkpoint,
     out,
@@ -184,6 +200,8 @@ def build(
     min_draft_prob,
     native_decode_attention,
     native_int4_matmul,
+    backend,
+    device,
 ) -> None:
     """Build an engine from CHECKPOINT: a Hugging Face directory, a .gguf file, or `default`."""
     with exit_on(ValueError):
@@ -219,6 +237,8 @@ def build(
         kv_cache_dtype=kv_cache_dtype,
         native_decode_attention=native_decode_attention,
         native_int4_matmul=native_int4_matmul,
+        backend=backend,
+        device=device,
     )
     with exit_on(CheckpointError, FileExistsError, ValueError):
         report = build_engine(options, log=lambda line: click.echo(line, err=True))

@@ -201,6 +201,7 @@ def _export(
     inputs: list[str],
     outputs: list[str],
     external_data: bool,
+    translations: dict | None = None,
 ) -> GraphSpec:
     import onnx
 
@@ -220,7 +221,8 @@ def _export(
             dynamo=True,
             optimize=True,
             verbose=False,
-            custom_translation_table={
+            custom_translation_table=translations
+            or {
                 **quant_linear.onnx_translations(),
                 **attention.onnx_translations(),
                 **norm.onnx_translations(),

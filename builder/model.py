@@ -22,10 +22,10 @@ import torch
 from torch import nn
 
 from engines.model_config import ModelConfig
-from plugins.attention import group_query_attention
+from plugins.attention import attend_in_place, group_query_attention
 from plugins.linear import make_linear
 from plugins.norm import add_rms_norm, rms_norm
-from plugins.quant_linear import QuantSpec
+from plugins.quant_linear import QuantizedLinear, QuantSpec
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -103,6 +103,7 @@ class Attention(nn.Module):
         # cache holds the model's dtype
         self.register_buffer("k_scale", None)
         self.register_buffer("v_scale", None)
+        self.attend = group_query_attention  # the op the ONNX engines lower; see LlamaForCausalLM.use_torch_ops
 
     def forward(
         self, x: torch.Tensor, step: StepAttention, past_key: torch.Tensor, past_value: torch.Tensor
@@ -110,7 +111,7 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         if self.q_norm is not None:
             qkv = self._normalise_heads(qkv)
-        out, present_key, present_value = group_query_attention(
+        out, present_key, present_value = self.attend(
             qkv,
             past_key,
             past_value,
@@ -212,6 +213,17 @@ class LlamaForCausalLM(nn.Module):
         for layer, (k_scale, v_scale) in zip(self.model.layers, scales, strict=True):
             layer.self_attn.k_scale, layer.self_attn.v_scale = k_scale.float(), v_scale.float()
 
+    def use_torch_ops(self) -> None:
+        """Trace for the torch backends (AOTInductor, TensorRT) from now on: attention in plain torch ops writing the
+        cache in place (plugins.attention.attend_in_place), quantized linears through the Triton kernel's op with
+        block offsets inside it (plugins.blockwise_matmul), instead of the ops the ONNX engines lower to
+        onnxruntime's kernels."""
+        for layer in self.model.layers:
+            layer.self_attn.attend = attend_in_place
+        for module in self.modules():
+            if isinstance(module, QuantizedLinear):
+                module.fused_kernel = True
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [B, T] int64
@@ -223,8 +235,8 @@ class LlamaForCausalLM(nn.Module):
         past_keys: list[torch.Tensor],  # per layer [B, kv_heads, L, head_dim], of kv_cache_dtype
         past_values: list[torch.Tensor],
     ) -> tuple[torch.Tensor, ...]:
-        """-> logits [B, N, vocab], argmax [B, N] int64, hidden [B, N, hidden] (final-normed), present_key.i...,
-        present_value.i..."""
+        """-> logits [B, N, vocab] float32, argmax [B, N] int64, hidden [B, N, hidden] float32 (final-normed),
+        present_key.i..., present_value.i..."""
         batch, steps = input_ids.shape
         step = StepAttention(
             # an idle row with an empty cache counts as holding one position (the kernel wants seqlens_k >= 0)
@@ -252,4 +264,4 @@ class LlamaForCausalLM(nn.Module):
         # The argmax is greedy decoding's token wherever nothing adjusts the logits: with it a plain greedy step
         # needs no sampler call (docs/measurements.md), and a draft model drafts inside its graph.
         logits = logits.float()
-        return (logits, logits.argmax(-1), hidden, *present_keys, *present_values)
+        return (logits, logits.argmax(-1), hidden.float(), *present_keys, *present_values)

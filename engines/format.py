@@ -16,13 +16,18 @@ from typing import Any
 
 from engines.model_config import ModelConfig
 
-# 5: typed quantization and speculation sections (GPTQ's facts and the int8 KV cache's nested), every graph names
-# the native ops it runs, and every engine has the score phase, the sampler's logit_bias input and drafts' scores;
+# 6: the backend's device and the target facts a compiled graph must find again (AOTInductor packages,
+# TensorRT engines); 5: typed quantization and speculation sections (GPTQ's facts and the int8 KV cache's
+# nested), every graph names the native ops it runs, and every engine has the score phase, the sampler's
+# logit_bias input and drafts' scores;
 # 4: the step graph also outputs the argmax of its logits (a plain greedy step's token, no sampler call);
 # 3: a sampler graph chooses every token (sampling and speculative acceptance in the engine);
 # 2: attention is one fused node per layer writing the cache in place (present_* bound to past_*), K stored
 # [B, kv_heads, L, head_dim] like V, attention_bias replaces tree_mask; 1: new K/V were graph outputs.
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
+# onnxruntime: ONNX graphs with onnxruntime's and our own kernels; aoti: the step graph compiled by AOTInductor (its
+# side graphs stay ONNX); tensorrt: a TensorRT engine built from the step graph's ONNX (builder/tensorrt.py)
+BACKENDS = ("onnxruntime", "aoti", "tensorrt")
 MANIFEST_NAME = "manifest.json"
 _HASH_CHUNK = 1 << 24
 
@@ -217,7 +222,7 @@ class Manifest:
     schema_version: int
     builder_version: str
     source: str
-    backend: str  # "onnxruntime"
+    backend: str  # one of BACKENDS
     dtype: str
     max_seq_len: int
     model: ModelConfig
@@ -233,6 +238,9 @@ class Manifest:
     # SamplingParams defaults the model's makers recommend (generation_config.json / GGUF general.sampling.*): the
     # runner's defaults for what a request leaves unset, unless it is told to use vLLM's own (--generation-config vllm)
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    device: str = "cpu"  # where the step graph runs: "cpu" or "cuda" (an onnxruntime engine runs on either)
+    # what a compiled step graph was built for and must find again where it runs ({"torch": "2.13.0", "gpu": "sm_90"})
+    target: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -267,6 +275,8 @@ class Manifest:
             tensor_parallel=data["tensor_parallel"],
             files={name: FileEntry(**entry) for name, entry in data["files"].items()},
             sampling_defaults=data["sampling_defaults"],
+            device=data["device"],
+            target=data["target"],
         )
 
 

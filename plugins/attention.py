@@ -137,6 +137,62 @@ def _(
     return qkv.new_empty(*qkv.shape[:2], num_heads * head_dim), torch.empty_like(past_key), torch.empty_like(past_value)
 
 
+def attend_in_place(
+    qkv: torch.Tensor,
+    past_key: torch.Tensor,
+    past_value: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    total_len: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    position_ids: torch.Tensor,
+    attention_bias: torch.Tensor,
+    query_lens: torch.Tensor,
+    num_heads: int,
+    kv_heads: int,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`group_query_attention`'s contract in plain torch ops, for the torch backends (AOTInductor, TensorRT's ONNX):
+    the new K/V are written into `past_key` / `past_value` themselves, which torch.export records as a mutation of
+    those inputs and AOTInductor performs on the runner's buffers, and the same tensors come back as present_*.
+
+    Computes in the model's dtype over the whole buffer (the bias is padded to its length; causality masks what lies
+    past each token), with the query heads of one KV head stacked along the token axis, so the cache is read as it
+    is, never repeated per query head. Padding tokens write back what their slot held, so they change nothing."""
+    batch, steps, _ = qkv.shape
+    head_dim, length = past_key.shape[-1], past_key.shape[2]
+    dtype, device = qkv.dtype, qkv.device
+    x = qkv.view(batch, steps, num_heads + 2 * kv_heads, head_dim)
+    cos, sin = cos_cache[position_ids].unsqueeze(2), sin_cache[position_ids].unsqueeze(2)
+    q = rotate(x[:, :, :num_heads], cos, sin)  # [B, T, heads, D]
+    k = rotate(x[:, :, num_heads : num_heads + kv_heads], cos, sin)  # [B, T, kv_heads, D]
+    v = x[:, :, num_heads + kv_heads :]
+
+    past = seqlens_k.long() + 1 - query_lens.long()
+    slots = past.unsqueeze(1) + torch.arange(steps, device=device)  # [B, T]
+    real = (torch.arange(steps, device=device) < query_lens.long().unsqueeze(1))[..., None, None]
+    written = slots.clamp(max=length - 1)
+    rows = torch.arange(batch, device=device).unsqueeze(1).expand(batch, steps)
+    for cache, new, cache_scale in ((past_key, k, k_scale), (past_value, v, v_scale)):
+        cache[rows, :, written] = torch.where(real, to_cache(new, cache.dtype, cache_scale), cache[rows, :, written])
+
+    group = num_heads // kv_heads
+    keys = from_cache(past_key, k_scale).to(dtype) if k_scale is not None else past_key
+    values = from_cache(past_value, v_scale).to(dtype) if v_scale is not None else past_value
+    queries = q.transpose(1, 2).reshape(batch, kv_heads, group * steps, head_dim)  # query head h reads h // group
+    allowed = torch.arange(length, device=device) <= slots.unsqueeze(-1)  # [B, T, L]
+    bias = torch.nn.functional.pad(attention_bias.float(), (0, length - attention_bias.shape[-1]))
+    mask = bias.masked_fill(~allowed.unsqueeze(1), float("-inf")).repeat(1, 1, group, 1)  # [B, 1, group * T, L]
+    # explicit softmax attention: scaled_dot_product_attention's CPU kernel leaves strides that pin the token
+    # count in torch.export; the scores are [B, kv_heads, group * T, L], which a decode step keeps small
+    scores = (queries @ keys.transpose(-1, -2)).float() * scale + mask
+    out = torch.softmax(scores, dim=-1).to(dtype) @ values  # [B, kv_heads, group * T, D]
+    out = out.unflatten(2, (group, steps)).flatten(1, 2).transpose(1, 2).flatten(2)
+    return out, past_key, past_value
+
+
 def _register_schema() -> None:
     optional = ["key?:T", "value?:T", "past_key?:T_CACHE", "past_value?:T_CACHE"]
     rotary = ["cos_cache?:T", "sin_cache?:T", "position_ids?:tensor(int64)", "attention_bias?:T", "head_sink?:T"]

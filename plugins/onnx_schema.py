@@ -7,14 +7,19 @@ from __future__ import annotations
 
 
 def register_contrib_op(
-    name: str, inputs: list[str], outputs: list[str], types: dict[str, list[str]], attributes: dict[str, type]
+    name: str,
+    inputs: list[str],
+    outputs: list[str],
+    types: dict[str, list[str]],
+    attributes: dict[str, type],
+    domain: str = "com.microsoft",
 ) -> None:
-    """Register com.microsoft::`name` version 1 unless known. Parameters are "name:type", "name?:type" when
+    """Register `domain`::`name` version 1 unless known. Parameters are "name:type", "name?:type" when
     optional; attributes map a name to int, float or str."""
     from onnx import defs
 
     try:
-        defs.get_schema(name, 1, "com.microsoft")
+        defs.get_schema(name, 1, domain)
         return
     except defs.SchemaError:
         pass
@@ -29,7 +34,7 @@ def register_contrib_op(
     defs.register_schema(
         schema(
             name,
-            "com.microsoft",
+            domain,
             1,
             inputs=[parameter(p) for p in inputs],
             outputs=[parameter(p) for p in outputs],

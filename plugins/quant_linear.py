@@ -83,13 +83,18 @@ def quantize_blockwise(weight: torch.Tensor, bits: int, block_size: int) -> tupl
     return pack_values(q, bits), scales.reshape(-1).contiguous()
 
 
-def dequantize_blockwise(qweight: torch.Tensor, scales: torch.Tensor, in_features: int, bits: int) -> torch.Tensor:
+def dequantize_blockwise(
+    qweight: torch.Tensor, scales: torch.Tensor, in_features: int, bits: int, offsets: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The float weight [N, in_features] (fp32) the blocks hold, block offsets added where there are any."""
     out_features, n_blocks, _ = qweight.shape
     if bits == 4:
         q = torch.stack((qweight & 0x0F, qweight >> 4), dim=-1).reshape(out_features, n_blocks, -1)
     else:
         q = qweight
     weight = (q.float() - (1 << (bits - 1))) * scales.view(out_features, n_blocks, 1)
+    if offsets is not None:
+        weight = weight + offsets.view(out_features, n_blocks, 1)
     return weight.reshape(out_features, -1)[:, :in_features]
 
 
@@ -129,6 +134,9 @@ class QuantizedLinear(nn.Module):
         else:
             self.offsets = None
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        # the torch backends' op (plugins/blockwise_matmul.py: one Triton kernel, offsets inside) instead of
+        # matmul_nbits plus an offset matmul, which the ONNX engines lower to onnxruntime's MatMulNBits
+        self.fused_kernel = False
 
     def load_rows(self, start: int, weight: torch.Tensor) -> None:
         """Quantize checkpoint rows [start, start + len(weight)) into place (fused weights arrive in slices)."""
@@ -148,6 +156,13 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s = self.spec
+        if self.fused_kernel:
+            from plugins.blockwise_matmul import quantized_linear
+
+            y = quantized_linear(
+                x, self.qweight, self.scales, self.offsets, self.in_features, self.out_features, s.bits, s.block_size
+            )
+            return y if self.bias is None else y + self.bias
         y = torch.ops.plugins.matmul_nbits(
             x, self.qweight, self.scales, self.in_features, self.out_features, s.bits, s.block_size, s.accuracy_level
         )

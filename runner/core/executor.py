@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engines.format import Artifact, PhaseSpec
-from runner.core.kv_cache import KVCache
+from runner.core.kv_cache import make_kv_cache
 
 MASKED = np.finfo(np.float32).min  # attention bias of a position a token must not see
 
@@ -33,7 +33,13 @@ class Executor:
         self.step_calls = 0  # step graph runs so far (benchmarks count a window's decode calls by it)
         self.max_chunk = max(self.prefill_phase.steps)
         phases = [p for p in manifest.phases.values() if p.graph == self.decode_phase.graph]
-        self.cache = KVCache(manifest.kv_cache, self.max_rows, manifest.max_seq_len, _headroom(phases))
+        self.cache = make_kv_cache(
+            manifest.kv_cache,
+            self.max_rows,
+            manifest.max_seq_len,
+            _headroom(phases),
+            getattr(backend, "cache_device", "cpu"),
+        )
         self._bound: dict[tuple[str, int, int], object] = {}  # (graph, rows) -> graph with those cache rows bound
         # the step graph's outputs besides the cache, [rows, logits_index count, *size]: their arrays are bound per run
         step = {t.name: t for t in manifest.graphs[self.decode_phase.graph].outputs}

@@ -27,10 +27,22 @@ import numpy as np
 from engines.format import KVCacheSpec
 
 
+def make_kv_cache(spec: KVCacheSpec, rows: int, length: int, headroom: int, device: str = "cpu"):
+    """The cache in host memory (KVCache), or in the GPU's (DeviceKVCache) for a backend that runs there."""
+    if device == "cpu":
+        return KVCache(spec, rows, length, headroom)
+    return DeviceKVCache(spec, rows, length, headroom, device)
+
+
+def storage_dtype(dtype: str) -> np.dtype:
+    """The numpy dtype a cache of `dtype` is kept in: bfloat16, which numpy lacks, as its 16 bits."""
+    return np.dtype(np.uint16) if dtype == "bfloat16" else np.dtype(dtype)
+
+
 class KVCache:
     def __init__(self, spec: KVCacheSpec, rows: int, length: int, headroom: int) -> None:
         self.spec = spec
-        dtype = np.dtype(spec.dtype)
+        dtype = storage_dtype(spec.dtype)
         position_bytes = spec.num_kv_heads * spec.head_dim * dtype.itemsize
         # a row of one layer must fill whole pages, so that a finished row's pages can be handed back alone
         step = mmap.PAGESIZE // math.gcd(mmap.PAGESIZE, position_bytes)
@@ -94,3 +106,46 @@ def _resident_pages(buffer: mmap.mmap) -> int:
     if libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(len(buffer)), status) != 0:
         raise OSError(ctypes.get_errno(), "mincore failed")
     return int((np.frombuffer(status, np.uint8) & 1).sum())
+
+
+class DeviceKVCache:
+    """The same cache as device tensors, for a backend whose graphs run on a GPU (engines/backends/aoti.py): the
+    same layout and methods, torch in place of numpy. Device memory is allocated whole at start (no pages to hand
+    back), so freeing a row only forgets it."""
+
+    def __init__(self, spec: KVCacheSpec, rows: int, length: int, headroom: int, device: str) -> None:
+        import torch
+
+        self.spec = spec
+        self.positions = length + headroom
+        shape = (spec.num_layers, rows, spec.num_kv_heads, self.positions, spec.head_dim)
+        dtype = getattr(torch, spec.dtype)
+        self.keys, self.values = (torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
+
+    @property
+    def rows(self) -> int:
+        return self.keys.shape[1]
+
+    def views(self, start_row: int, stop_row: int) -> tuple[list, list]:
+        layers = range(self.spec.num_layers)
+        return [self.keys[i, start_row:stop_row] for i in layers], [self.values[i, start_row:stop_row] for i in layers]
+
+    def keep(self, row: int, start: int, nodes: list[int]) -> None:
+        import torch
+
+        source = start + torch.as_tensor(nodes, device=self.keys.device)
+        for buffer in (self.keys[:, row], self.values[:, row]):
+            buffer[:, :, start : start + len(nodes)] = buffer[:, :, source]
+
+    def copy_prefix(self, source_row: int, target_row: int, length: int) -> None:
+        for buffer in (self.keys, self.values):
+            buffer[:, target_row, :, :length] = buffer[:, source_row, :, :length]
+
+    def free_row(self, row: int) -> None:
+        """Nothing to hand back: the next request in the row writes before it reads."""
+
+    def release(self) -> None:
+        """Nothing to hand back (see free_row)."""
+
+    def resident_bytes(self) -> int:
+        return 2 * self.keys.numel() * self.keys.element_size()

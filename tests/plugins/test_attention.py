@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from plugins.attention import check_head_dim, group_query_attention, onnx_translations
+from plugins.attention import attend_in_place, check_head_dim, group_query_attention, onnx_translations
 
 HEADS, KV_HEADS, HEAD_DIM, POSITIONS = 4, 2, 16, 64
 MASKED = float(np.finfo(np.float32).min)
@@ -168,6 +168,24 @@ def test_onnx_lowering_is_one_fused_node_matching_the_reference_in_place(tmp_pat
         )[0].numpy()
     for row, q in enumerate(CASES[name]["query"]):  # outputs of padding tokens and idle rows are unspecified
         np.testing.assert_allclose(out[row, :q], ref_out[row, :q], rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("int8_cache", [False, True], ids=["float cache", "int8 cache"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_in_place_variant_matches_the_reference_and_writes_the_buffers_it_was_given(name, int8_cache):
+    """The torch backends' attention: same outputs and cache as the reference, the cache written into the very
+    tensors passed in (nothing else changed: padding tokens and idle rows included)."""
+    inputs = case(**CASES[name], int8_cache=int8_cache)
+    args = [torch.from_numpy(v.copy()) for v in inputs.values()]
+    ref_out, ref_keys, ref_values = OneAttention()(*(torch.from_numpy(v) for v in inputs.values()))
+    keys, values = args[1], args[2]
+    scales = args[10:] if int8_cache else [None, None]
+    out, present_key, present_value = attend_in_place(*args[:10], HEADS, KV_HEADS, HEAD_DIM**-0.5, *scales)
+    assert present_key is keys and present_value is values
+    torch.testing.assert_close(keys, ref_keys, rtol=0, atol=0)
+    torch.testing.assert_close(values, ref_values, rtol=0, atol=0)
+    for row, q in enumerate(CASES[name]["query"]):
+        torch.testing.assert_close(out[row, :q], ref_out[row, :q], rtol=0, atol=2e-5)
 
 
 def test_reference_writes_only_real_tokens_and_attends_causally():

@@ -68,3 +68,22 @@ def test_copy_prefix_copies_the_first_positions_of_one_row_into_another():
     np.testing.assert_array_equal(cache.keys[:, 3, :, :4], contents[:, 1, :, :4])
     np.testing.assert_array_equal(cache.values[:, 3, :, :4], contents[:, 1, :, :4] + 1)
     assert not cache.keys[:, 3, :, 4:].any()  # nothing past the prefix
+
+
+def test_device_cache_keeps_and_copies_as_the_host_cache_does():
+    """DeviceKVCache (the GPU backends' cache) against KVCache, run on CPU tensors."""
+    import torch
+
+    from runner.core.kv_cache import DeviceKVCache
+
+    host, device = KVCache(SPEC, rows=2, length=60, headroom=HEADROOM), DeviceKVCache(SPEC, 2, 60, HEADROOM, "cpu")
+    rng = np.random.default_rng(0)
+    values = rng.standard_normal(host.keys[:, :, :, :20].shape).astype(host.keys.dtype)
+    host.keys[:, :, :, :20] = values
+    device.keys[:, :, :, :20] = torch.from_numpy(values)
+    for cache in (host, device):
+        cache.keep(0, 4, [0, 2, 5])
+        cache.copy_prefix(0, 1, 10)
+    np.testing.assert_array_equal(device.keys[:, :, :, :20].numpy(), host.keys[:, :, :, :20])
+    assert [tuple(v.shape[:2]) for v in device.views(0, 2)[0]] == [v.shape[:2] for v in host.views(0, 2)[0]]
+    assert device.positions == 60 + HEADROOM  # (the host rounds rows up to whole pages)

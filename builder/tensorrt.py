@@ -1,0 +1,89 @@
+"""The TensorRT backend's build: the step graph as ONNX that TensorRT's parser takes, and its engine.
+
+The same model and export as the other backends (builder/export.py), traced with the torch ops
+(LlamaForCausalLM.use_torch_ops) and lowered to standard ONNX ops, except the quantized linears, which become
+plugin nodes (plugins/tensorrt_plugin.py: the Triton kernel the AOTInductor backend compiles, as a TensorRT
+plugin). ONNX has no in-place update, so this graph returns the cache with the new tokens written in
+(present_key.i) for the runner to bind to the same memory as past_key.i.
+
+The engine is built with polygraphy from that ONNX, one optimization profile per phase's bucket range. TensorRT
+cannot be installed on the machines this was written on: the ONNX is checked there (onnx's checker, onnxruntime
+on the graphs without plugin nodes, against the reference), the engine build is not run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from builder.export import _export, dynamic_shapes, example_inputs, input_names, output_names
+from builder.model import LlamaForCausalLM
+from engines.format import GraphSpec, PhaseSpec
+from plugins import tensorrt_plugin
+
+ONNX_FILE = "model.trt.onnx"
+ENGINE_FILE = "model.plan"
+
+
+def unavailable_reason() -> str | None:
+    try:
+        import polygraphy  # noqa: F401
+        import tensorrt  # noqa: F401
+    except ImportError as err:
+        return f"TensorRT's build needs tensorrt and polygraphy on a machine with the target GPU ({err})"
+    return None
+
+
+def standard_norm_translations() -> dict:
+    """plugins::add_rms_norm as standard ONNX ops (TensorRT knows no com.microsoft ops)."""
+    from onnxscript import opset18 as op
+
+    def add_rms_norm_to_onnx(x, residual, weight, eps: float):
+        total = op.Add(x, residual)
+        mean_square = op.ReduceMean(op.Mul(total, total), op.Constant(value_ints=[-1]), keepdims=1)
+        normed = op.Mul(
+            op.Div(total, op.Sqrt(op.Add(mean_square, op.CastLike(op.Constant(value_float=eps), x)))), weight
+        )
+        return normed, total
+
+    return {torch.ops.plugins.add_rms_norm.default: add_rms_norm_to_onnx}
+
+
+def export_tensorrt_onnx(model: LlamaForCausalLM, out_dir: Path, max_seq_len: int) -> GraphSpec:
+    model.use_torch_ops()
+    num_layers = model.config.num_layers
+    return _export(
+        model,
+        example_inputs(model),
+        dynamic_shapes(num_layers, max_seq_len),
+        out_dir / ONNX_FILE,
+        input_names(num_layers),
+        output_names(num_layers),
+        external_data=True,
+        translations={**tensorrt_plugin.onnx_translations(), **standard_norm_translations()},
+    )
+
+
+def build_engine_file(onnx_path: Path, phases: list[PhaseSpec], max_seq_len: int, out_path: Path) -> dict[str, str]:
+    """Build and save the TensorRT engine; returns the target facts the runner checks (TensorRT version, GPU)."""
+    reason = unavailable_reason()
+    if reason is not None:
+        raise ValueError(reason)
+    import tensorrt
+    from polygraphy.backend.trt import CreateConfig, Profile, engine_from_network, network_from_onnx_path, save_engine
+
+    tensorrt_plugin.register_plugin()
+    profiles = [_profile(Profile(), phase, max_seq_len) for phase in phases]
+    engine = engine_from_network(network_from_onnx_path(str(onnx_path)), config=CreateConfig(profiles=profiles))
+    save_engine(engine, str(out_path))
+    major, minor = torch.cuda.get_device_capability()
+    return {"tensorrt": tensorrt.__version__, "gpu": f"sm_{major}{minor}"}
+
+
+def _profile(profile, phase: PhaseSpec, max_seq_len: int):
+    """One optimization profile covering a phase's buckets: rows and tokens from its smallest to its largest."""
+    rows, steps = (min(phase.batch_sizes), max(phase.batch_sizes)), (min(phase.steps), max(phase.steps))
+    for name, low, high in (("input_ids", rows[0], rows[1]), ("positions", rows[0], rows[1])):
+        profile.add(name, (low, steps[0]), (high, steps[1]), (high, steps[1]))
+    return profile

@@ -1,0 +1,191 @@
+"""AOTInductor backend: the step graph is a package torch's ahead-of-time compiler built (builder/aoti.py); the side
+graphs (sampler, draft head) are ONNX and run on onnxruntime, on the CPU.
+
+The cache buffers the runner binds are handed to the package as tensors over the same memory (numpy arrays on CPU,
+viewed without a copy; device tensors on CUDA, runner/core/kv_cache.py's DeviceKVCache), and the package writes the
+new K/V into them: present_key.i is past_key.i. Small inputs and the per-token outputs cross between numpy and the
+device at each call. On CUDA a bound decode graph (one token per row) is captured as a CUDA graph on its first
+run and replayed afterwards: its inputs are copied into the graph's own tensors, and the attention bias is padded
+to the cache's length so that every decode step of a batch bucket has the same shapes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engines.format import Artifact, ArtifactError, GraphSpec
+
+PACKAGE_SUFFIX = ".pt2"
+
+
+class AOTInductorBackend:
+    def __init__(
+        self, artifact: Artifact, threads: int | None = None, profile_prefix: str | None = None, cuda_graphs=True
+    ) -> None:
+        try:
+            import torch
+        except ImportError:
+            raise ArtifactError(
+                "this engine's step graph was compiled by AOTInductor: its runner needs torch "
+                "(pip install 'llm-engine-builder[aoti]')"
+            ) from None
+        if profile_prefix:
+            raise ArtifactError(
+                "per-node profiles are onnxruntime's; this engine's step graph is an AOTInductor package"
+            )
+        from engines.backends.onnxruntime import OnnxRuntimeBackend
+
+        manifest = artifact.manifest
+        self.torch = torch
+        self.device = manifest.device
+        _check_target(torch, manifest.device, manifest.target)
+        if threads:
+            torch.set_num_threads(threads)
+        compiled = {key for key, graph in manifest.graphs.items() if graph.file.endswith(PACKAGE_SUFFIX)}
+        self.packages, self.specs = {}, {}
+        for key in compiled:
+            graph = manifest.graphs[key]
+            try:
+                self.packages[key] = torch._inductor.aoti_load_package(str(artifact.path(graph.file)))
+            except Exception as err:  # the loader raises RuntimeError subclasses of its own for damaged packages
+                raise ArtifactError(f"AOTInductor cannot load {graph.file}: {str(err).splitlines()[0]}") from None
+            self.specs[key] = graph
+        self.side = OnnxRuntimeBackend(artifact, threads=1, graphs=set(manifest.graphs) - compiled)
+        self.cuda_graphs = cuda_graphs and self.device == "cuda"
+        self.provider = f"AOTInductor ({self.device})"  # what runs the step graph (reports, tuning choices)
+        self.cache_positions = None  # set by bind: the cache buffers' length (CUDA graphs pad the bias to it)
+
+    @property
+    def cache_device(self) -> str:
+        """Where the runner must keep the KV cache for this backend."""
+        return self.device
+
+    def run(self, graph: str, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if graph not in self.packages:
+            return self.side.run(graph, feeds)
+        return BoundPackage(self, graph, {}, capture=False).outputs_of(feeds)
+
+    def bind(self, graph: str, buffers: dict) -> BoundPackage:
+        if graph not in self.packages:
+            return self.side.bind(graph, buffers)
+        return BoundPackage(self, graph, buffers)
+
+    def end_profiling(self) -> dict[str, str]:
+        return {}
+
+    def tensor(self, array, dtype: str):
+        """An input as a tensor on the package's device: bound memory without a copy where it is already there."""
+        torch = self.torch
+        if isinstance(array, torch.Tensor):
+            return array
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+        if dtype == "bfloat16" and tensor.dtype == torch.uint16:
+            tensor = tensor.view(torch.bfloat16)  # numpy holds a bf16 cache as its bits (runner/core/kv_cache.py)
+        return tensor if self.device == "cpu" else tensor.to(self.device, non_blocking=True)
+
+
+class BoundPackage:
+    """A package with some inputs and outputs bound to fixed memory, as onnxruntime's BoundGraph: the cache tensors
+    (past_key.i, written in place, so present_key.i needs nothing) and, for a greedy loop, every other input and the
+    arrays its outputs are copied into."""
+
+    def __init__(self, backend: AOTInductorBackend, graph: str, buffers: dict, capture: bool = True) -> None:
+        self.backend = backend
+        self.capture = capture and backend.cuda_graphs
+        self.package = backend.packages[graph]
+        spec: GraphSpec = backend.specs[graph]
+        self.input_names = [t.name for t in spec.inputs]
+        self.input_dtypes = {t.name: t.dtype for t in spec.inputs}
+        self.output_names = [t.name for t in spec.outputs][:3]  # the rest are the cache inputs, written in place
+        # the cache becomes tensors once (the same memory); other bound inputs are arrays the caller refills between
+        # runs, so they cross to the device at each run
+        self.bound_inputs = {
+            name: backend.tensor(buffers[name], self.input_dtypes[name]) if _is_cache(name) else buffers[name]
+            for name in self.input_names
+            if name in buffers
+        }
+        self.bound_outputs = {name: buffers[name] for name in self.output_names if name in buffers}
+        self.per_run_inputs = set(self.input_names) - set(self.bound_inputs)
+        self.per_run_outputs = set(self.output_names) - set(self.bound_outputs)
+        self.graph_replay = None  # a CUDA graph of this binding (decode calls on CUDA), made on the first run
+
+    def run(self, feeds: dict[str, np.ndarray], outputs: dict[str, np.ndarray]) -> None:
+        if set(feeds) != self.per_run_inputs:
+            raise ValueError(f"every input not bound for good needs a value: {sorted(self.per_run_inputs)}")
+        if set(outputs) != self.per_run_outputs:
+            raise ValueError(f"every output not bound for good needs an array: {sorted(self.per_run_outputs)}")
+        for name, value in self.outputs_of(feeds).items():
+            np.copyto((outputs | self.bound_outputs)[name], value)
+
+    def outputs_of(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        backend = self.backend
+        torch = backend.torch
+        inputs = {
+            name: backend.tensor(value, self.input_dtypes[name]) for name, value in (self.bound_inputs | feeds).items()
+        }
+        with torch.inference_mode():
+            if self.capture and inputs["input_ids"].shape[1] == 1:
+                results = self._replay(inputs)
+            else:
+                results = self._call(inputs)
+        return {name: result.cpu().numpy() for name, result in zip(self.output_names, results)}
+
+    def _call(self, inputs: dict) -> list:
+        layers = sum(name.startswith("past_key.") for name in self.input_names)
+        plain = [inputs[name] for name in self.input_names[:6]]
+        keys = [inputs[f"past_key.{i}"] for i in range(layers)]
+        values = [inputs[f"past_value.{i}"] for i in range(layers)]
+        return self.package(*plain, keys, values)
+
+    def _replay(self, inputs: dict) -> list:
+        """Decode through a CUDA graph captured on the first call: the bias padded to the cache's length, so every
+        call of this binding has the captured shapes; each call copies its inputs into the graph's tensors."""
+        torch = self.backend.torch
+        bias = inputs["attention_bias"]
+        length = inputs["past_key.0"].shape[2]
+        inputs["attention_bias"] = torch.nn.functional.pad(bias, (0, length - bias.shape[-1]))
+        if self.graph_replay is None:
+            self.graph_replay = CapturedCall(torch, self._call, inputs)
+        return self.graph_replay.run(inputs)
+
+
+class CapturedCall:
+    """One package call recorded as a CUDA graph, over static copies of its per-call inputs."""
+
+    def __init__(self, torch, call, inputs: dict) -> None:
+        self.torch = torch
+        self.static = {name: t if _is_cache(name) else t.clone() for name, t in inputs.items()}
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            call(self.static)  # warm-up outside the graph: the package's first run allocates and loads kernels
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.outputs = call(self.static)
+
+    def run(self, inputs: dict) -> list:
+        for name, tensor in inputs.items():
+            if not _is_cache(name):
+                self.static[name].copy_(tensor, non_blocking=True)
+        self.graph.replay()
+        return self.outputs
+
+
+def _is_cache(name: str) -> bool:
+    return name.startswith(("past_key.", "past_value."))
+
+
+def _check_target(torch, device: str, target: dict[str, str]) -> None:
+    """Refuse, in one line, a package compiled for another torch or another GPU than this machine's."""
+    here = {"torch": torch.__version__.split("+")[0]}
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ArtifactError("this engine was compiled for CUDA and this machine has no CUDA device")
+        major, minor = torch.cuda.get_device_capability()
+        here["gpu"] = f"sm_{major}{minor}"
+    for key, wanted in target.items():
+        if key in here and here[key] != wanted:
+            raise ArtifactError(
+                f"this engine was compiled for {key} {wanted}, this machine has {here[key]}: rebuild it here"
+            )

@@ -1,0 +1,230 @@
+"""The GPU check, run on a lent GPU machine by scripts/device_check.sh (nothing but that machine's image: torch,
+Triton, transformers, onnxruntime for the side graphs). Each stage records its result or its error and the next
+one runs anyway; everything lands in $OUT/device_check.json and a short table in $OUT/device_check.md.
+
+1. the Triton kernel's tests on CUDA (tests/plugins/test_blockwise_matmul.py, bf16 included);
+2. a tiny random checkpoint built with --backend aoti --device cuda (fp32, and int4 through the Triton kernel):
+   greedy tokens against transformers on the same weights;
+3. a random-weight Llama of 1B shape (hidden 2048, 16 layers, 32 / 8 heads, intermediate 8192, vocab 128256)
+   built bf16 and int4: decode tokens/s at batch 1 and 8, TTFT of a 1,000-token prompt, decode MBU;
+4. the same weights under a gpt-fast-style torch.compile static-cache loop (benchmarks/gpt_fast_baseline.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+OUT = Path(os.environ.get("OUT", "device_check_out"))
+ONE_B = dict(
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+)
+PEAK_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}  # bytes/s, SXM parts
+PROMPT, NEW_TOKENS = 1000, 128
+
+
+def stage(results: dict, name: str, run) -> None:
+    start = time.perf_counter()
+    try:
+        results[name] = run()
+    except Exception:  # a stage's failure is a result too; the others still run
+        results[name] = {"error": traceback.format_exc(limit=8)}
+    results[name] = {**results[name], "seconds": round(time.perf_counter() - start, 1)}
+    print(f"== {name}: {json.dumps(results[name])[:2000]}", flush=True)
+
+
+def kernel_tests() -> dict:
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/plugins/test_blockwise_matmul.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    return {"returncode": run.returncode, "tail": run.stdout[-1500:]}
+
+
+def build(source: Path, out: Path, **options) -> Path:
+    from builder.build import BuildOptions, build_engine
+
+    build_engine(BuildOptions(str(source), out, backend="aoti", device="cuda", overwrite=True, **options), log=print)
+    return out
+
+
+def tiny_parity(work: Path) -> dict:
+    from runner import LLM, SamplingParams
+    from tests.reference import load_reference, reference_greedy
+    from tests.tiny_checkpoint import make_checkpoint
+
+    checkpoint = make_checkpoint(work / "tiny")
+    reference = load_reference(checkpoint)
+    results = {}
+    for quant in ("none", "int4"):
+        llm = LLM(build(checkpoint, work / f"tiny-{quant}", quant=quant, max_seq_len=256, max_batch=4))
+        prompt = llm.tokenizer.encode("The quick brown fox jumps over the lazy dog.")
+        params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+        ours = llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0].token_ids
+        if quant == "none":
+            results["fp32_greedy_identical_to_transformers"] = ours == reference_greedy(reference, prompt, 32)
+        else:
+            results["int4_tokens"] = ours[:8]
+    return results
+
+
+def one_b_checkpoint(work: Path) -> Path:
+    from safetensors.torch import save_file
+
+    from tests.tiny_checkpoint import make_tokenizer
+
+    directory = work / "llama-1b-random"
+    directory.mkdir(parents=True, exist_ok=True)
+    c = ONE_B
+    head_dim = c["hidden_size"] // c["num_attention_heads"]
+    shapes = {
+        "model.embed_tokens.weight": (c["vocab_size"], c["hidden_size"]),
+        "model.norm.weight": (c["hidden_size"],),
+    }
+    shapes["lm_head.weight"] = (c["vocab_size"], c["hidden_size"])
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (c["hidden_size"],),
+            p + "post_attention_layernorm.weight": (c["hidden_size"],),
+            p + "self_attn.q_proj.weight": (c["hidden_size"], c["hidden_size"]),
+            p + "self_attn.k_proj.weight": (c["num_key_value_heads"] * head_dim, c["hidden_size"]),
+            p + "self_attn.v_proj.weight": (c["num_key_value_heads"] * head_dim, c["hidden_size"]),
+            p + "self_attn.o_proj.weight": (c["hidden_size"], c["hidden_size"]),
+            p + "mlp.gate_proj.weight": (c["intermediate_size"], c["hidden_size"]),
+            p + "mlp.up_proj.weight": (c["intermediate_size"], c["hidden_size"]),
+            p + "mlp.down_proj.weight": (c["hidden_size"], c["intermediate_size"]),
+        }
+    generator = torch.Generator("cuda").manual_seed(0)
+    tensors = {}
+    for name, shape in shapes.items():
+        if len(shape) == 1:
+            tensors[name] = torch.ones(shape, dtype=torch.bfloat16)
+        else:
+            tensors[name] = (torch.randn(shape, device="cuda", generator=generator) * 0.02).to(torch.bfloat16).cpu()
+    save_file(tensors, str(directory / "model.safetensors"))
+    (directory / "config.json").write_text(json.dumps({**c, "torch_dtype": "bfloat16"}))
+    make_tokenizer(320).save(str(directory / "tokenizer.json"))
+    return directory
+
+
+def time_engine(engine: Path, weight_bytes: int) -> dict:
+    from runner.core.args import EngineArgs
+    from runner.core.engine import LLMEngine
+
+    executor = LLMEngine(EngineArgs(engine)).executor
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(3, 300, PROMPT).tolist()
+    executor.prefill(0, prompt, 0)  # warm-up
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    executor.prefill(0, prompt, 0)
+    ttft = time.perf_counter() - start
+    results = {"ttft_1000_s": round(ttft, 4)}
+    no_stop = np.zeros(ONE_B["vocab_size"], bool)
+    for batch in (1, 8):
+        rows = list(range(batch))
+        for row in rows:
+            executor.prefill(row, prompt[:32], 0)
+        executor.decode_greedy(rows, [5] * batch, [32] * batch, 8, no_stop)  # warm-up: CUDA graph capture
+        start = time.perf_counter()
+        executor.decode_greedy(rows, [5] * batch, [40] * batch, NEW_TOKENS, no_stop)
+        seconds = time.perf_counter() - start
+        results[f"decode_b{batch}_tok_s"] = round(batch * NEW_TOKENS / seconds, 1)
+        if batch == 1:
+            name = torch.cuda.get_device_name()
+            peak = next((v for k, v in PEAK_BANDWIDTH.items() if k in name), None)
+            achieved = weight_bytes * NEW_TOKENS / seconds
+            results["decode_b1_weight_bytes_per_s"] = round(achieved / 1e9, 1)
+            results["decode_b1_mbu"] = None if peak is None else round(achieved / peak, 3)
+    return results
+
+
+def one_b(work: Path, results: dict) -> None:
+    checkpoint = one_b_checkpoint(work)
+    c = ONE_B
+    head_dim = c["hidden_size"] // c["num_attention_heads"]
+    linear = (
+        c["num_hidden_layers"]
+        * (
+            2 * c["hidden_size"] ** 2
+            + 2 * c["num_key_value_heads"] * head_dim * c["hidden_size"]
+            + 3 * c["hidden_size"] * c["intermediate_size"]
+        )
+        + c["vocab_size"] * c["hidden_size"]
+    )
+    shapes = dict(max_seq_len=PROMPT + NEW_TOKENS + 64, max_batch=8, prefill_chunk=1024)
+    stage(
+        results, "1b_bf16", lambda: time_engine(build(checkpoint, work / "1b-bf16", dtype="bf16", **shapes), 2 * linear)
+    )
+    # int4: half a byte per weight plus one fp32 scale per 32
+    int4_bytes = linear // 2 + linear // 32 * 4
+    stage(
+        results,
+        "1b_int4",
+        lambda: time_engine(build(checkpoint, work / "1b-int4", dtype="bf16", quant="int4", **shapes), int4_bytes),
+    )
+    from benchmarks.gpt_fast_baseline import time_decode
+
+    stage(
+        results,
+        "1b_gpt_fast_style",
+        lambda: {f"b{b}": time_decode(checkpoint, b, PROMPT, NEW_TOKENS) for b in (1, 8)},
+    )
+
+
+def table(results: dict) -> str:
+    lines = ["| stage | result |", "| --- | --- |"]
+    lines += [f"| {name} | {json.dumps(value)[:400]} |" for name, value in results.items()]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    results = {
+        "machine": {
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "torch": torch.__version__,
+            "commit": subprocess.run(
+                ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
+            ).stdout.strip(),
+        }
+    }
+    with tempfile.TemporaryDirectory() as scratch:
+        work = Path(scratch)
+        stage(results, "kernel_tests", kernel_tests)
+        stage(results, "tiny_parity", lambda: tiny_parity(work))
+        one_b(work, results)
+    (OUT / "device_check.json").write_text(json.dumps(results, indent=2))
+    (OUT / "device_check.md").write_text(table(results))
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()

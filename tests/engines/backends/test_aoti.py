@@ -1,0 +1,101 @@
+"""AOTInductor engines (builder build --backend aoti) of tiny checkpoints: the same contract as the ONNX engines,
+so the same runner, API and server drive them; greedy tokens equal transformers' and the ONNX engine's."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from engines.format import ArtifactError, open_artifact
+from runner import LLM, SamplingParams
+from runner.core.args import EngineArgs
+from runner.core.engine import LLMEngine
+from tests.reference import load_reference, reference_greedy, reference_logits
+from tests.runner.serving.test_server import MODEL, LiveServer
+
+TEXT = "The quick brown fox jumps over the lazy dog."
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def aoti_engine(engine_factory):
+    return engine_factory("gqa", backend="aoti")
+
+
+def test_manifest_names_the_package_and_what_it_was_compiled_for(aoti_engine):
+    manifest = open_artifact(aoti_engine).manifest
+    assert manifest.backend == "aoti" and manifest.device == "cpu"
+    assert manifest.graphs["step"].file == "model.pt2" and manifest.graphs["sampler"].file.endswith(".onnx")
+    assert set(manifest.target) == {"torch"}
+    # the same inputs and outputs as the ONNX step graph
+    names = [t.name for t in manifest.graphs["step"].inputs], [t.name for t in manifest.graphs["step"].outputs]
+    assert names[0][:6] == ["input_ids", "positions", "past_lens", "query_lens", "attention_bias", "logits_index"]
+    assert names[1][:3] == ["logits", "argmax", "hidden"] and names[1][3] == "present_key.0"
+
+
+def test_prefill_and_decode_logits_match_transformers(aoti_engine, checkpoint_factory):
+    engine = LLMEngine(EngineArgs(aoti_engine))
+    reference = load_reference(checkpoint_factory("gqa"))
+    tokens = engine.codec.encode(TEXT)
+    logits = engine.executor.prefill(0, tokens, 0).logits
+    for _ in range(8):
+        expected = reference_logits(reference, tokens)[-1]
+        np.testing.assert_allclose(logits, expected, rtol=0, atol=2e-5 * max(1.0, float(np.abs(expected).max())))
+        tokens.append(int(np.argmax(logits)))
+        logits = engine.executor.decode([0], [tokens[-1]], [len(tokens) - 1]).logits[0]
+
+
+def test_greedy_tokens_equal_transformers_and_the_onnx_engine_alone_and_batched(
+    aoti_engine, engine_factory, checkpoint_factory
+):
+    aoti, onnx = LLM(aoti_engine), LLM(engine_factory("gqa"))
+    prompts = [aoti.tokenizer.encode(t) for t in (TEXT, "hello", "0123456789 hello world " * 3)]
+    ours = [o.token_ids for o in aoti.generate(prompt_token_ids=prompts, sampling_params=GREEDY)]
+    assert ours == [o.token_ids for o in onnx.generate(prompt_token_ids=prompts, sampling_params=GREEDY)]
+    assert ours[0] == reference_greedy(load_reference(checkpoint_factory("gqa")), prompts[0], 24)
+    alone = [aoti.generate(prompt_token_ids=[p], sampling_params=GREEDY)[0].token_ids for p in prompts]
+    assert alone == ours
+
+
+def test_served_by_the_openai_server(aoti_engine, engine_factory):
+    answers = []
+    for engine in (aoti_engine, engine_factory("gqa")):
+        live = LiveServer(engine)
+        try:
+            messages = [{"role": "user", "content": "hello"}]
+            reply = live.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+            chunks = live.client.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=12, temperature=0, stream=True
+            )
+            streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            assert streamed == reply.choices[0].message.content
+            answers.append(reply.choices[0].message.content)
+        finally:
+            live.stop()
+    assert answers[0] == answers[1]
+
+
+def test_a_package_built_for_another_torch_is_refused_in_one_line(aoti_engine, tmp_path):
+    copy = tmp_path / "engine"
+    shutil.copytree(aoti_engine, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["target"]["torch"] = "1.0.0"
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match="compiled for torch 1.0.0, this machine has"):
+        LLM(copy)
+
+
+def test_int4_engine_runs_the_blockwise_op_and_agrees_with_the_float_compute_onnx_engine(engine_factory):
+    """On CPU the package computes the op's reference (dequantize, then matmul), as the manifest says; its greedy
+    tokens equal those of the ONNX int4 engine of the same blocks with float activations."""
+    engine = engine_factory("gqa", backend="aoti", quant="int4")
+    quantization = open_artifact(engine).manifest.quantization
+    assert quantization.op.startswith("plugins::blockwise_matmul as dequantize + matmul")
+    assert quantization.accuracy_level is None
+    aoti, onnx = LLM(engine), LLM(engine_factory("gqa", quant="int4", int8_compute=False))
+    prompts = [aoti.tokenizer.encode(t) for t in (TEXT, "hello")]
+    ours = [o.token_ids for o in aoti.generate(prompt_token_ids=prompts, sampling_params=GREEDY)]
+    assert ours == [o.token_ids for o in onnx.generate(prompt_token_ids=prompts, sampling_params=GREEDY)]
