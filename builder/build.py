@@ -252,29 +252,7 @@ def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> B
     model, quantization = _load_weights(options, checkpoint, shapes, log)
 
     with _staging(out) as staging:
-        target = {}
-        if options.backend == "tensorrt":
-            progress.step(
-                3, "tracing the step graph as ONNX for TensorRT and building its engine; sampler graph as ONNX"
-            )
-            step = tensorrt.export_tensorrt_onnx(model, staging, shapes.max_seq_len)
-            target = tensorrt.build_engine_file(
-                staging / step.file,
-                list(plan_phases(shapes).values()),
-                shapes.max_seq_len,
-                staging / tensorrt.ENGINE_FILE,
-            )
-            graphs = {STEP_GRAPH: replace(step, file=tensorrt.ENGINE_FILE)}
-        elif options.backend == "aoti":
-            target = aoti.target_facts(options.device)
-            progress.step(
-                3, f"tracing the step graph, compiling it with AOTInductor for {options.device}; sampler graph as ONNX"
-            )
-            graphs = {STEP_GRAPH: aoti.export_aoti_step_graph(model, staging, shapes.max_seq_len, options.device)}
-        else:
-            progress.step(3, "tracing the step and sampler graphs with torch.export and emitting ONNX")
-            step = export_step_graph(model, staging, shapes.max_seq_len)
-            graphs = {STEP_GRAPH: _native_kernels(options, step, staging, log)}
+        graphs, target = _emit_step_graph(options, checkpoint.config, model, shapes, staging, progress, log)
         del model  # the float weights are in the graph's file now; the side graphs need far less
         graphs[SAMPLER_GRAPH] = export_sampler_graph(checkpoint.config.vocab_size, options.tree_depth, staging)
         if drafter is not None:
@@ -287,6 +265,32 @@ def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> B
         progress.step(progress.total, "writing tokenizer, manifest and checksums")
         manifest = _write_manifest(staging, options, checkpoint, shapes, graphs, quantization, speculation, target)
     return BuildReport.of(out, manifest, progress.seconds())
+
+
+def _emit_step_graph(
+    options: BuildOptions,
+    config: ModelConfig,
+    model,
+    shapes: BuildShapes,
+    staging: Path,
+    progress: _Progress,
+    log: Callable[[str], None],
+) -> tuple[dict[str, GraphSpec], dict[str, str]]:
+    """The step graph in the backend's form, and the target facts a compiled one must find again where it runs."""
+    if options.backend == "aoti":
+        progress.step(3, f"tracing the step graph, compiling it with AOTInductor for {options.device}; sampler as ONNX")
+        step = aoti.export_aoti_step_graph(model, staging, shapes.max_seq_len, options.device)
+        return {STEP_GRAPH: step}, aoti.target_facts(options.device)
+    if options.backend == "tensorrt":
+        progress.step(3, "tracing the step graph as ONNX for TensorRT and building its engine; sampler as ONNX")
+        step = tensorrt.export_tensorrt_onnx(model, staging, shapes.max_seq_len)
+        phases = list(plan_phases(shapes).values())
+        engine = staging / tensorrt.ENGINE_FILE
+        target = tensorrt.build_engine_file(staging / step.file, phases, config, shapes.max_seq_len, engine)
+        return {STEP_GRAPH: replace(step, file=engine.name)}, target
+    progress.step(3, "tracing the step and sampler graphs with torch.export and emitting ONNX")
+    step = export_step_graph(model, staging, shapes.max_seq_len)
+    return {STEP_GRAPH: _native_kernels(options, step, staging, log)}, {}
 
 
 @dataclass

@@ -101,16 +101,24 @@ def _spec(value_info) -> TensorSpec:
     return TensorSpec(value_info.name, dtype, shape)
 
 
-def export_step_graph(model: LlamaForCausalLM, out_dir: Path, max_seq_len: int) -> GraphSpec:
+def export_step_graph(
+    model: LlamaForCausalLM,
+    out_dir: Path,
+    max_seq_len: int,
+    file: str = GRAPH_FILE,
+    translations: dict | None = None,
+) -> GraphSpec:
+    """The step graph as ONNX; `translations` replace the ONNX engines' lowerings of our ops (TensorRT's)."""
     num_layers = model.config.num_layers
     return _export(
         model,
         example_inputs(model),
         dynamic_shapes(num_layers, max_seq_len),
-        out_dir / GRAPH_FILE,
+        out_dir / file,
         input_names(num_layers),
         output_names(num_layers),
         external_data=True,
+        translations=translations,
     )
 
 

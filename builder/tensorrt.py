@@ -17,9 +17,10 @@ from pathlib import Path
 
 import torch
 
-from builder.export import _export, dynamic_shapes, example_inputs, input_names, output_names
+from builder.export import export_step_graph
 from builder.model import LlamaForCausalLM
 from engines.format import GraphSpec, PhaseSpec
+from engines.model_config import ModelConfig
 from plugins import tensorrt_plugin
 
 ONNX_FILE = "model.trt.onnx"
@@ -52,20 +53,13 @@ def standard_norm_translations() -> dict:
 
 def export_tensorrt_onnx(model: LlamaForCausalLM, out_dir: Path, max_seq_len: int) -> GraphSpec:
     model.use_torch_ops()
-    num_layers = model.config.num_layers
-    return _export(
-        model,
-        example_inputs(model),
-        dynamic_shapes(num_layers, max_seq_len),
-        out_dir / ONNX_FILE,
-        input_names(num_layers),
-        output_names(num_layers),
-        external_data=True,
-        translations={**tensorrt_plugin.onnx_translations(), **standard_norm_translations()},
-    )
+    translations = {**tensorrt_plugin.onnx_translations(), **standard_norm_translations()}
+    return export_step_graph(model, out_dir, max_seq_len, ONNX_FILE, translations)
 
 
-def build_engine_file(onnx_path: Path, phases: list[PhaseSpec], max_seq_len: int, out_path: Path) -> dict[str, str]:
+def build_engine_file(
+    onnx_path: Path, phases: list[PhaseSpec], config: ModelConfig, max_seq_len: int, out_path: Path
+) -> dict[str, str]:
     """Build and save the TensorRT engine; returns the target facts the runner checks (TensorRT version, GPU)."""
     reason = unavailable_reason()
     if reason is not None:
@@ -73,17 +67,46 @@ def build_engine_file(onnx_path: Path, phases: list[PhaseSpec], max_seq_len: int
     import tensorrt
     from polygraphy.backend.trt import CreateConfig, Profile, engine_from_network, network_from_onnx_path, save_engine
 
-    tensorrt_plugin.register_plugin()
-    profiles = [_profile(Profile(), phase, max_seq_len) for phase in phases]
+    tensorrt_plugin.register_plugins()
+    profiles = []
+    for phase in phases:
+        profile = Profile()
+        for name, (low, opt, high) in profile_shapes(phase, config, max_seq_len).items():
+            profile.add(name, min=low, opt=opt, max=high)
+        profiles.append(profile)
     engine = engine_from_network(network_from_onnx_path(str(onnx_path)), config=CreateConfig(profiles=profiles))
     save_engine(engine, str(out_path))
     major, minor = torch.cuda.get_device_capability()
     return {"tensorrt": tensorrt.__version__, "gpu": f"sm_{major}{minor}"}
 
 
-def _profile(profile, phase: PhaseSpec, max_seq_len: int):
-    """One optimization profile covering a phase's buckets: rows and tokens from its smallest to its largest."""
-    rows, steps = (min(phase.batch_sizes), max(phase.batch_sizes)), (min(phase.steps), max(phase.steps))
-    for name, low, high in (("input_ids", rows[0], rows[1]), ("positions", rows[0], rows[1])):
-        profile.add(name, (low, steps[0]), (high, steps[1]), (high, steps[1]))
-    return profile
+Shape = tuple[int, ...]
+
+
+def profile_shapes(phase: PhaseSpec, config: ModelConfig, max_seq_len: int) -> dict[str, tuple[Shape, Shape, Shape]]:
+    """One optimization profile covering a phase's buckets: every input's (min, opt, max) shape. Rows and new tokens
+    span the phase's buckets; the bias spans what a row can attend (max(past_lens) + tokens); the cache buffer any
+    length up to twice the longest sequence (the runner's buffer adds headroom for padded chunks)."""
+    rows = (min(phase.batch_sizes), max(phase.batch_sizes))
+    steps = (min(phase.steps), max(phase.steps))
+    outputs = (1, 1) if phase.logits == "last" else steps
+    attended = (steps[0], max_seq_len + steps[1])
+    length = (steps[1] + 1, 2 * max_seq_len)
+
+    def dims(*sizes):  # each size a (min, max) range or a fixed int -> (min, opt, max) shapes; opt = max
+        low = tuple(s if isinstance(s, int) else s[0] for s in sizes)
+        high = tuple(s if isinstance(s, int) else s[1] for s in sizes)
+        return low, high, high
+
+    shapes = {
+        "input_ids": dims(rows, steps),
+        "positions": dims(rows, steps),
+        "past_lens": dims(rows),
+        "query_lens": dims(rows),
+        "attention_bias": dims(rows, 1, steps, attended),
+        "logits_index": dims(rows, outputs),
+    }
+    cache = dims(rows, config.num_kv_heads, length, config.head_dim)
+    for i in range(config.num_layers):
+        shapes[f"past_key.{i}"] = shapes[f"past_value.{i}"] = cache
+    return shapes

@@ -15,41 +15,40 @@ from plugins.blockwise_matmul import SMALL_M, TILES
 from plugins.onnx_schema import register_contrib_op
 
 NAMESPACE = "llm_engine_builder"
-OP = "BlockwiseMatMul"
+OP = "BlockwiseMatMul"  # symmetric blocks: x, qweight, scales
+OP_WITH_OFFSETS = "BlockwiseMatMulOffsets"  # Q4_1-style blocks: x, qweight, scales, offsets
 VERSION = "1"
-DOMAIN = "trt.plugins"  # any domain would do for TensorRT; onnx needs one to hold the node's schema
+DOMAIN = "trt.plugins"  # any domain would do for TensorRT; onnx needs one to hold the nodes' schemas
+ATTRIBUTES = {
+    "in_features": int,
+    "out_features": int,
+    "bits": int,
+    "block_size": int,
+    "plugin_namespace": str,
+    "plugin_version": str,
+}
 
 
 def onnx_translations() -> dict:
     """custom_translation_table entries for torch.onnx.export: plugins::blockwise_matmul -> one plugin node."""
     import onnxscript
 
-    register_contrib_op(
-        OP,
-        inputs=["x:T", "qweight:tensor(uint8)", "scales:tensor(float)", "offsets?:tensor(float)"],
-        outputs=["y:T"],
-        types={"T": ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]},
-        attributes={
-            "in_features": int,
-            "out_features": int,
-            "bits": int,
-            "block_size": int,
-            "plugin_namespace": str,
-            "plugin_version": str,
-        },
-        domain=DOMAIN,
-    )
+    for op, offsets in ((OP, []), (OP_WITH_OFFSETS, ["offsets:tensor(float)"])):
+        register_contrib_op(
+            op,
+            inputs=["x:T", "qweight:tensor(uint8)", "scales:tensor(float)", *offsets],
+            outputs=["y:T"],
+            types={"T": ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]},
+            attributes=ATTRIBUTES,
+            domain=DOMAIN,
+        )
     plugins = onnxscript.values.Opset(DOMAIN, 1)
 
     def blockwise_matmul_to_onnx(
         x, qweight, scales, offsets, in_features: int, out_features: int, bits: int, block_size: int, tile: int
     ):
-        # the tile is chosen at run time by the plugin (by the rows it gets), so it is not an attribute
-        return plugins.BlockwiseMatMul(
-            x,
-            qweight,
-            scales,
-            offsets,
+        # the tile is chosen by the plugin's build for the rows of its profile, so it is not an attribute
+        attributes = dict(
             in_features=in_features,
             out_features=out_features,
             bits=bits,
@@ -57,72 +56,80 @@ def onnx_translations() -> dict:
             plugin_namespace=NAMESPACE,
             plugin_version=VERSION,
         )
+        if offsets is None:
+            return plugins.BlockwiseMatMul(x, qweight, scales, **attributes)
+        return plugins.BlockwiseMatMulOffsets(x, qweight, scales, offsets, **attributes)
 
     return {torch.ops.plugins.blockwise_matmul.default: blockwise_matmul_to_onnx}
 
 
-def register_plugin() -> None:
-    """Register the plugin with TensorRT (needs tensorrt and triton). Its AOT implementation compiles the Triton
-    kernel for the tile of the rows TensorRT will call it with: the decode tile when the optimization profile's
-    largest row count is at most SMALL_M, the prompt tile otherwise. Written against tensorrt.plugin's documented
-    API; not yet run (no TensorRT on the machines this was written on)."""
+def register_plugins() -> None:
+    """Register both plugins with TensorRT (needs tensorrt and triton). Their AOT implementation compiles the Triton
+    kernel for the tile of the rows TensorRT calls it with: the decode tile where the row count is a constant of
+    at most SMALL_M, the prompt tile otherwise. Written against tensorrt.plugin's documented API; not yet run (no
+    TensorRT on the machines this was written on)."""
     import tensorrt.plugin as trtp
+
+    def output(x, out_features):
+        dims = [x.shape_expr[i] for i in range(len(x.shape_expr) - 1)] + [out_features]
+        return trtp.from_shape_expr(dims, dtype=x.dtype)
+
+    @trtp.register(f"{NAMESPACE}::{OP}")
+    def describe(x: trtp.TensorDesc, qweight: trtp.TensorDesc, scales: trtp.TensorDesc, in_features: int,
+                 out_features: int, bits: int, block_size: int) -> trtp.TensorDesc:  # fmt: skip
+        return output(x, out_features)
+
+    @trtp.aot_impl(f"{NAMESPACE}::{OP}")
+    def compile_symmetric(x, qweight, scales, in_features, out_features, bits, block_size, outputs, tactic):
+        return _compiled_kernel(trtp, x, in_features, out_features, bits, block_size, offsets=False)
+
+    @trtp.register(f"{NAMESPACE}::{OP_WITH_OFFSETS}")
+    def describe_with_offsets(x: trtp.TensorDesc, qweight: trtp.TensorDesc, scales: trtp.TensorDesc,
+                              offsets: trtp.TensorDesc, in_features: int, out_features: int, bits: int,
+                              block_size: int) -> trtp.TensorDesc:  # fmt: skip
+        return output(x, out_features)
+
+    @trtp.aot_impl(f"{NAMESPACE}::{OP_WITH_OFFSETS}")
+    def compile_with_offsets(x, qweight, scales, offsets, in_features, out_features, bits, block_size, outputs, tactic):
+        return _compiled_kernel(trtp, x, in_features, out_features, bits, block_size, offsets=True)
+
+
+def _compiled_kernel(trtp, x, in_features: int, out_features: int, bits: int, block_size: int, offsets: bool):
+    """(kernel name, PTX, launch parameters, extra scalar arguments) of the Triton kernel for this node. Without
+    offsets the kernel's offset pointer is never read; TensorRT passes the output pointer after the inputs, so the
+    symmetric variant's signature names one pointer less."""
     import triton
 
     from plugins.blockwise_matmul import _blockwise_matmul_kernel
 
-    name = f"{NAMESPACE}::{OP}"
-
-    @trtp.register(name)
-    def describe(
-        x: trtp.TensorDesc,
-        qweight: trtp.TensorDesc,
-        scales: trtp.TensorDesc,
-        offsets: trtp.TensorDesc,
-        in_features: int,
-        out_features: int,
-        bits: int,
-        block_size: int,
-    ) -> trtp.TensorDesc:
-        dims = [x.shape_expr[i] for i in range(len(x.shape_expr) - 1)] + [out_features]
-        return trtp.from_shape_expr(dims, dtype=x.dtype)
-
-    @trtp.aot_impl(name)
-    def compile_kernel(x, qweight, scales, offsets, in_features, out_features, bits, block_size, outputs, tactic):
-        rows = x.shape_expr.numel() // in_features
-        tile = TILES[0] if x.shape_expr[0].is_constant and rows.constant_value <= SMALL_M else TILES[1]
-        element = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}[str(x.dtype).split(".")[-1].lower()]
-        source = triton.compiler.ASTSource(
-            fn=_blockwise_matmul_kernel,
-            signature={
-                "x_ptr": f"*{element}",
-                "w_ptr": "*u8",
-                "scale_ptr": "*fp32",
-                "offset_ptr": "*fp32",
-                "out_ptr": f"*{element}",
-                "M": "i32",
-                "N": "i32",
-                "K": "i32",
-                "n_blocks": "i32",
-            },
-            constexprs={
-                "BITS": bits,
-                "BLOCK": block_size,
-                "HAS_OFFSETS": True,
-                "FP32": element == "fp32",
-                "BLOCK_M": tile.block_m,
-                "BLOCK_N": tile.block_n,
-            },
-        )
-        compiled = triton.compile(source, options={"num_warps": tile.num_warps})
-        launch = trtp.KernelLaunchParams()
-        launch.grid_x = trtp.cdiv(rows, tile.block_m)
-        launch.grid_y = trtp.cdiv(out_features, tile.block_n)
-        launch.block_x = compiled.metadata.num_warps * 32
-        launch.shared_mem = compiled.metadata.shared
-        extra = trtp.SymIntExprs(4)
-        extra[0] = trtp.SymInt32(rows)
-        extra[1] = trtp.SymInt32(out_features)
-        extra[2] = trtp.SymInt32(in_features)
-        extra[3] = trtp.SymInt32(-(-in_features // block_size))
-        return compiled.metadata.name, compiled.asm["ptx"], launch, extra
+    rows = x.shape_expr.numel() // in_features
+    tile = TILES[0] if rows.is_constant and rows.constant_value <= SMALL_M else TILES[1]
+    element = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}[str(x.dtype).split(".")[-1].lower()]
+    pointers = {"x_ptr": f"*{element}", "w_ptr": "*u8", "scale_ptr": "*fp32", "offset_ptr": "*fp32"}
+    if not offsets:
+        pointers["offset_ptr"] = "constexpr"
+    source = triton.compiler.ASTSource(
+        fn=_blockwise_matmul_kernel,
+        signature={**pointers, "out_ptr": f"*{element}", "M": "i32", "N": "i32", "K": "i32", "n_blocks": "i32"},
+        constexprs={
+            **({} if offsets else {"offset_ptr": None}),
+            "BITS": bits,
+            "BLOCK": block_size,
+            "HAS_OFFSETS": offsets,
+            "FP32": element == "fp32",
+            "BLOCK_M": tile.block_m,
+            "BLOCK_N": tile.block_n,
+        },
+    )
+    compiled = triton.compile(source, options={"num_warps": tile.num_warps})
+    launch = trtp.KernelLaunchParams()
+    launch.grid_x = trtp.cdiv(rows, tile.block_m)
+    launch.grid_y = trtp.cdiv(out_features, tile.block_n)
+    launch.block_x = compiled.metadata.num_warps * 32
+    launch.shared_mem = compiled.metadata.shared
+    extra = trtp.SymIntExprs(4)
+    extra[0] = trtp.SymInt32(rows)
+    extra[1] = trtp.SymInt32(out_features)
+    extra[2] = trtp.SymInt32(in_features)
+    extra[3] = trtp.SymInt32(-(-in_features // block_size))
+    return compiled.metadata.name, compiled.asm["ptx"], launch, extra

@@ -13,8 +13,9 @@ import torch
 
 from builder.export import example_inputs
 from builder.loaders import load_checkpoint
-from builder.tensorrt import export_tensorrt_onnx, unavailable_reason
+from builder.tensorrt import export_tensorrt_onnx, profile_shapes, unavailable_reason
 from builder.weights import load_model
+from engines.format import open_artifact
 from plugins import tensorrt_plugin
 from plugins.quant_linear import QuantSpec
 
@@ -61,6 +62,27 @@ def test_int4_linears_are_plugin_nodes_tensorrt_finds_by_name(tmp_path, checkpoi
     assert attributes["plugin_namespace"] == tensorrt_plugin.NAMESPACE.encode()
     assert attributes["plugin_version"] == tensorrt_plugin.VERSION.encode()
     assert attributes["bits"] == 4 and attributes["block_size"] == 32
+
+
+def test_q4_1_style_linears_take_the_plugin_with_offsets(tmp_path, checkpoint_factory):
+    spec = export_tensorrt_onnx(load(checkpoint_factory("gqa"), QuantSpec(4, 32, 0, offsets=True)), tmp_path, 256)
+    graph = onnx.load(str(tmp_path / spec.file), load_external_data=False).graph
+    nodes = [node for node in graph.node if node.op_type.startswith(tensorrt_plugin.OP)]
+    assert {node.op_type for node in nodes} == {tensorrt_plugin.OP_WITH_OFFSETS}
+    assert all(len(node.input) == 4 for node in nodes)
+
+
+def test_optimization_profiles_cover_every_input_of_each_phase(engine_factory):
+    manifest = open_artifact(engine_factory("gqa")).manifest
+    inputs = {t.name: t for t in manifest.graphs["step"].inputs}
+    for phase in manifest.phases.values():
+        shapes = profile_shapes(phase, manifest.model, manifest.max_seq_len)
+        assert set(shapes) == set(inputs)
+        for name, (low, opt, high) in shapes.items():
+            assert len(low) == len(inputs[name].shape) and all(a <= b <= c for a, b, c in zip(low, opt, high))
+            fixed = [(i, size) for i, size in enumerate(inputs[name].shape) if isinstance(size, int)]
+            assert all(low[i] == high[i] == size for i, size in fixed), name
+        assert shapes["input_ids"][2] == (max(phase.batch_sizes), max(phase.steps))
 
 
 @pytest.mark.skipif(unavailable_reason() is None, reason="TensorRT is installed here")
