@@ -18,17 +18,17 @@ class StaticCacheLlama(torch.nn.Module):
         self.w = weights
         self.layers = config["num_hidden_layers"]
         self.heads, self.kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-        self.head_dim = config["hidden_size"] // self.heads
+        self.head_dim = config.get("head_dim") or config["hidden_size"] // self.heads
         self.eps = config["rms_norm_eps"]
         any_weight = weights["model.embed_tokens.weight"]
         shape = (self.layers, batch, self.kv_heads, max_len, self.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=any_weight.dtype, device=any_weight.device)
-        self.v_cache = torch.zeros_like(self.k_cache)
-        inv_freq = 1.0 / config["rope_theta"] ** (
-            torch.arange(0, self.head_dim, 2, device=any_weight.device) / self.head_dim
-        )
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=any_weight.dtype, device=any_weight.device))
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=any_weight.dtype, device=any_weight.device))
+        theta = config.get("rope_theta") or config["rope_parameters"]["rope_theta"]  # (transformers 5 nests it)
+        inv_freq = 1.0 / theta ** (torch.arange(0, self.head_dim, 2, device=any_weight.device) / self.head_dim)
         angles = torch.arange(max_len, device=any_weight.device)[:, None].float() * inv_freq[None]
-        self.cos, self.sin = angles.cos().to(any_weight.dtype), angles.sin().to(any_weight.dtype)
+        self.register_buffer("cos", angles.cos().to(any_weight.dtype))
+        self.register_buffer("sin", angles.sin().to(any_weight.dtype))
 
     def norm(self, x, weight):
         x32 = x.float()
@@ -58,35 +58,60 @@ class StaticCacheLlama(torch.nn.Module):
             h = self.norm(x, w[p + "post_attention_layernorm.weight"])
             gate, up = h @ w[p + "mlp.gate_proj.weight"].t(), h @ w[p + "mlp.up_proj.weight"].t()
             x = x + (F.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].t()
-        return self.norm(x[:, -1], w["model.norm.weight"]) @ w["lm_head.weight"].t()
+        head = w.get("lm_head.weight", w["model.embed_tokens.weight"])  # tied embeddings have no lm_head
+        return (self.norm(x[:, -1], w["model.norm.weight"]) @ head.t()).float()
 
 
-def time_decode(checkpoint: Path, batch: int, prompt_len: int, new_tokens: int) -> dict:
-    """Decode tokens/s (summed over rows) and the prompt's prefill time, greedy, bf16, on CUDA."""
+def time_decode(
+    checkpoint: Path,
+    prompt: list[int],
+    batch: int,
+    new_tokens: int,
+    device: str = "cuda",
+    dtype: torch.dtype = torch.bfloat16,
+    compile_mode: str | None = "reduce-overhead",
+) -> dict:
+    """Greedy decode of `prompt` in `batch` rows: decode tokens/s (summed over rows), the prompt's prefill time
+    (eager), and row 0's tokens. `compile_mode` None runs the decode step eagerly."""
     from safetensors.torch import load_file
 
     config = json.loads((checkpoint / "config.json").read_text())
     weights = {}
     for path in sorted(checkpoint.glob("*.safetensors")):
-        weights.update({k: v.to("cuda", torch.bfloat16) for k, v in load_file(str(path)).items()})
-    model = StaticCacheLlama(weights, config, batch, prompt_len + new_tokens + 1)
-    step = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
-    prompt = torch.randint(0, config["vocab_size"], (batch, prompt_len), device="cuda")
+        weights.update({k: v.to(device, dtype) for k, v in load_file(str(path)).items()})
+    model = StaticCacheLlama(weights, config, batch, len(prompt) + new_tokens + 4)
+    step = model.forward if compile_mode is None else torch.compile(model.forward, mode=compile_mode, fullgraph=True)
+    tokens = torch.tensor([prompt] * batch, device=device)
+    positions = torch.arange(len(prompt), device=device).expand(batch, -1)
+
+    def synchronize():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
     with torch.inference_mode():
-        prefill_positions = torch.arange(prompt_len, device="cuda").expand(batch, -1)
-        model(prompt, prefill_positions)  # eager prefill (warm-up), then timed
-        torch.cuda.synchronize()
+        model(tokens, positions)  # warm-up; the timed prefill below writes the same cache positions again
+        synchronize()
         start = time.perf_counter()
-        logits = model(prompt, prefill_positions)
-        torch.cuda.synchronize()
+        token = model(tokens, positions).argmax(-1, keepdim=True)
+        synchronize()
         prefill_s = time.perf_counter() - start
-        token = logits.argmax(-1, keepdim=True)
-        for warm in range(3):  # compiles and records the CUDA graph
-            step(token, torch.full((batch, 1), prompt_len + warm, device="cuda")).argmax(-1, keepdim=True)
-        torch.cuda.synchronize()
+        generated = [token]
+        # the first steps compile (and record the CUDA graph); they are the first tokens, not timed
+        warm = min(3, new_tokens)
+        for i in range(warm):
+            token = step(token, torch.full((batch, 1), len(prompt) + i, device=device)).argmax(-1, keepdim=True)
+            generated.append(token)
+        synchronize()
         start = time.perf_counter()
-        for i in range(new_tokens):
-            token = step(token, torch.full((batch, 1), prompt_len + i, device="cuda")).argmax(-1, keepdim=True)
-        torch.cuda.synchronize()
+        for i in range(warm, new_tokens - 1):
+            token = step(token, torch.full((batch, 1), len(prompt) + i, device=device)).argmax(-1, keepdim=True)
+            generated.append(token)
+        synchronize()
         seconds = time.perf_counter() - start
-    return {"batch": batch, "decode_tok_s": batch * new_tokens / seconds, "prefill_s": prefill_s}
+    timed = new_tokens - 1 - warm
+    return {
+        "batch": batch,
+        "decode_tok_s": round(batch * timed / seconds, 1) if timed else None,
+        "prefill_s": round(prefill_s, 4),
+        "tokens": torch.cat(generated, dim=1)[0].tolist(),
+    }

@@ -200,9 +200,20 @@ def blockwise_matmul(
     return run_kernel(x, qweight, scales, offsets, in_features, out_features, bits, block_size, tile)
 
 
-def quantized_linear(x, qweight, scales, offsets, in_features: int, out_features: int, bits: int, block_size: int):
-    """The op with its tile chosen by the call's row count. On CPU (the reference) there is one path; elsewhere the
-    choice is a `torch.cond` the exported graph keeps, so one graph serves decode steps and prompt chunks."""
+def quantized_linear(
+    x,
+    qweight,
+    scales,
+    offsets,
+    in_features: int,
+    out_features: int,
+    bits: int,
+    block_size: int,
+    tile_by_rows: bool | None = None,
+):
+    """The op with its tile chosen by the call's row count: a `torch.cond` the exported graph keeps, so one graph
+    serves decode steps and prompt chunks. `tile_by_rows` defaults to "not on CPU", where the op is the reference
+    and the tile means nothing (the tests set it to check the branch on CPU)."""
 
     def call(tile: int):
         def run(x, qweight, scales, *offsets):
@@ -212,7 +223,7 @@ def quantized_linear(x, qweight, scales, offsets, in_features: int, out_features
         return run
 
     operands = (x, qweight, scales) + (() if offsets is None else (offsets,))
-    if x.device.type == "cpu":
+    if not (x.device.type != "cpu" if tile_by_rows is None else tile_by_rows):
         return call(0)(*operands)
     rows = x.numel() // in_features
     return torch.cond(rows <= SMALL_M, call(0), call(1), operands)

@@ -48,6 +48,11 @@ PEAK_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}  # bytes/s, SXM parts
 PROMPT, NEW_TOKENS = 1000, 128
 
 
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def stage(results: dict, name: str, run) -> None:
     start = time.perf_counter()
     try:
@@ -68,14 +73,14 @@ def kernel_tests() -> dict:
     return {"returncode": run.returncode, "tail": run.stdout[-1500:]}
 
 
-def build(source: Path, out: Path, **options) -> Path:
+def build(source: Path, out: Path, device: str = "cuda", **options) -> Path:
     from builder.build import BuildOptions, build_engine
 
-    build_engine(BuildOptions(str(source), out, backend="aoti", device="cuda", overwrite=True, **options), log=print)
+    build_engine(BuildOptions(str(source), out, backend="aoti", device=device, overwrite=True, **options), log=print)
     return out
 
 
-def tiny_parity(work: Path) -> dict:
+def tiny_parity(work: Path, device: str = "cuda") -> dict:
     from runner import LLM, SamplingParams
     from tests.reference import load_reference, reference_greedy
     from tests.tiny_checkpoint import make_checkpoint
@@ -84,7 +89,7 @@ def tiny_parity(work: Path) -> dict:
     reference = load_reference(checkpoint)
     results = {}
     for quant in ("none", "int4"):
-        llm = LLM(build(checkpoint, work / f"tiny-{quant}", quant=quant, max_seq_len=256, max_batch=4))
+        llm = LLM(build(checkpoint, work / f"tiny-{quant}", device, quant=quant, max_seq_len=256, max_batch=4))
         prompt = llm.tokenizer.encode("The quick brown fox jumps over the lazy dog.")
         params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
         ours = llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0].token_ids
@@ -135,33 +140,39 @@ def one_b_checkpoint(work: Path) -> Path:
     return directory
 
 
-def time_engine(engine: Path, weight_bytes: int) -> dict:
+def time_engine(engine: Path, weight_bytes: int, prompt_len: int = PROMPT, new_tokens: int = NEW_TOKENS) -> dict:
+    """Prefill of a `prompt_len`-token prompt, then greedy decode at batch 1 and 8 through the runner's executor
+    (its greedy loop: the graph calls and the host work between them)."""
+    from engines.format import open_artifact
     from runner.core.args import EngineArgs
     from runner.core.engine import LLMEngine
 
     executor = LLMEngine(EngineArgs(engine)).executor
     rng = np.random.default_rng(0)
-    prompt = rng.integers(3, 300, PROMPT).tolist()
+    prompt = rng.integers(3, 300, prompt_len).tolist()
     executor.prefill(0, prompt, 0)  # warm-up
-    torch.cuda.synchronize()
+    synchronize()
     start = time.perf_counter()
     executor.prefill(0, prompt, 0)
     ttft = time.perf_counter() - start
-    results = {"prefill_1000_s": round(ttft, 4)}  # one prompt chunk through the step graph: the TTFT before sampling
-    no_stop = np.zeros(ONE_B["vocab_size"], bool)
-    for batch in (1, 8):
+    # one prompt chunk through the step graph: the TTFT before sampling
+    results = {f"prefill_{prompt_len}_s": round(ttft, 4)}
+    no_stop = np.zeros(open_artifact(engine, verify_checksums=False).manifest.model.vocab_size, bool)
+    for batch in (1, min(8, executor.max_rows)):
         rows = list(range(batch))
+        short = prompt[:32]  # each row holds a short prompt, then decodes after it
         for row in rows:
-            executor.prefill(row, prompt[:32], 0)
-        executor.decode_greedy(rows, [5] * batch, [32] * batch, 8, no_stop)  # warm-up: CUDA graph capture
+            executor.prefill(row, short, 0)
+        executor.decode_greedy(rows, [5] * batch, [len(short)] * batch, 8, no_stop)  # warm-up: CUDA graph capture
+        synchronize()
         start = time.perf_counter()
-        executor.decode_greedy(rows, [5] * batch, [40] * batch, NEW_TOKENS, no_stop)
+        executor.decode_greedy(rows, [5] * batch, [len(short) + 8] * batch, new_tokens, no_stop)
         seconds = time.perf_counter() - start
-        results[f"decode_b{batch}_tok_s"] = round(batch * NEW_TOKENS / seconds, 1)
+        results[f"decode_b{batch}_tok_s"] = round(batch * new_tokens / seconds, 1)
         if batch == 1:
-            name = torch.cuda.get_device_name()
+            name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
             peak = next((v for k, v in PEAK_BANDWIDTH.items() if k in name), None)
-            achieved = weight_bytes * NEW_TOKENS / seconds
+            achieved = weight_bytes * new_tokens / seconds
             results["decode_b1_weight_bytes_per_s"] = round(achieved / 1e9, 1)
             results["decode_b1_mbu"] = None if peak is None else round(achieved / peak, 3)
     return results
@@ -193,11 +204,13 @@ def one_b(work: Path, results: dict) -> None:
     )
     from benchmarks.gpt_fast_baseline import time_decode
 
-    stage(
-        results,
-        "1b_gpt_fast_style",
-        lambda: {f"b{b}": time_decode(checkpoint, b, PROMPT, NEW_TOKENS) for b in (1, 8)},
-    )
+    prompt = np.random.default_rng(0).integers(3, 300, PROMPT).tolist()
+
+    def gpt_fast_style():
+        runs = {f"b{b}": time_decode(checkpoint, prompt, b, NEW_TOKENS) for b in (1, 8)}
+        return {name: {k: v for k, v in run.items() if k != "tokens"} for name, run in runs.items()}
+
+    stage(results, "1b_gpt_fast_style", gpt_fast_style)
 
 
 def table(results: dict) -> str:

@@ -120,6 +120,7 @@ class BoundPackage:
     def outputs_of(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         backend = self.backend
         torch = backend.torch
+        _check_shapes(self.bound_inputs | feeds)
         inputs = {
             name: backend.tensor(value, self.input_dtypes[name]) for name, value in (self.bound_inputs | feeds).items()
         }
@@ -170,6 +171,29 @@ class CapturedCall:
                 self.static[name].copy_(tensor, non_blocking=True)
         self.graph.replay()
         return self.outputs
+
+
+def _check_shapes(inputs: dict) -> None:
+    """A compiled graph does not check its inputs against each other, and a mismatch reads or writes out of bounds:
+    check the step's sizes agree (one cache view stands for all, they are slices of one buffer)."""
+    batch, steps = inputs["input_ids"].shape
+    cache = inputs["past_key.0"].shape
+    width = inputs["attention_bias"].shape
+    expected = {
+        "positions": (batch, steps),
+        "past_lens": (batch,),
+        "query_lens": (batch,),
+        "logits_index": (batch, inputs["logits_index"].shape[-1]),
+        "attention_bias": (batch, 1, steps, width[-1]),
+        "past_key.0": (batch, *cache[1:]),
+        "past_value.0": (batch, *cache[1:]),
+    }
+    for name, shape in expected.items():
+        if tuple(inputs[name].shape) != shape:
+            raise ValueError(f"{name} has shape {tuple(inputs[name].shape)}, the step's inputs ask for {shape}")
+    past_lens = inputs["past_lens"]
+    if isinstance(past_lens, np.ndarray) and (past_lens.max(initial=0) + steps > cache[2] or width[-1] > cache[2]):
+        raise ValueError(f"a row's positions run past the cache buffer's {cache[2]}")
 
 
 def _is_cache(name: str) -> bool:

@@ -67,6 +67,8 @@ class Executor:
         inputs and outputs, so the new K/V land in them. Rows with query_lens 0 take no part."""
         self.step_calls += 1
         key = (phase.graph, start_row, start_row + len(input_ids))
+        if key[2] > self.cache.rows:  # (a view past the buffer would be empty, and a compiled graph unchecked)
+            raise ValueError(f"cache rows {start_row}..{key[2] - 1} do not exist: the cache has {self.cache.rows}")
         bound = self._bound.get(key)
         if bound is None:
             bound = self._bound[key] = self.backend.bind(phase.graph, self._cache_buffers(*key[1:]))

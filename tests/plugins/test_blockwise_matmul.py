@@ -112,3 +112,27 @@ def blockwise_matmul_inputs(linear):
     rows, n_blocks, width = linear.qweight.shape
     qweight = torch.randint(0, 256, (rows, n_blocks, width), dtype=torch.uint8)
     return qweight, torch.rand(rows * n_blocks) / 10, torch.randn(rows, n_blocks) / 10
+
+
+@pytest.mark.parametrize("offsets", [False, True])
+def test_the_tile_branch_survives_export_and_aot_compilation(tmp_path, offsets):
+    """One exported graph for every row count: the torch.cond on rows is kept, and the compiled package gives the
+    reference's result on both sides of SMALL_M (run on CPU, where both branches are the reference)."""
+    rng = np.random.default_rng(5)
+    (qweight, scales, mins), _ = random_blocks(rng, 24, 64, 4, 32, offsets)
+
+    class Linear(torch.nn.Module):
+        def forward(self, x):
+            return blockwise_matmul.quantized_linear(x, qweight, scales, mins, 64, 24, 4, 32, tile_by_rows=True)
+
+    rows = torch.export.Dim("rows", min=1, max=1024)
+    example = torch.randn(3, 64)
+    program = torch.export.export(Linear(), (example,), dynamic_shapes=({0: rows},))
+    assert any(node.target is torch.ops.higher_order.cond for node in program.graph.nodes)
+    package = torch._inductor.aoti_load_package(
+        torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / "linear.pt2"))
+    )
+    for count in (1, blockwise_matmul.SMALL_M, blockwise_matmul.SMALL_M + 1, 40):
+        x = torch.randn(count, 64)
+        expected = blockwise_matmul.dequantize_matmul(x, qweight, scales, mins, 64, 4)
+        torch.testing.assert_close(package(x), expected, rtol=1e-5, atol=1e-5)

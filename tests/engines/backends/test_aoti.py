@@ -99,3 +99,21 @@ def test_int4_engine_runs_the_blockwise_op_and_agrees_with_the_float_compute_onn
     prompts = [aoti.tokenizer.encode(t) for t in (TEXT, "hello")]
     ours = [o.token_ids for o in aoti.generate(prompt_token_ids=prompts, sampling_params=GREEDY)]
     assert ours == [o.token_ids for o in onnx.generate(prompt_token_ids=prompts, sampling_params=GREEDY)]
+
+
+def test_inputs_that_disagree_are_refused_before_the_compiled_graph_runs(aoti_engine):
+    """The package checks nothing itself (a mismatch would read or write out of bounds)."""
+    executor = LLMEngine(EngineArgs(aoti_engine)).executor
+    bound = executor.backend.bind("step", executor._cache_buffers(0, 2))
+    feeds = {
+        "input_ids": np.zeros((3, 1), np.int64),  # three rows against a cache of two
+        "positions": np.zeros((3, 1), np.int64),
+        "past_lens": np.zeros(3, np.int64),
+        "query_lens": np.ones(3, np.int64),
+        "attention_bias": np.zeros((3, 1, 1, 1), np.float32),
+        "logits_index": np.zeros((3, 1), np.int64),
+    }
+    with pytest.raises(ValueError, match="past_key.0 has shape"):
+        bound.run(feeds, executor._output_arrays(3, 1))
+    with pytest.raises(ValueError, match="cache rows 4..4 do not exist"):
+        executor.prefill(executor.cache.rows, [1, 2, 3], 0)
