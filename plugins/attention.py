@@ -158,9 +158,11 @@ def attend_in_place(
     the new K/V are written into `past_key` / `past_value` themselves, which torch.export records as a mutation of
     those inputs and AOTInductor performs on the runner's buffers, and the same tensors come back as present_*.
 
-    Computes in the model's dtype over the whole buffer (the bias is padded to its length; causality masks what lies
-    past each token), with the query heads of one KV head stacked along the token axis, so the cache is read as it
-    is, never repeated per query head. Padding tokens write back what their slot held, so they change nothing."""
+    Computes in the model's dtype over the positions the bias spans (max(past_lens) + T: a step costs what its rows
+    hold, not what the buffer could hold; a caller may pad the bias wider with zeros, since causality masks what
+    lies past each token), with the query heads of one KV head stacked along the token axis, so the cache is read
+    as it is, never repeated per query head. Padding tokens write back what their slot held, so they change
+    nothing."""
     batch, steps, _ = qkv.shape
     head_dim, length = past_key.shape[-1], past_key.shape[2]
     dtype, device = qkv.dtype, qkv.device
@@ -178,15 +180,15 @@ def attend_in_place(
     for cache, new, cache_scale in ((past_key, k, k_scale), (past_value, v, v_scale)):
         cache[rows, :, written] = torch.where(real, to_cache(new, cache.dtype, cache_scale), cache[rows, :, written])
 
-    group = num_heads // kv_heads
-    keys = from_cache(past_key, k_scale).to(dtype) if k_scale is not None else past_key
-    values = from_cache(past_value, v_scale).to(dtype) if v_scale is not None else past_value
+    group, attended = num_heads // kv_heads, attention_bias.shape[-1]
+    keys, values = past_key[:, :, :attended], past_value[:, :, :attended]
+    keys = from_cache(keys, k_scale).to(dtype) if k_scale is not None else keys
+    values = from_cache(values, v_scale).to(dtype) if v_scale is not None else values
     queries = q.transpose(1, 2).reshape(batch, kv_heads, group * steps, head_dim)  # query head h reads h // group
-    allowed = torch.arange(length, device=device) <= slots.unsqueeze(-1)  # [B, T, L]
-    bias = torch.nn.functional.pad(attention_bias.float(), (0, length - attention_bias.shape[-1]))
-    mask = bias.masked_fill(~allowed.unsqueeze(1), float("-inf")).repeat(1, 1, group, 1)  # [B, 1, group * T, L]
+    allowed = torch.arange(attended, device=device) <= slots.unsqueeze(-1)  # [B, T, A]
+    mask = attention_bias.float().masked_fill(~allowed.unsqueeze(1), float("-inf")).repeat(1, 1, group, 1)
     # explicit softmax attention: scaled_dot_product_attention's CPU kernel leaves strides that pin the token
-    # count in torch.export; the scores are [B, kv_heads, group * T, L], which a decode step keeps small
+    # count in torch.export; the scores are [B, kv_heads, group * T, A], which a decode step keeps small
     scores = (queries @ keys.transpose(-1, -2)).float() * scale + mask
     out = torch.softmax(scores, dim=-1).to(dtype) @ values  # [B, kv_heads, group * T, D]
     out = out.unflatten(2, (group, steps)).flatten(1, 2).transpose(1, 2).flatten(2)

@@ -173,8 +173,9 @@ def time_engine(engine: Path, weight_bytes: int, prompt_len: int = PROMPT, new_t
             name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
             peak = next((v for k, v in PEAK_BANDWIDTH.items() if k in name), None)
             achieved = weight_bytes * new_tokens / seconds
-            results["decode_b1_weight_bytes_per_s"] = round(achieved / 1e9, 1)
+            results["decode_b1_weight_gb_per_s"] = round(achieved / 1e9, 1)
             results["decode_b1_mbu"] = None if peak is None else round(achieved / peak, 3)
+    results["cuda_graph_error"] = getattr(executor.backend, "cuda_graph_error", None)
     return results
 
 

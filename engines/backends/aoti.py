@@ -4,9 +4,10 @@ graphs (sampler, draft head) are ONNX and run on onnxruntime, on the CPU.
 The cache buffers the runner binds are handed to the package as tensors over the same memory (numpy arrays on CPU,
 viewed without a copy; device tensors on CUDA, runner/core/kv_cache.py's DeviceKVCache), and the package writes the
 new K/V into them: present_key.i is past_key.i. Small inputs and the per-token outputs cross between numpy and the
-device at each call. On CUDA a bound decode graph (one token per row) is captured as a CUDA graph on its first
-run and replayed afterwards: its inputs are copied into the graph's own tensors, and the attention bias is padded
-to the cache's length so that every decode step of a batch bucket has the same shapes.
+device at each call. On CUDA a bound decode graph (one token per row) is captured as a CUDA graph per KV-length
+bucket (the manifest's decode `past_lengths`): the attention bias is padded with zeros to the bucket, which the
+graph's causal mask makes harmless, so the decode steps of a bucket share one capture, and a step still reads no
+more of the cache than its bucket; each replay copies the step's inputs into the graph's own tensors.
 """
 
 from __future__ import annotations
@@ -52,8 +53,18 @@ class AOTInductorBackend:
             self.specs[key] = graph
         self.side = OnnxRuntimeBackend(artifact, threads=1, graphs=set(manifest.graphs) - compiled)
         self.cuda_graphs = cuda_graphs and self.device == "cuda"
+        self.kv_buckets = manifest.phases["decode"].past_lengths
+        self.cuda_graph_error = None  # why capture failed, if it did: decode then runs without CUDA graphs (warned)
         self.provider = f"AOTInductor ({self.device})"  # what runs the step graph (reports, tuning choices)
         self.cache_positions = None  # set by bind: the cache buffers' length (CUDA graphs pad the bias to it)
+
+    def stop_capturing(self, err: Exception) -> None:
+        """Decode without CUDA graphs from now on, saying so once (a capture failure costs speed, not results)."""
+        import warnings
+
+        self.cuda_graphs = False
+        self.cuda_graph_error = str(err).splitlines()[0]
+        warnings.warn(f"CUDA graph capture failed, decoding without CUDA graphs: {self.cuda_graph_error}", stacklevel=2)
 
     @property
     def cache_device(self) -> str:
@@ -107,7 +118,7 @@ class BoundPackage:
         self.bound_outputs = {name: buffers[name] for name in self.output_names if name in buffers}
         self.per_run_inputs = set(self.input_names) - set(self.bound_inputs)
         self.per_run_outputs = set(self.output_names) - set(self.bound_outputs)
-        self.graph_replay = None  # a CUDA graph of this binding (decode calls on CUDA), made on the first run
+        self.graph_replays = {}  # KV-length bucket -> a CUDA graph of this binding (decode calls on CUDA)
 
     def run(self, feeds: dict[str, np.ndarray], outputs: dict[str, np.ndarray]) -> None:
         if set(feeds) != self.per_run_inputs:
@@ -125,7 +136,7 @@ class BoundPackage:
             name: backend.tensor(value, self.input_dtypes[name]) for name, value in (self.bound_inputs | feeds).items()
         }
         with torch.inference_mode():
-            if self.capture and inputs["input_ids"].shape[1] == 1:
+            if self.capture and backend.cuda_graphs and inputs["input_ids"].shape[1] == 1:
                 results = self._replay(inputs)
             else:
                 results = self._call(inputs)
@@ -139,15 +150,19 @@ class BoundPackage:
         return self.package(*plain, keys, values)
 
     def _replay(self, inputs: dict) -> list:
-        """Decode through a CUDA graph captured on the first call: the bias padded to the cache's length, so every
-        call of this binding has the captured shapes; each call copies its inputs into the graph's tensors."""
+        """Decode through the CUDA graph of the step's KV-length bucket, captured on its first call."""
         torch = self.backend.torch
         bias = inputs["attention_bias"]
         length = inputs["past_key.0"].shape[2]
-        inputs["attention_bias"] = torch.nn.functional.pad(bias, (0, length - bias.shape[-1]))
-        if self.graph_replay is None:
-            self.graph_replay = CapturedCall(torch, self._call, inputs)
-        return self.graph_replay.run(inputs)
+        width = min([b for b in self.backend.kv_buckets if b >= bias.shape[-1]] + [length])
+        inputs["attention_bias"] = torch.nn.functional.pad(bias, (0, width - bias.shape[-1]))
+        if width not in self.graph_replays:
+            try:
+                self.graph_replays[width] = CapturedCall(torch, self._call, inputs)
+            except RuntimeError as err:  # torch reports a failed capture as a RuntimeError
+                self.backend.stop_capturing(err)
+                return self._call(inputs)
+        return self.graph_replays[width].run(inputs)
 
 
 class CapturedCall:
