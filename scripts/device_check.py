@@ -2,7 +2,8 @@
 Triton, transformers, onnxruntime for the side graphs). Each stage records its result or its error and the next
 one runs anyway; everything lands in $OUT/device_check.json and a short table in $OUT/device_check.md.
 
-1. the Triton kernel's tests on CUDA (tests/plugins/test_blockwise_matmul.py, bf16 included);
+1. the Triton kernel's tests on CUDA (tests/plugins/test_blockwise_matmul.py, bf16 included), and its speed
+   against a bf16 matmul on the 1B shape's linears at 1, 8 and 1,000 rows;
 2. a tiny random checkpoint built with --backend aoti --device cuda (fp32, and int4 through the Triton kernel):
    greedy tokens against transformers on the same weights;
 3. a random-weight Llama of 1B shape (hidden 2048, 16 layers, 32 / 8 heads, intermediate 8192, vocab 128256)
@@ -20,6 +21,7 @@ import sys
 import tempfile
 import time
 import traceback
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -71,6 +73,39 @@ def kernel_tests() -> dict:
         text=True,
     )
     return {"returncode": run.returncode, "tail": run.stdout[-1500:]}
+
+
+def kernel_speed() -> dict:
+    """The Triton kernel against a bf16 cuBLAS matmul on the 1B shape's linears (random codes, groups of 32):
+    microseconds per call and the weight bytes it streams per second, for a decode row, a decode batch and a
+    prompt chunk."""
+    import triton.testing
+
+    from plugins.blockwise_matmul import run_kernel, tile_index
+
+    results = {}
+    c = ONE_B
+    kv = c["num_key_value_heads"] * c["hidden_size"] // c["num_attention_heads"]
+    shapes = {"qkv": (c["hidden_size"] + 2 * kv, c["hidden_size"]), "o": (c["hidden_size"], c["hidden_size"])}
+    shapes |= {
+        "gate_up": (2 * c["intermediate_size"], c["hidden_size"]),
+        "down": (c["hidden_size"], c["intermediate_size"]),
+    }
+    for name, (n, k) in shapes.items():
+        qweight = torch.randint(0, 256, (n, k // 32, 16), dtype=torch.uint8, device="cuda")
+        scales = torch.rand(n * k // 32, device="cuda") / 100
+        weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        for rows in (1, 8, 1000):
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            tile = tile_index(rows)
+            int4_ms = triton.testing.do_bench(partial(run_kernel, x, qweight, scales, None, k, n, 4, 32, tile))
+            bf16_ms = triton.testing.do_bench(partial(torch.matmul, x, weight.t()))
+            results[f"{name}_m{rows}"] = {
+                "int4_us": round(int4_ms * 1e3, 1),
+                "bf16_us": round(bf16_ms * 1e3, 1),
+                "int4_weight_gb_s": round((n * k / 2 + n * k / 32 * 4) / int4_ms / 1e6, 1),
+            }
+    return results
 
 
 def build(source: Path, out: Path, device: str = "cuda", **options) -> Path:
@@ -242,6 +277,7 @@ def main() -> None:
         work = Path(scratch)
         if "kernel" in stages:
             stage(results, "kernel_tests", kernel_tests)
+            stage(results, "kernel_speed", kernel_speed)
         if "tiny" in stages:
             stage(results, "tiny_parity", lambda: tiny_parity(work))
         if "1b" in stages:

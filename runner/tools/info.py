@@ -11,7 +11,8 @@ def describe(artifact: Artifact) -> list[str]:
     model, cache = manifest.model, manifest.kv_cache
     lines = [
         f"engine: {artifact.directory} (schema {manifest.schema_version}, builder {manifest.builder_version}, "
-        f"backend {manifest.backend})",
+        f"backend {manifest.backend} on {manifest.device}"
+        f"{', built for ' + ', '.join(f'{k} {v}' for k, v in manifest.target.items()) if manifest.target else ''})",
         f"source: {manifest.source}",
         f"model: {model.num_layers} layers, hidden {model.hidden_size}, MLP {model.intermediate_size}, "
         f"{model.num_heads} heads / {model.num_kv_heads} KV heads x {model.head_dim}, vocabulary {model.vocab_size}, "
