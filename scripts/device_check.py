@@ -63,6 +63,8 @@ def stage(results: dict, name: str, run) -> None:
         results[name] = {"error": traceback.format_exc(limit=8)}
     results[name] = {**results[name], "seconds": round(time.perf_counter() - start, 1)}
     print(f"== {name}: {json.dumps(results[name])[:2000]}", flush=True)
+    if OUT.is_dir():  # after every stage, so a run cut short by its time limit keeps what it measured
+        (OUT / "device_check.json").write_text(json.dumps(results, indent=2))
 
 
 def kernel_tests() -> dict:
