@@ -22,6 +22,7 @@ from torch import nn
 from builder.export import dynamic_shapes, example_inputs, input_names, output_names
 from builder.model import LlamaForCausalLM
 from engines.format import GraphSpec, TensorSpec
+from plugins.quant_linear import QuantizedLinear
 
 PACKAGE_FILE = "model.pt2"
 DEVICES = ("cpu", "cuda")
@@ -66,6 +67,7 @@ def export_aoti_step_graph(model: LlamaForCausalLM, out_dir: Path, max_seq_len: 
         raise ValueError(reason)
     model.use_torch_ops()
     model.to(device)
+    quantized = any(isinstance(module, QuantizedLinear) for module in model.modules())
     num_layers = model.config.num_layers
     args = tuple(_to(arg, device) for arg in example_inputs(model))
     shapes = dynamic_shapes(num_layers, max_seq_len)
@@ -74,8 +76,17 @@ def export_aoti_step_graph(model: LlamaForCausalLM, out_dir: Path, max_seq_len: 
         warnings.simplefilter("ignore")
         logging.getLogger("torch._inductor").setLevel(logging.ERROR)
         program = torch.export.export(StepGraph(model), args, dynamic_shapes=shapes)
-        torch._inductor.aoti_compile_and_package(program, package_path=str(out_dir / PACKAGE_FILE))
+        torch._inductor.aoti_compile_and_package(
+            program, package_path=str(out_dir / PACKAGE_FILE), inductor_configs=_inductor_configs(device, quantized)
+        )
     return GraphSpec(PACKAGE_FILE, _specs(input_names(num_layers), args, shapes), _output_specs(model, args))
+
+
+def _inductor_configs(device: str, quantized: bool) -> dict:
+    """On CPU, freezing: the weights become constants Inductor can repack for its matmul library (the default
+    model's 49152 x 576 LM head at one row: 5.1 ms against 10.6 ms unfrozen; docs/measurements.md). Not for
+    quantized weights: freezing folds their dequantization into float constants, a float engine in disguise."""
+    return {"freezing": True} if device == "cpu" and not quantized else {}
 
 
 def _to(arg, device: str):

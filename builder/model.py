@@ -24,7 +24,7 @@ from torch import nn
 from engines.model_config import ModelConfig
 from plugins.attention import attend_in_place, group_query_attention
 from plugins.linear import make_linear
-from plugins.norm import add_rms_norm, rms_norm
+from plugins.norm import add_rms_norm, add_then_rms_norm, rms_norm
 from plugins.quant_linear import QuantizedLinear, QuantSpec
 
 
@@ -60,13 +60,14 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
+        self.add_and_norm = add_rms_norm  # the op the ONNX engines lower; see LlamaForCausalLM.use_torch_ops
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (norm(x + residual), x + residual): the residual add fused with the norm that follows it (one kernel
         in the engine); without a residual, (norm(x), x)."""
         if residual is None:
             return rms_norm(x, self.weight, self.eps), x
-        return add_rms_norm(x, residual, self.weight, self.eps)
+        return self.add_and_norm(x, residual, self.weight, self.eps)
 
 
 @dataclass(frozen=True)
@@ -215,14 +216,17 @@ class LlamaForCausalLM(nn.Module):
 
     def use_torch_ops(self) -> None:
         """Trace for the torch backends (AOTInductor, TensorRT) from now on: attention in plain torch ops writing the
-        cache in place (plugins.attention.attend_in_place), quantized linears through the Triton kernel's op with
-        block offsets inside it (plugins.blockwise_matmul), instead of the ops the ONNX engines lower to
-        onnxruntime's kernels."""
+        cache in place (plugins.attention.attend_in_place), residual add + norm in plain torch ops, quantized linears
+        through the Triton kernel's op with block offsets inside it (plugins.blockwise_matmul, a triton_op, which
+        the compilers take apart into its kernel), instead of the ops the ONNX engines lower to onnxruntime's
+        kernels. No op defined in Python is left for a compiled package to call back into."""
         for layer in self.model.layers:
             layer.self_attn.attend = attend_in_place
         for module in self.modules():
             if isinstance(module, QuantizedLinear):
                 module.fused_kernel = True
+            elif isinstance(module, RMSNorm):
+                module.add_and_norm = add_then_rms_norm
 
     def forward(
         self,

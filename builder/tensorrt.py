@@ -36,25 +36,9 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def standard_norm_translations() -> dict:
-    """plugins::add_rms_norm as standard ONNX ops (TensorRT knows no com.microsoft ops)."""
-    from onnxscript import opset18 as op
-
-    def add_rms_norm_to_onnx(x, residual, weight, eps: float):
-        total = op.Add(x, residual)
-        mean_square = op.ReduceMean(op.Mul(total, total), op.Constant(value_ints=[-1]), keepdims=1)
-        normed = op.Mul(
-            op.Div(total, op.Sqrt(op.Add(mean_square, op.CastLike(op.Constant(value_float=eps), x)))), weight
-        )
-        return normed, total
-
-    return {torch.ops.plugins.add_rms_norm.default: add_rms_norm_to_onnx}
-
-
 def export_tensorrt_onnx(model: LlamaForCausalLM, out_dir: Path, max_seq_len: int) -> GraphSpec:
     model.use_torch_ops()
-    translations = {**tensorrt_plugin.onnx_translations(), **standard_norm_translations()}
-    return export_step_graph(model, out_dir, max_seq_len, ONNX_FILE, translations)
+    return export_step_graph(model, out_dir, max_seq_len, ONNX_FILE, tensorrt_plugin.onnx_translations())
 
 
 def build_engine_file(

@@ -21,13 +21,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(x.dtype)
 
 
+def add_then_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (rms_norm(x + residual), x + residual) in plain torch ops: the op's reference, and what the torch
+    backends trace (a compiled package must not call back into ops defined in Python)."""
+    total = x + residual
+    return rms_norm(total, weight, eps), total
+
+
 @torch.library.custom_op("plugins::add_rms_norm", mutates_args=())
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (rms_norm(x + residual), x + residual). Reference for eager runs and tests."""
-    total = x + residual
-    return rms_norm(total, weight, eps), total
+    return add_then_rms_norm(x, residual, weight, eps)
 
 
 @add_rms_norm.register_fake

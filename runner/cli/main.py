@@ -194,7 +194,7 @@ def origin_list(values: tuple[str, ...]) -> list[str]:
 
 
 PADDED_ROWS_NOTE = (
-    "note: a lone request runs as two rows: this engine's quantized matmuls round one row differently "
+    "note: a lone request runs as two rows: this engine's matmuls round one row differently "
     "from several on this machine, and padding keeps greedy answers the same alone or batched "
     "(--max-batch 1 turns it off)"
 )

@@ -154,11 +154,12 @@ def median_batch_rate(engine: LLMEngine, prompt_ids: list[int], batch: int, new_
 
 def weight_bytes_per_step(engine: LLMEngine) -> int:
     """Weight bytes one decode step of the target reads: its external-data file (the builder writes every weight
-    there; the few inline initializers are norm-sized), less the embedding table, of which a step reads one row
+    there; the few inline initializers are norm-sized) or its compiled package (AOTInductor's .pt2, TensorRT's
+    .plan: the weights and, a few MiB, the compiled code), less the embedding table, of which a step reads one row
     per token - unless the table is also the (unquantized, tied) LM head. Not counted: KV-cache reads (at batch 1
     and a few hundred positions a small fraction of the weights) and a ReDrafter head's own graph."""
     manifest = engine.manifest
-    total = sum(entry.size for name, entry in manifest.files.items() if name.endswith(".data"))
+    total = sum(entry.size for name, entry in manifest.files.items() if name.endswith((".data", ".pt2", ".plan")))
     model = manifest.model
     embedding_is_head = model.tie_word_embeddings and not manifest.quantization.lm_head
     if not embedding_is_head:
@@ -252,7 +253,7 @@ def report_lines(report: BenchReport) -> list[str]:
         )
     if report.lone_row_padded:
         lines.append(
-            "(batch 1 ran as two rows: this machine's quantized matmuls round one row differently from several)"
+            "(batch 1 ran as two rows: on this machine the engine's matmuls round one row differently from several)"
         )
     lines += ["", f"peak RSS {report.peak_rss_mb:.0f} MiB"]
     spec = report.speculation

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -95,6 +97,12 @@ def test_int4_engine_runs_the_blockwise_op_and_agrees_with_the_float_compute_onn
     quantization = open_artifact(engine).manifest.quantization
     assert quantization.op.startswith("plugins::blockwise_matmul as dequantize + matmul")
     assert quantization.accuracy_level is None
+    import torch
+
+    # the package holds the blocks, not float weights folded from them at compile time
+    constants = torch._inductor.aoti_load_package(str(engine / "model.pt2")).get_constant_fqns()
+    assert any(name.endswith("qkv_proj.qweight") for name in constants)
+    assert not any(name.endswith("proj.weight") for name in constants)
     aoti, onnx = LLM(engine), LLM(engine_factory("gqa", quant="int4", int8_compute=False))
     prompts = [aoti.tokenizer.encode(t) for t in (TEXT, "hello")]
     ours = [o.token_ids for o in aoti.generate(prompt_token_ids=prompts, sampling_params=GREEDY)]
@@ -117,3 +125,22 @@ def test_inputs_that_disagree_are_refused_before_the_compiled_graph_runs(aoti_en
         bound.run(feeds, executor._output_arrays(3, 1))
     with pytest.raises(ValueError, match="cache rows 4..4 do not exist"):
         executor.prefill(executor.cache.rows, [1, 2, 3], 0)
+
+
+@pytest.mark.parametrize("quant", ["none", "int4"])
+def test_a_runner_process_without_the_builder_runs_the_package(engine_factory, quant):
+    """The package calls no op defined in Python (the builder's plugins are not imported where the runner runs),
+    and answers as the building process does."""
+    engine = engine_factory("gqa", backend="aoti", quant=quant)
+    script = (
+        "import sys; from runner import LLM, SamplingParams; "
+        f"llm = LLM({str(engine)!r}); "
+        "out = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_tokens=8, "
+        "temperature=0.0, ignore_eos=True))[0]; "
+        "assert not any(m == 'plugins' or m.startswith(('plugins.', 'builder')) for m in sys.modules), 'imported'; "
+        "print(out.token_ids)"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    expected = LLM(engine).generate(prompt_token_ids=[[5, 6, 7]], sampling_params=GREEDY)[0].token_ids[:8]
+    assert run.stdout.strip().splitlines()[-1] == str(expected)
