@@ -56,7 +56,6 @@ class AOTInductorBackend:
         self.kv_buckets = manifest.phases["decode"].past_lengths
         self.cuda_graph_error = None  # why capture failed, if it did: decode then runs without CUDA graphs (warned)
         self.provider = f"AOTInductor ({self.device})"  # what runs the step graph (reports, tuning choices)
-        self.cache_positions = None  # set by bind: the cache buffers' length (CUDA graphs pad the bias to it)
 
     def stop_capturing(self, err: Exception) -> None:
         """Decode without CUDA graphs from now on, saying so once (a capture failure costs speed, not results)."""
