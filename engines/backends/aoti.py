@@ -80,6 +80,10 @@ class AOTInductorBackend:
             return self.side.bind(graph, buffers)
         return BoundPackage(self, graph, buffers)
 
+    def greedy_loop(self, graph: str, cache_buffers: dict, batch: int, max_seq_len: int) -> DeviceGreedyLoop:
+        """The executor's greedy decode loop for this backend: its state stays on the device between calls."""
+        return DeviceGreedyLoop(self, graph, cache_buffers, batch, max_seq_len)
+
     def end_profiling(self) -> dict[str, str]:
         return {}
 
@@ -141,6 +145,20 @@ class BoundPackage:
                 results = self._call(inputs)
         return {name: result.cpu().numpy() for name, result in zip(self.output_names, results)}
 
+    def call_in_place(self, inputs: dict, width: int) -> list:
+        """Run on tensors the caller keeps on the device and refills in place between runs (DeviceGreedyLoop): on
+        CUDA through a CUDA graph of those very tensors per bias width, with nothing to copy in."""
+        if not (self.capture and self.backend.cuda_graphs):
+            return self._call(inputs)
+        replay = self.graph_replays.get(width)
+        if replay is None:
+            try:
+                replay = self.graph_replays[width] = CapturedCall(self.backend.torch, self._call, inputs, copy=False)
+            except RuntimeError as err:  # torch reports a failed capture as a RuntimeError
+                self.backend.stop_capturing(err)
+                return self._call(inputs)
+        return replay.run(inputs)
+
     def _call(self, inputs: dict) -> list:
         layers = sum(name.startswith("past_key.") for name in self.input_names)
         plain = [inputs[name] for name in self.input_names[:6]]
@@ -165,11 +183,13 @@ class BoundPackage:
 
 
 class CapturedCall:
-    """One package call recorded as a CUDA graph, over static copies of its per-call inputs."""
+    """One package call recorded as a CUDA graph, over static copies of its per-call inputs (`copy`), or over the
+    caller's own tensors, which it refills in place (no copy)."""
 
-    def __init__(self, torch, call, inputs: dict) -> None:
+    def __init__(self, torch, call, inputs: dict, copy: bool = True) -> None:
         self.torch = torch
-        self.static = {name: t if _is_cache(name) else t.clone() for name, t in inputs.items()}
+        self.copy = copy
+        self.static = {name: t.clone() if copy and not _is_cache(name) else t for name, t in inputs.items()}
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -181,10 +201,72 @@ class CapturedCall:
 
     def run(self, inputs: dict) -> list:
         for name, tensor in inputs.items():
-            if not _is_cache(name):
+            if self.copy and not _is_cache(name):
                 self.static[name].copy_(tensor, non_blocking=True)
         self.graph.replay()
         return self.outputs
+
+
+class DeviceGreedyLoop:
+    """The executor's greedy decode loop (runner/core/executor.py GreedyDecodeLoop: one token per row per call, each
+    row's argmax fed back) with its inputs, outputs and the fed-back tokens on the package's device: between two
+    calls nothing crosses to the host. On CUDA every call is a CUDA graph replay (one graph per KV-length bucket)
+    and the tokens come back once, after the last call; the calls after a row's stop token then write K/V where
+    that row's next call writes again (harmless, as the executor's contract says) and their tokens are dropped. On
+    CPU the stop tokens are checked after every call, as the host loop does."""
+
+    def __init__(self, backend: AOTInductorBackend, graph: str, cache_buffers: dict, batch: int, max_seq_len: int):
+        torch = backend.torch
+        self.backend, self.torch, self.batch = backend, torch, batch
+        self.bound = BoundPackage(backend, graph, cache_buffers)
+        device = backend.device
+        self.input_ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.past_lens = torch.zeros(batch, dtype=torch.long, device=device)  # also each one-token row's position
+        self.query_lens = torch.zeros(batch, dtype=torch.long, device=device)
+        self.logits_index = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        # every bias a decode call needs is zeros (a row sees its whole past): one buffer viewed at each width
+        self.zero_bias = torch.zeros(batch * (max_seq_len + 1), device=device)
+        # check for stop tokens after every call (a host sync) or once at the end (CUDA: no sync between calls)
+        self.stop_each_call = device == "cpu"
+
+    def run(self, rows: list[int], token_ids: list[int], positions: list[int], steps: int, stop: np.ndarray):
+        torch, batch = self.torch, self.batch
+        device = self.input_ids.device
+        index = torch.as_tensor(rows, device=device)
+        for tensor, values in ((self.input_ids[:, 0], token_ids), (self.past_lens, positions), (self.query_lens, 1)):
+            tensor.zero_()  # rows left out take no part
+            tensor[index] = torch.as_tensor(values, device=device)
+        stop_tokens = torch.as_tensor(stop, device=device)
+        chosen = torch.empty(steps, len(rows), dtype=torch.long, device=device)
+        length = max(positions) + 1
+        with torch.inference_mode():
+            for step in range(steps):
+                width = self._width(length + step)
+                inputs = {
+                    "input_ids": self.input_ids,
+                    "positions": self.past_lens.view(batch, 1),
+                    "past_lens": self.past_lens,
+                    "query_lens": self.query_lens,
+                    "attention_bias": self.zero_bias[: batch * width].view(batch, 1, 1, width),
+                    "logits_index": self.logits_index,
+                    **self.bound.bound_inputs,
+                }
+                argmax = self.bound.call_in_place(inputs, width)[1][:, 0]
+                chosen[step] = argmax[index]
+                if self.stop_each_call and bool(stop_tokens[chosen[step]].any()):
+                    return chosen[:step].T.numpy()
+                self.input_ids[:, 0] = argmax
+                self.past_lens += self.query_lens
+        tokens = chosen.T.cpu().numpy()
+        stopped = stop[tokens].any(axis=0)
+        return tokens[:, : int(stopped.argmax()) if stopped.any() else steps]
+
+    def _width(self, length: int) -> int:
+        """The bias width of a call attending `length` positions: exact on CPU; on CUDA its KV-length bucket, so
+        that the calls of a bucket share one CUDA graph (the zero padding is masked by causality)."""
+        if not self.bound.capture:
+            return length
+        return min([b for b in self.backend.kv_buckets if b >= length] + [self.zero_bias.numel() // self.batch])
 
 
 def _check_shapes(inputs: dict) -> None:

@@ -50,7 +50,7 @@ class Executor:
             "hidden": ((config.hidden_size,), np.dtype(step["hidden"].dtype)),
         }
         self.max_seq_len = manifest.max_seq_len
-        self._greedy_loops: dict[int, GreedyDecodeLoop] = {}  # batch bucket -> its loop, bound once
+        self._greedy_loops: dict = {}  # batch bucket -> its loop (GreedyDecodeLoop or the backend's), bound once
 
     def _run(
         self,
@@ -149,10 +149,17 @@ class Executor:
         batch = self._batch_bucket(rows, self.decode_phase)
         loop = self._greedy_loops.get(batch)
         if loop is None:
-            loop = self._greedy_loops[batch] = GreedyDecodeLoop(self, batch)
+            loop = self._greedy_loops[batch] = self._greedy_loop(batch)
         tokens = loop.run(rows, token_ids, positions, steps, stop)
         self.step_calls += min(steps, tokens.shape[1] + 1)  # and the call that chose a stop token, if one did
         return tokens
+
+    def _greedy_loop(self, batch: int):
+        """The backend's own loop where it has one (state kept on its device), else GreedyDecodeLoop."""
+        device_loop = getattr(self.backend, "greedy_loop", None)
+        if device_loop is None:
+            return GreedyDecodeLoop(self, batch)
+        return device_loop(self.decode_phase.graph, self._cache_buffers(0, batch), batch, self.max_seq_len)
 
     def _cache_buffers(self, start_row: int, stop_row: int) -> dict[str, np.ndarray]:
         """The graph's cache inputs and outputs for rows [start_row, stop_row): each layer's view, bound as both."""

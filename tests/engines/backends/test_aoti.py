@@ -144,3 +144,31 @@ def test_a_runner_process_without_the_builder_runs_the_package(engine_factory, q
     assert run.returncode == 0, run.stderr[-2000:]
     expected = LLM(engine).generate(prompt_token_ids=[[5, 6, 7]], sampling_params=GREEDY)[0].token_ids[:8]
     assert run.stdout.strip().splitlines()[-1] == str(expected)
+
+
+@pytest.mark.parametrize("stop_each_call", [True, False], ids=["stops checked per call", "stops checked at the end"])
+def test_device_greedy_loop_gives_the_host_loops_tokens_and_stops_where_it_does(
+    aoti_engine, engine_factory, stop_each_call
+):
+    """The AOTInductor backend's greedy loop (state kept on its device) against the onnxruntime engine's host loop:
+    the same tokens for rows of different lengths, and the same cut at the first stop token, whether the loop
+    checks for stops after each call (CPU) or once after the last (CUDA)."""
+    loops = [LLMEngine(EngineArgs(e)).executor for e in (aoti_engine, engine_factory("gqa"))]
+    device_loop = loops[0]._greedy_loops[2] = loops[0]._greedy_loop(2)
+    device_loop.stop_each_call = stop_each_call
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    results = []
+    for executor in loops:
+        for row, prompt in enumerate(prompts):
+            executor.prefill(row, prompt, 0)
+        stop = np.zeros(320, bool)  # the tiny vocabulary
+        free = executor.decode_greedy([0, 1], [11, 12], [4, 2], 12, stop)
+        for row, prompt in enumerate(prompts):
+            executor.prefill(row, prompt, 0)
+        stop[free[1, 5]] = True  # row 1's sixth token stops both rows there (or earlier, where row 0 meets it)
+        results.append((free, executor.decode_greedy([0, 1], [11, 12], [4, 2], 12, stop)))
+    (aoti_free, aoti_stopped), (onnx_free, onnx_stopped) = results
+    assert type(device_loop).__name__ == "DeviceGreedyLoop"
+    np.testing.assert_array_equal(aoti_free, onnx_free)
+    np.testing.assert_array_equal(aoti_stopped, onnx_stopped)
+    assert aoti_stopped.shape[1] <= 5
