@@ -582,8 +582,9 @@ def _check_draft_model(options: BuildOptions, target) -> SpeculationSpec:
 
 
 def _draft_model_options(options: BuildOptions, out: Path, max_seq_len: int) -> BuildOptions:
-    """The draft model as an engine of its own: the target's shapes, chunks of up to draft_len + 1 tokens per
-    verify call (a round feeds it the tokens it has not seen: the last one and the drafts just accepted)."""
+    """The draft model as an engine of its own: the target's shapes and backend, chunks of up to draft_len + 1
+    tokens per verify call (a round feeds it the tokens it has not seen: the last one and the drafts just
+    accepted)."""
     return BuildOptions(
         source=options.draft_model,
         out=out,
@@ -594,6 +595,8 @@ def _draft_model_options(options: BuildOptions, out: Path, max_seq_len: int) -> 
         quant=options.draft_quant,
         verify_tokens=options.draft_len + 1,
         keep_source_blocks=options.keep_source_blocks,
+        backend=options.backend,
+        device=options.device,
     )
 
 

@@ -172,3 +172,16 @@ def test_device_greedy_loop_gives_the_host_loops_tokens_and_stops_where_it_does(
     np.testing.assert_array_equal(aoti_free, onnx_free)
     np.testing.assert_array_equal(aoti_stopped, onnx_stopped)
     assert aoti_stopped.shape[1] <= 5
+
+
+def test_a_draft_model_engine_drafts_with_an_engine_of_the_same_backend(engine_factory):
+    """Speculation through the AOTInductor step graph (verify trees, the cache's kept nodes): greedy output is the
+    plain engine's, and the draft model is compiled by the same backend."""
+    engine = engine_factory("gqa", prefill_chunk=8, draft_model="mqa", draft_len=3, backend="aoti")
+    assert open_artifact(engine / "draft").manifest.backend == "aoti"
+    spec = LLM(engine, speculative_max_rows=None)
+    prompts = [spec.tokenizer.encode(t) for t in (TEXT, "hello hello hello hello")]
+    expected = [o.token_ids for o in LLM(engine_factory("gqa", backend="aoti")).generate(
+        prompt_token_ids=prompts, sampling_params=GREEDY)]  # fmt: skip
+    assert [o.token_ids for o in spec.generate(prompt_token_ids=prompts, sampling_params=GREEDY)] == expected
+    assert spec.engine.speculation_stats.verify_steps > 0
