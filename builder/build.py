@@ -44,7 +44,7 @@ from engines.format import (
 )
 from engines.model_config import ModelConfig
 from engines.resources import peak_rss_mb
-from plugins import decode_attention, int4_matmul, native_ops
+from plugins import blockwise_matmul, decode_attention, int4_matmul, native_ops
 from plugins.attention import check_head_dim
 from plugins.quant_linear import QuantSpec
 
@@ -322,9 +322,10 @@ def _check_options(options: BuildOptions) -> None:
     if options.backend == "onnxruntime" and options.device != "cpu":
         raise ValueError("--device is the torch backends' choice: an onnxruntime engine runs where onnxruntime does")
     quant = options.quant_spec()
-    if options.backend != "onnxruntime" and quant is not None and quant.bits == 4 and quant.block_size < 32:
+    smallest = blockwise_matmul.MIN_INT4_BLOCK
+    if options.backend != "onnxruntime" and quant is not None and quant.bits == 4 and quant.block_size < smallest:
         raise ValueError(
-            f"the {options.backend} backend's int4 kernel takes groups of 32 or more, not {quant.block_size}"
+            f"the {options.backend} backend's int4 kernel takes groups of {smallest} or more, not {quant.block_size}"
         )
 
 

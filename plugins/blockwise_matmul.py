@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from plugins.quant_linear import dequantize_blockwise
+from plugins.quant_linear import dequantize_matmul
 
 try:
     import triton
@@ -63,11 +63,6 @@ def unavailable_reason(device: str) -> str | None:
     if device == "cuda" and not torch.cuda.is_available():
         return "no CUDA device"
     return None
-
-
-def dequantize_matmul(x, qweight, scales, offsets, in_features: int, bits: int) -> torch.Tensor:
-    """The reference: x [..., K] @ dequantize(...).T in fp32, returned in x's dtype."""
-    return (x.float() @ dequantize_blockwise(qweight, scales, in_features, bits, offsets).t()).to(x.dtype)
 
 
 if triton is not None:

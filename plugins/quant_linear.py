@@ -98,6 +98,12 @@ def dequantize_blockwise(
     return weight.reshape(out_features, -1)[:, :in_features]
 
 
+def dequantize_matmul(x, qweight, scales, offsets, in_features: int, bits: int) -> torch.Tensor:
+    """The reference of every quantized matmul op: x [..., K] @ dequantize_blockwise(...).T in fp32, returned in
+    x's dtype."""
+    return (x.float() @ dequantize_blockwise(qweight, scales, in_features, bits, offsets).t()).to(x.dtype)
+
+
 @torch.library.custom_op("plugins::matmul_nbits", mutates_args=())
 def matmul_nbits(
     x: torch.Tensor,
@@ -110,7 +116,7 @@ def matmul_nbits(
     accuracy_level: int,
 ) -> torch.Tensor:
     """Reference: dequantize to fp32 and matmul (eager runs and tests only; the engine runs MatMulNBits)."""
-    return (x.float() @ dequantize_blockwise(qweight, scales, in_features, bits).t()).to(x.dtype)
+    return dequantize_matmul(x, qweight, scales, None, in_features, bits)
 
 
 @matmul_nbits.register_fake

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from plugins import blockwise_matmul
-from plugins.quant_linear import QuantizedLinear, QuantSpec
+from plugins.quant_linear import QuantizedLinear, QuantSpec, dequantize_matmul
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(
@@ -134,5 +134,5 @@ def test_the_tile_branch_survives_export_and_aot_compilation(tmp_path, offsets):
     )
     for count in (1, blockwise_matmul.SMALL_M, blockwise_matmul.SMALL_M + 1, 40):
         x = torch.randn(count, 64)
-        expected = blockwise_matmul.dequantize_matmul(x, qweight, scales, mins, 64, 4)
+        expected = dequantize_matmul(x, qweight, scales, mins, 64, 4)
         torch.testing.assert_close(package(x), expected, rtol=1e-5, atol=1e-5)

@@ -185,3 +185,19 @@ def test_a_draft_model_engine_drafts_with_an_engine_of_the_same_backend(engine_f
         prompt_token_ids=prompts, sampling_params=GREEDY)]  # fmt: skip
     assert [o.token_ids for o in spec.generate(prompt_token_ids=prompts, sampling_params=GREEDY)] == expected
     assert spec.engine.speculation_stats.verify_steps > 0
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(backend="aoti", quant="int4", group_size=16), "int4 kernel takes groups of 32 or more, not 16"),
+        (dict(backend="onnxruntime", device="cuda"), "--device is the torch backends' choice"),
+        (dict(backend="tvm"), "unknown backend 'tvm'"),
+    ],
+)
+def test_builds_a_backend_cannot_make_are_refused_before_any_work(checkpoint_factory, tmp_path, options, message):
+    from builder.build import BuildOptions, build_engine
+
+    with pytest.raises(ValueError, match=message):
+        build_engine(BuildOptions(str(checkpoint_factory("gqa")), tmp_path / "engine", **options))
+    assert not (tmp_path / "engine").exists()
