@@ -39,7 +39,36 @@ def storage_dtype(dtype: str) -> np.dtype:
     return np.dtype(np.uint16) if dtype == "bfloat16" else np.dtype(dtype)
 
 
-class KVCache:
+class CacheRows:
+    """What every cache does with its `keys` and `values` buffers, [layers, rows, kv_heads, positions, head_dim]
+    numpy arrays (KVCache) or device tensors (DeviceKVCache): the same indexing serves both."""
+
+    spec: KVCacheSpec
+
+    @property
+    def rows(self) -> int:
+        return self.keys.shape[1]
+
+    def views(self, start_row: int, stop_row: int) -> tuple[list, list]:
+        """Per-layer buffers of rows [start_row, stop_row): contiguous views, no copy."""
+        layers = range(self.spec.num_layers)
+        return [self.keys[i, start_row:stop_row] for i in layers], [self.values[i, start_row:stop_row] for i in layers]
+
+    def keep(self, row: int, start: int, nodes: list[int]) -> None:
+        """A verify call wrote its tree's nodes at start + node index; keep the accepted `nodes` (root first, in path
+        order) as the positions start, start + 1, ... Node indices only grow along a path, so no copy overwrites a
+        node still to be moved."""
+        source = [start + node for node in nodes]
+        for buffer in (self.keys[:, row], self.values[:, row]):  # [layers, kv_heads, positions, head_dim]
+            buffer[:, :, start : start + len(nodes)] = buffer[:, :, source]
+
+    def copy_prefix(self, source_row: int, target_row: int, length: int) -> None:
+        """Copy the K/V of positions [0, length) of one row into another (prefix caching)."""
+        for buffer in (self.keys, self.values):
+            buffer[:, target_row, :, :length] = buffer[:, source_row, :, :length]
+
+
+class KVCache(CacheRows):
     def __init__(self, spec: KVCacheSpec, rows: int, length: int, headroom: int) -> None:
         self.spec = spec
         dtype = storage_dtype(spec.dtype)
@@ -51,28 +80,6 @@ class KVCache:
         shape = (spec.num_layers, rows, spec.num_kv_heads, self.positions, spec.head_dim)
         self._maps = [_anonymous_map(spec.num_layers * rows * self._row_bytes) for _ in range(2)]
         self.keys, self.values = (np.frombuffer(m, dtype).reshape(shape) for m in self._maps)
-
-    @property
-    def rows(self) -> int:
-        return self.keys.shape[1]
-
-    def views(self, start_row: int, stop_row: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """Per-layer buffers of rows [start_row, stop_row): contiguous views, no copy."""
-        layers = range(self.spec.num_layers)
-        return [self.keys[i, start_row:stop_row] for i in layers], [self.values[i, start_row:stop_row] for i in layers]
-
-    def keep(self, row: int, start: int, nodes: list[int]) -> None:
-        """A verify call wrote its tree's nodes at start + node index; keep the accepted `nodes` (root first, in path
-        order) as the positions start, start + 1, ... Node indices only grow along a path, so no copy overwrites a
-        node still to be moved."""
-        source = start + np.asarray(nodes)
-        for buffer in (self.keys[:, row], self.values[:, row]):  # [layers, kv_heads, positions, head_dim]
-            buffer[:, :, start : start + len(nodes)] = buffer[:, :, source]
-
-    def copy_prefix(self, source_row: int, target_row: int, length: int) -> None:
-        """Copy the K/V of positions [0, length) of one row into another (prefix caching)."""
-        for buffer in (self.keys, self.values):
-            buffer[:, target_row, :, :length] = buffer[:, source_row, :, :length]
 
     def free_row(self, row: int) -> None:
         """Hand the row's pages back (its request is gone; the next one writes before it reads)."""
@@ -108,10 +115,10 @@ def _resident_pages(buffer: mmap.mmap) -> int:
     return int((np.frombuffer(status, np.uint8) & 1).sum())
 
 
-class DeviceKVCache:
+class DeviceKVCache(CacheRows):
     """The same cache as device tensors, for a backend whose graphs run on a GPU (engines/backends/aoti.py): the
-    same layout and methods, torch in place of numpy. Device memory is allocated whole at start (no pages to hand
-    back), so freeing a row only forgets it."""
+    same layout and CacheRows' methods, torch in place of numpy. Device memory is allocated whole at start (no
+    pages to hand back), so freeing a row only forgets it."""
 
     def __init__(self, spec: KVCacheSpec, rows: int, length: int, headroom: int, device: str) -> None:
         import torch
@@ -121,25 +128,6 @@ class DeviceKVCache:
         shape = (spec.num_layers, rows, spec.num_kv_heads, self.positions, spec.head_dim)
         dtype = getattr(torch, spec.dtype)
         self.keys, self.values = (torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
-
-    @property
-    def rows(self) -> int:
-        return self.keys.shape[1]
-
-    def views(self, start_row: int, stop_row: int) -> tuple[list, list]:
-        layers = range(self.spec.num_layers)
-        return [self.keys[i, start_row:stop_row] for i in layers], [self.values[i, start_row:stop_row] for i in layers]
-
-    def keep(self, row: int, start: int, nodes: list[int]) -> None:
-        import torch
-
-        source = start + torch.as_tensor(nodes, device=self.keys.device)
-        for buffer in (self.keys[:, row], self.values[:, row]):
-            buffer[:, :, start : start + len(nodes)] = buffer[:, :, source]
-
-    def copy_prefix(self, source_row: int, target_row: int, length: int) -> None:
-        for buffer in (self.keys, self.values):
-            buffer[:, target_row, :, :length] = buffer[:, source_row, :, :length]
 
     def free_row(self, row: int) -> None:
         """Nothing to hand back: the next request in the row writes before it reads."""
