@@ -22,6 +22,7 @@ from torch import nn
 from builder.export import dynamic_shapes, example_inputs, input_names, output_names
 from builder.model import LlamaForCausalLM
 from engines.format import GraphSpec, TensorSpec
+from engines.target import gpu_architecture, torch_version
 from plugins.quant_linear import QuantizedLinear
 
 PACKAGE_FILE = "model.pt2"
@@ -53,10 +54,9 @@ def unavailable_reason(device: str) -> str | None:
 
 def target_facts(device: str) -> dict[str, str]:
     """What a package is compiled for and must find again where it runs (the runner compares them)."""
-    facts = {"torch": torch.__version__.split("+")[0]}
+    facts = {"torch": torch_version()}
     if device == "cuda":
-        major, minor = torch.cuda.get_device_capability()
-        facts["gpu"] = f"sm_{major}{minor}"
+        facts["gpu"] = gpu_architecture()
         facts["cuda"] = str(torch.version.cuda)
     return facts
 

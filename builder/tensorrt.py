@@ -15,12 +15,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from builder.export import export_step_graph
 from builder.model import LlamaForCausalLM
 from engines.format import GraphSpec, PhaseSpec
 from engines.model_config import ModelConfig
+from engines.target import gpu_architecture
 from plugins import tensorrt_plugin
 
 ONNX_FILE = "model.trt.onnx"
@@ -60,8 +59,7 @@ def build_engine_file(
         profiles.append(profile)
     engine = engine_from_network(network_from_onnx_path(str(onnx_path)), config=CreateConfig(profiles=profiles))
     save_engine(engine, str(out_path))
-    major, minor = torch.cuda.get_device_capability()
-    return {"tensorrt": tensorrt.__version__, "gpu": f"sm_{major}{minor}"}
+    return {"tensorrt": tensorrt.__version__, "gpu": gpu_architecture()}
 
 
 Shape = tuple[int, ...]

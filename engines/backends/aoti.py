@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from engines.format import Artifact, ArtifactError, GraphSpec
+from engines.target import check_target, gpu_architecture, torch_version
 
 PACKAGE_SUFFIX = ".pt2"
 
@@ -56,6 +57,11 @@ class AOTInductorBackend:
         self.kv_buckets = manifest.phases["decode"].past_lengths
         self.cuda_graph_error = None  # why capture failed, if it did: decode then runs without CUDA graphs (warned)
         self.provider = f"AOTInductor ({self.device})"  # what runs the step graph (reports, tuning choices)
+
+    def bucket_width(self, width: int, most: int) -> int:
+        """The bias width a decode call of `width` attended positions is padded to on CUDA: its KV-length bucket
+        (the manifest's decode `past_lengths`), at most `most`, so the calls of a bucket share one CUDA graph."""
+        return min([bucket for bucket in self.kv_buckets if bucket >= width] + [most])
 
     def stop_capturing(self, err: Exception) -> None:
         """Decode without CUDA graphs from now on, saying so once (a capture failure costs speed, not results)."""
@@ -145,15 +151,16 @@ class BoundPackage:
                 results = self._call(inputs)
         return {name: result.cpu().numpy() for name, result in zip(self.output_names, results)}
 
-    def call_in_place(self, inputs: dict, width: int) -> list:
-        """Run on tensors the caller keeps on the device and refills in place between runs (DeviceGreedyLoop): on
-        CUDA through a CUDA graph of those very tensors per bias width, with nothing to copy in."""
+    def call_graph(self, inputs: dict, width: int, copy: bool = False) -> list:
+        """Run; on CUDA (capturing) through a CUDA graph per bias width, recorded on that width's first call over
+        static copies of the inputs (`copy`) or over the caller's own tensors, which it refills in place between
+        runs (DeviceGreedyLoop: nothing to copy in)."""
         if not (self.capture and self.backend.cuda_graphs):
             return self._call(inputs)
         replay = self.graph_replays.get(width)
         if replay is None:
             try:
-                replay = self.graph_replays[width] = CapturedCall(self.backend.torch, self._call, inputs, copy=False)
+                replay = self.graph_replays[width] = CapturedCall(self.backend.torch, self._call, inputs, copy)
             except RuntimeError as err:  # torch reports a failed capture as a RuntimeError
                 self.backend.stop_capturing(err)
                 return self._call(inputs)
@@ -167,26 +174,18 @@ class BoundPackage:
         return self.package(*plain, keys, values)
 
     def _replay(self, inputs: dict) -> list:
-        """Decode through the CUDA graph of the step's KV-length bucket, captured on its first call."""
-        torch = self.backend.torch
+        """Decode through the CUDA graph of the step's KV-length bucket: the bias padded to the bucket."""
         bias = inputs["attention_bias"]
-        length = inputs["past_key.0"].shape[2]
-        width = min([b for b in self.backend.kv_buckets if b >= bias.shape[-1]] + [length])
-        inputs["attention_bias"] = torch.nn.functional.pad(bias, (0, width - bias.shape[-1]))
-        if width not in self.graph_replays:
-            try:
-                self.graph_replays[width] = CapturedCall(torch, self._call, inputs)
-            except RuntimeError as err:  # torch reports a failed capture as a RuntimeError
-                self.backend.stop_capturing(err)
-                return self._call(inputs)
-        return self.graph_replays[width].run(inputs)
+        width = self.backend.bucket_width(bias.shape[-1], most=inputs["past_key.0"].shape[2])
+        inputs["attention_bias"] = self.backend.torch.nn.functional.pad(bias, (0, width - bias.shape[-1]))
+        return self.call_graph(inputs, width, copy=True)
 
 
 class CapturedCall:
     """One package call recorded as a CUDA graph, over static copies of its per-call inputs (`copy`), or over the
     caller's own tensors, which it refills in place (no copy)."""
 
-    def __init__(self, torch, call, inputs: dict, copy: bool = True) -> None:
+    def __init__(self, torch, call, inputs: dict, copy: bool) -> None:
         self.torch = torch
         self.copy = copy
         self.static = {name: t.clone() if copy and not _is_cache(name) else t for name, t in inputs.items()}
@@ -251,7 +250,7 @@ class DeviceGreedyLoop:
                     "logits_index": self.logits_index,
                     **self.bound.bound_inputs,
                 }
-                argmax = self.bound.call_in_place(inputs, width)[1][:, 0]
+                argmax = self.bound.call_graph(inputs, width)[1][:, 0]
                 chosen[step] = argmax[index]
                 if self.stop_each_call and bool(stop_tokens[chosen[step]].any()):
                     return chosen[:step].T.numpy()
@@ -262,11 +261,11 @@ class DeviceGreedyLoop:
         return tokens[:, : int(stopped.argmax()) if stopped.any() else steps]
 
     def _width(self, length: int) -> int:
-        """The bias width of a call attending `length` positions: exact on CPU; on CUDA its KV-length bucket, so
-        that the calls of a bucket share one CUDA graph (the zero padding is masked by causality)."""
+        """The bias width of a call attending `length` positions: exact on CPU, its KV-length bucket on CUDA (the
+        zero padding is masked by causality)."""
         if not self.bound.capture:
             return length
-        return min([b for b in self.backend.kv_buckets if b >= length] + [self.zero_bias.numel() // self.batch])
+        return self.backend.bucket_width(length, most=self.zero_bias.numel() // self.batch)
 
 
 def _check_shapes(inputs: dict) -> None:
@@ -298,14 +297,9 @@ def _is_cache(name: str) -> bool:
 
 def _check_target(torch, device: str, target: dict[str, str]) -> None:
     """Refuse, in one line, a package compiled for another torch or another GPU than this machine's."""
-    here = {"torch": torch.__version__.split("+")[0]}
+    here = {"torch": torch_version()}
     if device == "cuda":
         if not torch.cuda.is_available():
             raise ArtifactError("this engine was compiled for CUDA and this machine has no CUDA device")
-        major, minor = torch.cuda.get_device_capability()
-        here["gpu"] = f"sm_{major}{minor}"
-    for key, wanted in target.items():
-        if key in here and here[key] != wanted:
-            raise ArtifactError(
-                f"this engine was compiled for {key} {wanted}, this machine has {here[key]}: rebuild it here"
-            )
+        here["gpu"] = gpu_architecture()
+    check_target(target, here, "compiled")

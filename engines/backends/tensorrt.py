@@ -5,6 +5,7 @@ TensorRT cannot be installed on the machines it was written on, so no engine was
 from __future__ import annotations
 
 from engines.format import Artifact, ArtifactError
+from engines.target import check_target, gpu_architecture
 
 
 class TensorRTBackend:
@@ -13,15 +14,5 @@ class TensorRTBackend:
             import tensorrt
         except ImportError:
             raise ArtifactError("this is a TensorRT engine: its runner needs tensorrt (pip install tensorrt)") from None
-        import torch
-
-        target = artifact.manifest.target
-        here = {"tensorrt": tensorrt.__version__}
-        if torch.cuda.is_available():
-            major, minor = torch.cuda.get_device_capability()
-            here["gpu"] = f"sm_{major}{minor}"
-        for key, wanted in target.items():
-            if here.get(key) != wanted:
-                found = here.get(key, "none")
-                raise ArtifactError(f"this engine was built for {key} {wanted}, this machine has {found}: rebuild it")
+        check_target(artifact.manifest.target, {"tensorrt": tensorrt.__version__, "gpu": gpu_architecture()}, "built")
         raise ArtifactError("running TensorRT engines is not implemented in this runner yet (see docs/gpu.md)")
