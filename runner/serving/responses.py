@@ -222,14 +222,7 @@ class ResponseOutput:
             events = [] if self._open else self._start(_function_call(self.tools.name))
             if delta:
                 self._open["arguments"] += delta
-                events.append(
-                    self.event(
-                        "response.function_call_arguments.delta",
-                        item_id=self._open["id"],
-                        output_index=len(self.items) - 1,
-                        delta=delta,
-                    )
-                )
+                events.append(self._arguments_delta(delta))
             return events
         self._logprobs += logprobs
         if self.tools is not None:
@@ -238,6 +231,15 @@ class ResponseOutput:
         if self._auto is not None:
             delta = self._auto.push("", delta)[1]
         return self._say(delta)
+
+    def _arguments_delta(self, delta: str) -> dict:
+        """The event that adds `delta` to the open function call's arguments."""
+        return self.event(
+            "response.function_call_arguments.delta",
+            item_id=self._open["id"],
+            output_index=len(self.items) - 1,
+            delta=delta,
+        )
 
     def finish(self, answer: str, finish_reason: str | None) -> list[dict]:
         """The events that close the output, given the whole answer and why it ended."""
@@ -262,14 +264,7 @@ class ResponseOutput:
         for name, arguments in calls:
             events += self._start(_function_call(name))
             self._open["arguments"] = arguments
-            events.append(
-                self.event(
-                    "response.function_call_arguments.delta",
-                    item_id=self._open["id"],
-                    output_index=len(self.items) - 1,
-                    delta=arguments,
-                )
-            )
+            events.append(self._arguments_delta(arguments))
             events += self._close("completed")
         return events
 
