@@ -116,6 +116,8 @@ class BoundPackage:
         spec: GraphSpec = backend.specs[graph]
         self.input_names = [t.name for t in spec.inputs]
         self.input_dtypes = {t.name: t.dtype for t in spec.inputs}
+        self.key_names = [name for name in self.input_names if name.startswith("past_key.")]  # in layer order
+        self.value_names = [name for name in self.input_names if name.startswith("past_value.")]
         self.output_names = [t.name for t in spec.outputs][:3]  # the rest are the cache inputs, written in place
         # the cache becomes tensors once (the same memory); other bound inputs are arrays the caller refills between
         # runs, so they cross to the device at each run
@@ -140,10 +142,9 @@ class BoundPackage:
     def outputs_of(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         backend = self.backend
         torch = backend.torch
-        _check_shapes(self.bound_inputs | feeds)
-        inputs = {
-            name: backend.tensor(value, self.input_dtypes[name]) for name, value in (self.bound_inputs | feeds).items()
-        }
+        given = self.bound_inputs | feeds
+        _check_shapes(given)
+        inputs = {name: backend.tensor(value, self.input_dtypes[name]) for name, value in given.items()}
         with torch.inference_mode():
             if self.capture and backend.cuda_graphs and inputs["input_ids"].shape[1] == 1:
                 results = self._replay(inputs)
@@ -167,10 +168,9 @@ class BoundPackage:
         return replay.run(inputs)
 
     def _call(self, inputs: dict) -> list:
-        layers = sum(name.startswith("past_key.") for name in self.input_names)
         plain = [inputs[name] for name in self.input_names[:6]]
-        keys = [inputs[f"past_key.{i}"] for i in range(layers)]
-        values = [inputs[f"past_value.{i}"] for i in range(layers)]
+        keys = [inputs[name] for name in self.key_names]
+        values = [inputs[name] for name in self.value_names]
         return self.package(*plain, keys, values)
 
     def _replay(self, inputs: dict) -> list:
@@ -238,18 +238,18 @@ class DeviceGreedyLoop:
         stop_tokens = torch.as_tensor(stop, device=device)
         chosen = torch.empty(steps, len(rows), dtype=torch.long, device=device)
         length = max(positions) + 1
+        inputs = {
+            "input_ids": self.input_ids,
+            "positions": self.past_lens.view(batch, 1),
+            "past_lens": self.past_lens,
+            "query_lens": self.query_lens,
+            "logits_index": self.logits_index,
+            **self.bound.bound_inputs,
+        }
         with torch.inference_mode():
             for step in range(steps):
                 width = self._width(length + step)
-                inputs = {
-                    "input_ids": self.input_ids,
-                    "positions": self.past_lens.view(batch, 1),
-                    "past_lens": self.past_lens,
-                    "query_lens": self.query_lens,
-                    "attention_bias": self.zero_bias[: batch * width].view(batch, 1, 1, width),
-                    "logits_index": self.logits_index,
-                    **self.bound.bound_inputs,
-                }
+                inputs["attention_bias"] = self.zero_bias[: batch * width].view(batch, 1, 1, width)
                 argmax = self.bound.call_graph(inputs, width)[1][:, 0]
                 chosen[step] = argmax[index]
                 if self.stop_each_call and bool(stop_tokens[chosen[step]].any()):
