@@ -24,7 +24,7 @@ from builder.quantization.gptq import GPTQOptions, calibration_tokens, gptq_mode
 from builder.quantization.kv_quant import KVCalibration, calibrate_kv_scales, calibration_windows
 from builder.sampler_graph import TOP_LOGPROBS
 from builder.speculation.draft_head import BeamSearchDrafter, load_draft_head
-from builder.weights import kept_block_specs, linear_sources, load_model
+from builder.weights import auto_quantization, kept_block_specs, linear_sources, load_model
 from engines.format import (
     BACKENDS,
     SCHEMA_VERSION,
@@ -46,7 +46,7 @@ from engines.model_config import ModelConfig
 from engines.resources import peak_rss_mb
 from plugins import blockwise_matmul, decode_attention, int4_matmul, native_ops
 from plugins.attention import check_head_dim
-from plugins.quant_linear import QuantSpec
+from plugins.quant_linear import QuantizedLinear, QuantSpec
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 QUANT_BITS = {"int8": 8, "int4": 4, "gptq": 4}
@@ -86,7 +86,9 @@ class BuildOptions:
     max_batch: int = 8
     prefill_chunk: int | None = None  # the largest prompt chunk one call computes (default: default_prefill_chunk)
     overwrite: bool = False
-    quant: str = "none"  # "none" | "int8" | "int4" (round-to-nearest, symmetric, per group) | "gptq" (int4)
+    # "auto" (a GGUF's own quantization, none for a Hugging Face checkpoint: weights.auto_quantization) | "none" |
+    # "int8" | "int4" (round-to-nearest, symmetric, per group) | "gptq" (int4)
+    quant: str = "auto"
     group_size: int | None = None  # default: 32 for int4, 128 for int8 (the fastest MatMulNBits kernels here)
     quantize_lm_head: bool = True
     int8_compute: bool = True  # quantized matmuls quantize activations to int8 (onnxruntime accuracy_level 4)
@@ -110,9 +112,9 @@ class BuildOptions:
     kv_cache_dtype: str = "auto"
     kv_calibration: KVCalibration = field(default_factory=KVCalibration)
     # our kernels (plugins/native_ops.py) where this machine can compile them: DecodeAttention for decode steps'
-    # attention, Int4MatMul for int4 weights with int8 activations
+    # attention, Int4MatMul / Int8MatMul for int4 / int8 weights with int8 activations
     native_decode_attention: bool = True
-    native_int4_matmul: bool = True
+    native_quantized_matmul: bool = True
     backend: str = "onnxruntime"  # one of engines.format.BACKENDS
     device: str = "cpu"  # aoti: the device the package is compiled for ("cpu" or "cuda")
 
@@ -162,7 +164,7 @@ class BuildOptions:
         if self.quant == "none":
             return None
         if self.quant not in QUANT_BITS:
-            raise ValueError(f"unknown quantization {self.quant!r}; choose one of none, {', '.join(QUANT_BITS)}")
+            raise ValueError(f"unknown quantization {self.quant!r}; choose one of auto, none, {', '.join(QUANT_BITS)}")
         group = self.group_size or DEFAULT_GROUP[self.quant]
         # int8 activations are onnxruntime's MatMulNBits option; the torch backends' kernel computes in float
         int8_compute = self.int8_compute and self.backend == "onnxruntime"
@@ -191,10 +193,11 @@ class BuildOptions:
     def quantized_op(self) -> str:
         """What the quantized linears run, as the manifest records it."""
         if self.backend == "onnxruntime":
-            return "com.microsoft::MatMulNBits"
+            # int4 blocks with minimums (GGUF Q4_1) cannot be MatMulNBits nodes; with our kernels they are Int4MatMul
+            return "com.microsoft::MatMulNBits, or Int4MatMul for blocks with minimums"
         if self.backend == "aoti" and self.device == "cpu":
             return "plugins::blockwise_matmul as dequantize + matmul (AOTInductor CPU: not a fused kernel)"
-        return "plugins::blockwise_matmul (Triton kernel, block offsets fused)"
+        return "plugins::blockwise_matmul (Triton kernel, block minimums fused)"
 
 
 @dataclass
@@ -243,6 +246,7 @@ def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> B
 
     progress.step(1, f"reading checkpoint {options.source}")
     checkpoint = load_checkpoint(options.source)
+    options = _resolve_auto_quantization(options, checkpoint, log)
     shapes = _plan_shapes(options, checkpoint.config, log)
     drafter, speculation = _prepare_speculation(options, checkpoint, draft_head_path)
     _log_checkpoint(checkpoint, log)
@@ -288,9 +292,12 @@ def _emit_step_graph(
         engine = staging / tensorrt.ENGINE_FILE
         target = tensorrt.build_engine_file(staging / step.file, phases, config, shapes.max_seq_len, engine)
         return {STEP_GRAPH: replace(step, file=engine.name)}, target
+    kernels = _native_kernel_choice(options, log)
+    if kernels["QuantizedMatMul"]:
+        _minimums_into_int4_matmul(model)
     progress.step(3, "tracing the step and sampler graphs with torch.export and emitting ONNX")
     step = export_step_graph(model, staging, shapes.max_seq_len)
-    return {STEP_GRAPH: _native_kernels(options, step, staging, log)}, {}
+    return {STEP_GRAPH: _native_kernels(kernels, step, staging, log)}, {}
 
 
 @dataclass
@@ -321,7 +328,7 @@ def _check_options(options: BuildOptions) -> None:
         raise ValueError(reason)
     if options.backend == "onnxruntime" and options.device != "cpu":
         raise ValueError("--device is the torch backends' choice: an onnxruntime engine runs where onnxruntime does")
-    quant = options.quant_spec()
+    quant = None if options.quant == "auto" else options.quant_spec()  # auto: checked again once resolved
     smallest = blockwise_matmul.MIN_INT4_BLOCK
     if options.backend != "onnxruntime" and quant is not None and quant.bits == 4 and quant.block_size < smallest:
         raise ValueError(
@@ -388,6 +395,19 @@ def _prepare_speculation(
     if options.speculative == "draft-model":
         return None, _check_draft_model(options, checkpoint)
     return None, options.prompt_lookup()
+
+
+def _resolve_auto_quantization(options: BuildOptions, checkpoint, log: Callable[[str], None]) -> BuildOptions:
+    """The options with `--quant auto` replaced by what it means for this checkpoint (groups of 32 unless asked
+    otherwise, so that a GGUF's blocks can be kept)."""
+    if options.quant != "auto":
+        return options
+    quant = auto_quantization(checkpoint.config, checkpoint.weight_types)
+    types = sorted(set(checkpoint.weight_types.values())) or ["float"]
+    log(f"      --quant auto: {quant} (the checkpoint's weights are {', '.join(types)})")
+    resolved = replace(options, quant=quant, group_size=options.group_size or (32 if quant != "none" else None))
+    _check_options(resolved)
+    return resolved
 
 
 def _log_checkpoint(checkpoint, log: Callable[[str], None]) -> None:
@@ -471,7 +491,7 @@ def _kept_blocks(
         source_blocks_kept=dict(sorted(Counter(block_formats[n] for n in keep).items())),
         linears_kept=len(kept),
         linears_requantized=total - len(kept),
-        block_offsets=any(spec.offsets for spec in kept.values()),
+        block_offsets=any(spec.minimums for spec in kept.values()),
     )
     log(
         f"      quantized linears: {len(kept)} keep their GGUF blocks {quantization.source_blocks_kept or ''}, "
@@ -517,16 +537,16 @@ def _write_manifest(
     return write_manifest(staging, manifest)
 
 
-def _native_kernels(options: BuildOptions, step: GraphSpec, staging: Path, log: Callable[[str], None]) -> GraphSpec:
-    """The step graph with the nodes our kernels cover rewritten to them and their library beside it, or as it is
-    (onnxruntime's own ops) where that cannot be had, saying why."""
-    wanted = {"DecodeAttention": options.native_decode_attention, "Int4MatMul": options.native_int4_matmul}
+def _native_kernel_choice(options: BuildOptions, log: Callable[[str], None]) -> dict[str, bool]:
+    """Which of our kernels the step graph will run (the options' wish where this machine can build and run them),
+    saying why where one is left out."""
+    wanted = {"DecodeAttention": options.native_decode_attention, "QuantizedMatMul": options.native_quantized_matmul}
     if not any(wanted.values()):
-        return step
+        return wanted
     reason = native_ops.unavailable_reason()
     if reason is not None:
         log(f"      kernels: onnxruntime's own ops ({reason})")
-        return step
+        return dict.fromkeys(wanted, False)
     if wanted["DecodeAttention"] and options.kv_cache_dtype == "int8":
         log("      decode attention: onnxruntime's GroupQueryAttention (the int8 KV cache is not implemented in ours)")
         wanted["DecodeAttention"] = False
@@ -536,16 +556,32 @@ def _native_kernels(options: BuildOptions, step: GraphSpec, staging: Path, log: 
             f"{options.dtype})"
         )
         wanted["DecodeAttention"] = False
-    if wanted["Int4MatMul"] and (cpu := int4_matmul.unavailable_reason()):
-        log(f"      int4 matmuls: onnxruntime's MatMulNBits ({cpu})")
-        wanted["Int4MatMul"] = False
-    rewrites = {"DecodeAttention": decode_attention.use_in_graph, "Int4MatMul": int4_matmul.use_in_graph}
-    used = []
-    for op, rewrite in rewrites.items():
-        count = rewrite(staging / step.file) if wanted[op] else 0
-        if count:
-            used.append(op)
-            log(f"      {op}: our kernel in {count} nodes")
+    if wanted["QuantizedMatMul"] and (cpu := int4_matmul.unavailable_reason()):
+        log(f"      quantized matmuls: onnxruntime's MatMulNBits ({cpu})")
+        wanted["QuantizedMatMul"] = False
+    return wanted
+
+
+def _minimums_into_int4_matmul(model) -> None:
+    """Int4 linears with block minimums (GGUF Q4_1) export as our Int4MatMul node, minimums inside it, where the
+    kernel computes what they ask: int8 activations (accuracy_level 4), blocks of 32."""
+    for linear in model.modules():
+        if isinstance(linear, QuantizedLinear) and linear.minimums is not None:
+            spec = linear.spec
+            linear.native_minimums = spec.bits == 4 and spec.block_size == 32 and spec.accuracy_level == 4
+
+
+def _native_kernels(wanted: dict[str, bool], step: GraphSpec, staging: Path, log: Callable[[str], None]) -> GraphSpec:
+    """The step graph with the nodes our kernels cover rewritten to them and their library beside it, or as it is
+    (onnxruntime's own ops) where that cannot be had."""
+    counts: dict[str, int] = {}
+    if wanted["DecodeAttention"]:
+        counts["DecodeAttention"] = decode_attention.use_in_graph(staging / step.file)
+    if wanted["QuantizedMatMul"]:
+        counts.update(int4_matmul.use_in_graph(staging / step.file))
+    used = [op for op, count in counts.items() if count]
+    for op in used:
+        log(f"      {op}: our kernel in {counts[op]} nodes")
     if not used:
         return step
     library = native_ops.compile_library(staging)

@@ -36,11 +36,13 @@ def main() -> None:
 @click.option("--overwrite", is_flag=True, help="Replace an existing engine at --out.")
 @click.option(
     "--quant",
-    type=click.Choice(["none", "int8", "int4", "gptq"]),
-    default="none",
+    type=click.Choice(["auto", "none", "int8", "int4", "gptq"]),
+    default="auto",
     show_default=True,
-    help="Weight-only quantization of every linear: int8/int4 round to nearest (symmetric, per group), "
-    "gptq = int4 chosen by GPTQ on calibration text.",
+    help="Weight-only quantization of every linear: auto = the checkpoint's own (a GGUF's Q4_0/Q4_1/Q8_0 blocks "
+    "kept exactly, other quantized types requantized to int4 or int8 in groups of 32; a Hugging Face checkpoint "
+    "stays float); int8/int4 round to nearest (symmetric, per group); gptq = int4 chosen by GPTQ on calibration "
+    "text.",
 )
 @click.option(
     "--group-size",
@@ -150,11 +152,11 @@ def main() -> None:
     "GroupQueryAttention (fp32 caches on Linux x86-64; the build says when it cannot).",
 )
 @click.option(
-    "--native-int4-matmul/--onnxruntime-int4-matmul",
+    "--native-quantized-matmul/--onnxruntime-quantized-matmul",
     default=True,
     show_default=True,
-    help="int4 weights with int8 activations run our Int4MatMul CPU kernel (batch-invariant; AVX2 + FMA), "
-    "compiled here with cc, instead of onnxruntime's MatMulNBits.",
+    help="int4 / int8 weights with int8 activations run our Int4MatMul / Int8MatMul CPU kernels (batch-invariant; "
+    "AVX2 + FMA), compiled here with cc, instead of onnxruntime's MatMulNBits.",
 )
 @click.option(
     "--backend",
@@ -199,7 +201,7 @@ def build(
     prompt_lookup_len,
     min_draft_prob,
     native_decode_attention,
-    native_int4_matmul,
+    native_quantized_matmul,
     backend,
     device,
 ) -> None:
@@ -236,7 +238,7 @@ def build(
         draft_model=draft_model,
         kv_cache_dtype=kv_cache_dtype,
         native_decode_attention=native_decode_attention,
-        native_int4_matmul=native_int4_matmul,
+        native_quantized_matmul=native_quantized_matmul,
         backend=backend,
         device=device,
     )

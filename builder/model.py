@@ -217,7 +217,7 @@ class LlamaForCausalLM(nn.Module):
     def use_torch_ops(self) -> None:
         """Trace for the torch backends (AOTInductor, TensorRT) from now on: attention in plain torch ops writing the
         cache in place (plugins.attention.attend_in_place), residual add + norm in plain torch ops, quantized linears
-        through the Triton kernel's op with block offsets inside it (plugins.blockwise_matmul, a triton_op, which
+        through the Triton kernel's op with block minimums inside it (plugins.blockwise_matmul, a triton_op, which
         the compilers take apart into its kernel), instead of the ops the ONNX engines lower to onnxruntime's
         kernels. No op defined in Python is left for a compiled package to call back into."""
         for layer in self.model.layers:

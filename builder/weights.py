@@ -60,6 +60,22 @@ def linear_sources(config: ModelConfig, quantize_lm_head: bool) -> dict[str, lis
     return sources
 
 
+FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+WIDE_TYPES = ("Q8_0", "Q8_1", "Q8_K", "Q6_K", "Q5_0", "Q5_1", "Q5_K")  # more than 4 bits a weight
+
+
+def auto_quantization(config: ModelConfig, weight_types: Mapping[str, str]) -> str:
+    """What `--quant auto` builds for a checkpoint whose layers' weights have these GGUF types (none for a Hugging
+    Face checkpoint): "none" where they are float, "int4" where any is 4 bits or fewer, else "int8". With groups of
+    32, Q4_0 / Q4_1 / Q8_0 blocks then go into the engine as they are (kept_block_specs); other types are
+    requantized, K-quants of 5-6 bits to int8 only where no layer weight is 4-bit."""
+    names = [name for module, sources in linear_sources(config, False).items() for name in sources]
+    types = {weight_types.get(name, "F32") for name in names}
+    if types <= set(FLOAT_TYPES):
+        return "none"
+    return "int8" if types <= set(FLOAT_TYPES + WIDE_TYPES) else "int4"
+
+
 def kept_block_specs(
     config: ModelConfig, quant: QuantSpec | None, quantize_lm_head: bool, block_formats: Mapping[str, str]
 ) -> dict[str, QuantSpec]:
@@ -75,7 +91,7 @@ def kept_block_specs(
         forms = [EXACT_FORMS.get(block_formats.get(name, "")) for name in names]
         if None in forms or len({bits for bits, _ in forms}) != 1 or forms[0][0] < quant.bits:
             continue
-        kept[module] = replace(quant, bits=forms[0][0], offsets=any(offsets for _, offsets in forms))
+        kept[module] = replace(quant, bits=forms[0][0], minimums=any(minimums for _, minimums in forms))
     return kept
 
 

@@ -2,11 +2,11 @@
 formats, int4 and int8, symmetric or with a per-block minimum, for fp32 / fp16 / bf16 activations.
 
 The weight layout is the one the ONNX engines use (plugins/quant_linear.py): uint8 [N, blocks, block * bits / 8]
-(int4: two values per byte, low nibble first), fp32 scales [N * blocks], and optionally fp32 offsets [N, blocks]:
-    w[n, k] = scale[n, b] * (q[n, k] - 2^(bits-1)) + offset[n, b],   b = k // block
-which holds llama.cpp's Q4_0 / Q8_0 blocks (no offset) and Q4_1 blocks (offset = the block's minimum + 8 * scale)
-exactly. The offset is applied inside the kernel, where the block is unpacked: no second matmul, no float copy
-of the weight.
+(int4: two values per byte, low nibble first), fp32 scales [N * blocks], and optionally float16 minimums [N, blocks]:
+    w[n, k] = scale[n, b] * (q[n, k] - 2^(bits-1))       without minimums,   b = k // block
+    w[n, k] = scale[n, b] * q[n, k] + minimum[n, b]       with them,
+which holds llama.cpp's Q4_0 / Q8_0 blocks (no minimum) and Q4_1 blocks (its scale and minimum) exactly. The
+minimum is applied inside the kernel, where the block is unpacked: no second matmul, no float copy of the weight.
 
 One op, in one place:
 - `torch.ops.plugins.blockwise_matmul`: a `torch.library.triton_op`. On CUDA tensors it launches the Triton kernel
@@ -72,7 +72,7 @@ if triton is not None:
         x_ptr,
         w_ptr,
         scale_ptr,
-        offset_ptr,
+        minimum_ptr,
         out_ptr,
         M,
         N,
@@ -80,7 +80,7 @@ if triton is not None:
         n_blocks,
         BITS: tl.constexpr,
         BLOCK: tl.constexpr,
-        HAS_OFFSETS: tl.constexpr,
+        HAS_MINIMUMS: tl.constexpr,
         FP32: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -92,15 +92,15 @@ if triton is not None:
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok, col_ok = rows < M, cols < N
-        zero = 1 << (BITS - 1)
+        zero = 0 if HAS_MINIMUMS else 1 << (BITS - 1)
         row_bytes = n_blocks * (BLOCK * BITS // 8)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for b in range(0, n_blocks):
             scale = tl.load(scale_ptr + cols * n_blocks + b, mask=col_ok, other=0.0)[:, None]
-            if HAS_OFFSETS:
-                offset = tl.load(offset_ptr + cols * n_blocks + b, mask=col_ok, other=0.0)[:, None]
+            if HAS_MINIMUMS:  # scale * q + minimum: no zero point
+                minimum = tl.load(minimum_ptr + cols * n_blocks + b, mask=col_ok, other=0.0).to(tl.float32)[:, None]
             else:
-                offset = 0.0
+                minimum = 0.0
             if BITS == 4:
                 j = tl.arange(0, BLOCK // 2)
                 packed = tl.load(
@@ -115,8 +115,8 @@ if triton is not None:
                     mask=row_ok[:, None] & (even_k + 1 < K)[None, :],
                     other=0.0,
                 )
-                w_even = ((packed & 0x0F).to(tl.float32) - zero) * scale + offset
-                w_odd = ((packed >> 4).to(tl.float32) - zero) * scale + offset
+                w_even = ((packed & 0x0F).to(tl.float32) - zero) * scale + minimum
+                w_odd = ((packed >> 4).to(tl.float32) - zero) * scale + minimum
                 if FP32:
                     acc += tl.dot(x_even, tl.trans(w_even), input_precision="ieee")
                     acc += tl.dot(x_odd, tl.trans(w_odd), input_precision="ieee")
@@ -128,7 +128,7 @@ if triton is not None:
                 q = tl.load(w_ptr + cols[:, None] * row_bytes + b * BLOCK + j[None, :], mask=col_ok[:, None], other=0)
                 k = b * BLOCK + j
                 x = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
-                w = (q.to(tl.float32) - zero) * scale + offset
+                w = (q.to(tl.float32) - zero) * scale + minimum
                 if FP32:
                     acc += tl.dot(x, tl.trans(w), input_precision="ieee")
                 else:
@@ -137,7 +137,7 @@ if triton is not None:
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def run_kernel(x, qweight, scales, offsets, in_features, out_features, bits, block_size, tile: int) -> torch.Tensor:
+def run_kernel(x, qweight, scales, minimums, in_features, out_features, bits, block_size, tile: int) -> torch.Tensor:
     """The Triton kernel on x [..., in_features] -> [..., out_features] in x's dtype."""
     reason = unavailable_reason(x.device.type)
     if reason is not None:
@@ -145,11 +145,11 @@ def run_kernel(x, qweight, scales, offsets, in_features, out_features, bits, blo
     if bits == 4 and block_size < MIN_INT4_BLOCK:
         raise ValueError(f"the Triton kernel takes int4 blocks of {MIN_INT4_BLOCK} or more, not {block_size}")
     x2d = x.reshape(-1, in_features).contiguous()
-    out = _launch(x2d, qweight, scales, offsets, in_features, out_features, bits, block_size, TILES[tile])
+    out = _launch(x2d, qweight, scales, minimums, in_features, out_features, bits, block_size, TILES[tile])
     return out.reshape(*x.shape[:-1], out_features)
 
 
-def _launch(x2d, qweight, scales, offsets, in_features, out_features, bits, block_size, tile: Tile) -> torch.Tensor:
+def _launch(x2d, qweight, scales, minimums, in_features, out_features, bits, block_size, tile: Tile) -> torch.Tensor:
     from torch.library import wrap_triton
 
     rows = x2d.shape[0]
@@ -159,7 +159,7 @@ def _launch(x2d, qweight, scales, offsets, in_features, out_features, bits, bloc
         x2d,
         qweight,
         scales,
-        scales if offsets is None else offsets,  # not read without offsets
+        scales if minimums is None else minimums,  # not read without minimums
         out,
         rows,
         out_features,
@@ -167,7 +167,7 @@ def _launch(x2d, qweight, scales, offsets, in_features, out_features, bits, bloc
         qweight.shape[1],
         BITS=bits,
         BLOCK=block_size,
-        HAS_OFFSETS=offsets is not None,
+        HAS_MINIMUMS=minimums is not None,
         FP32=x2d.dtype == torch.float32,
         BLOCK_M=tile.block_m,
         BLOCK_N=tile.block_n,
@@ -181,7 +181,7 @@ def blockwise_matmul(
     x: torch.Tensor,
     qweight: torch.Tensor,
     scales: torch.Tensor,
-    offsets: torch.Tensor | None,
+    minimums: torch.Tensor | None,
     in_features: int,
     out_features: int,
     bits: int,
@@ -191,15 +191,15 @@ def blockwise_matmul(
     """x [..., in_features] @ the quantized weight's transpose -> [..., out_features] in x's dtype. `tile` indexes
     TILES (the kernel's tile; the reference ignores it)."""
     if x.device.type == "cpu":
-        return dequantize_matmul(x, qweight, scales, offsets, in_features, bits)
-    return run_kernel(x, qweight, scales, offsets, in_features, out_features, bits, block_size, tile)
+        return dequantize_matmul(x, qweight, scales, minimums, in_features, bits)
+    return run_kernel(x, qweight, scales, minimums, in_features, out_features, bits, block_size, tile)
 
 
 def quantized_linear(
     x,
     qweight,
     scales,
-    offsets,
+    minimums,
     in_features: int,
     out_features: int,
     bits: int,
@@ -211,13 +211,13 @@ def quantized_linear(
     and the tile means nothing (the tests set it to check the branch on CPU)."""
 
     def call(tile: int):
-        def run(x, qweight, scales, *offsets):
-            offset = offsets[0] if offsets else None
-            return blockwise_matmul(x, qweight, scales, offset, in_features, out_features, bits, block_size, tile)
+        def run(x, qweight, scales, *minimums):
+            minimum = minimums[0] if minimums else None
+            return blockwise_matmul(x, qweight, scales, minimum, in_features, out_features, bits, block_size, tile)
 
         return run
 
-    operands = (x, qweight, scales) + (() if offsets is None else (offsets,))
+    operands = (x, qweight, scales) + (() if minimums is None else (minimums,))
     if not (x.device.type != "cpu" if tile_by_rows is None else tile_by_rows):
         return call(0)(*operands)
     rows = x.numel() // in_features

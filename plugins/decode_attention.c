@@ -322,4 +322,4 @@ static size_t input_count(const OrtCustomOp *op) { (void)op; return INPUTS; }
 static size_t output_count(const OrtCustomOp *op) { (void)op; return 3; }
 
 OrtCustomOp decode_attention_op =
-    CPU_CUSTOM_OP(op_name, input_type, input_count, output_count, create_kernel, kernel_compute, kernel_destroy);
+    CPU_CUSTOM_OP(op_name, input_type, input_count, required, output_count, create_kernel, kernel_compute, kernel_destroy);

@@ -2,8 +2,13 @@
  * place of com.microsoft::MatMulNBits (bits 4, accuracy_level 4: int8 activations) under the same contract
  * (plugins/quant_linear.py), except that the scales may be float16 as well as float (engines store them as float16:
  * a weight then streams 4.5 bits from memory, not 5). Inputs: A [..., K] f32; B uint8 [N, K / block, block / 2] (two
- * weights per byte, low nibble first, zero point 8); scales f32 or f16 [N * K / block]. Output [..., N] f32.
+ * weights per byte, low nibble first, zero point 8); scales f32 or f16 [N * K / block];
+ * optionally minimums f16 [N * K / 32] for blocks of 32: then w = scale * q + minimum with q the unsigned nibble
+ * (llama.cpp's Q4_1 block, its two float16s taken as they are) instead of scale * (q - 8). Output [..., N] f32.
  * Attributes: K, N, block_size (a power of 2 of at least 32 that divides K), swiglu (optional, 0 or 1).
+ *
+ * Int8MatMul, the same op for MatMulNBits's 8-bit blocks: B uint8 [N, K / block, block] (q + 128, w = scale * q),
+ * which holds llama.cpp's Q8_0 blocks (blocks of 32, float16 scales) exactly; no minimums.
  *
  * With swiglu = 1 the node is also the MLP's activation: W holds the gate's N / 2 columns, then the up projection's,
  * and the output [..., N / 2] is silu(gate) * up, which the step graph otherwise computes in four more nodes (Split,
@@ -23,9 +28,12 @@
  * and activation scales, accumulate in float per column. Columns are split over the session's threads in chunks,
  * rows in blocks whose quantized activations stay in cache while the chunk's columns pass; a tile of 4 rows x 2
  * columns unpacks each weight once for 4 rows. The weights are prefetched ahead of use: they come from memory.
+ * With minimums the nibble products are kept whole and minimum x the activations' sum is added instead. int8
+ * weights take A's rows in their natural order (ACCUMULATE_GROUP_INT8).
  * Needs AVX2, FMA and F16C (kernel creation fails without them).
  */
 #include <immintrin.h>
+#include <stdio.h>
 
 #include "ort_abi.h"
 
@@ -41,6 +49,7 @@ typedef struct QuantizedRows {
   int8_t *x;     /* [m][groups][64]: the even-indexed values of both blocks, then the odd ones */
   int32_t *corr; /* [m][groups][8]: per int32 lane of the dot product, 8 x the sum of the values it pairs with */
   float *scale;  /* [m][groups][8]: lanes 0-3 the first block's scale, 4-7 the second's */
+  float *sum;    /* [m][groups][8]: per lane, the sum of the values it pairs with times their scale (for minimums) */
 } QuantizedRows;
 
 typedef struct Work {
@@ -48,10 +57,12 @@ typedef struct Work {
   float *out; /* the node's output: y itself, or for swiglu silu(gate) * up of y's halves */
   const uint8_t *w;
   const void *wscale; /* float, or float16 (scales_f16) */
+  const uint16_t *minimums; /* float16 per block (Q4_1: w = scale * q + minimum), or NULL (w = scale * (q - 8)) */
   float *y;
   QuantizedRows q;
   int64_t m, k, n, block_size, groups, row_blocks, column_chunks;
   int scales_f16;
+  int bits; /* 4, or 8 (Int8MatMul: A's rows are then quantized in their natural order) */
 } Work;
 
 /* e^x for x in [-87, 88] (clamped there), within ~2 float ulps: x = n ln2 + r with |r| <= ln2 / 2 (ln2 in two parts,
@@ -116,20 +127,30 @@ AVX2 static void quantize_rows(void *data, size_t unit) {
       /* [evens of values 0-15, odds of 0-15 | evens of 16-31, odds of 16-31] -> [all 16 evens | all 16 odds] */
       const __m256i split = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(bytes, evens_first), 0xD8);
       const int64_t g = r * w->groups + b / 2, half = b % 2;
-      _mm_storeu_si128((__m128i *)(w->q.x + g * 64 + half * 16), _mm256_castsi256_si128(split));
-      _mm_storeu_si128((__m128i *)(w->q.x + g * 64 + 32 + half * 16), _mm256_extracti128_si256(split, 1));
+      if (w->bits == 8) {
+        _mm256_storeu_si256((__m256i *)(w->q.x + g * 64 + half * 32), bytes);
+      } else {
+        _mm_storeu_si128((__m128i *)(w->q.x + g * 64 + half * 16), _mm256_castsi256_si128(split));
+        _mm_storeu_si128((__m128i *)(w->q.x + g * 64 + 32 + half * 16), _mm256_extracti128_si256(split, 1));
+      }
       /* lane l of the dot product pairs with values 8l .. 8l + 7: the sums of q[0..3] */
       const __m256i sums = _mm256_hadd_epi32(_mm256_hadd_epi32(q[0], q[1]), _mm256_hadd_epi32(q[2], q[3]));
       const __m128i lanes = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
       _mm_storeu_si128((__m128i *)(w->q.corr + g * 8 + half * 4), _mm_slli_epi32(lanes, 3));
       _mm_storeu_ps(w->q.scale + g * 8 + half * 4, _mm_set1_ps(largest / 127.0f));
+      _mm_storeu_ps(w->q.sum + g * 8 + half * 4, _mm_mul_ps(_mm_cvtepi32_ps(lanes), _mm_set1_ps(largest / 127.0f)));
     }
     if ((w->k / 32) % 2) { /* the last group's second block does not exist: it adds zero */
       const int64_t g = r * w->groups + w->groups - 1;
-      memset(w->q.x + g * 64 + 16, 0, 16);
-      memset(w->q.x + g * 64 + 48, 0, 16);
+      if (w->bits == 8) {
+        memset(w->q.x + g * 64 + 32, 0, 32);
+      } else {
+        memset(w->q.x + g * 64 + 16, 0, 16);
+        memset(w->q.x + g * 64 + 48, 0, 16);
+      }
       memset(w->q.corr + g * 8 + 4, 0, 4 * sizeof(int32_t));
       memset(w->q.scale + g * 8 + 4, 0, 4 * sizeof(float));
+      memset(w->q.sum + g * 8 + 4, 0, 4 * sizeof(float));
     }
   }
 }
@@ -166,70 +187,123 @@ INLINE_AVX2 __m256 tail_scale(const void *column_scales, int64_t g, int f16) {
 }
 
 /* Group g of ROWS rows against COLS columns into acc. TAIL: the last group of a K with an odd number of 32-blocks,
- * which holds one block (16 bytes of weights, one scale; its second half of the activations is zero). */
-#define ACCUMULATE_GROUP(ROWS, COLS, BLOCKS_OF_32, F16, TAIL)                                                        \
+ * which holds one block (16 bytes of weights, one scale; its second half of the activations is zero). MIN: the
+ * blocks carry a minimum (blocks of 32, float16): scale * q + minimum, so the dot product of the unsigned nibbles
+ * is taken as it is and minimum x the activations' sum added, instead of subtracting 8 x that sum. */
+#define ACCUMULATE_GROUP(ROWS, COLS, BLOCKS_OF_32, F16, TAIL, MIN)                                                   \
   for (int j = 0; j < COLS; j++) {                                                                                  \
     const uint8_t *p = weights[j] + g * 32;                                                                         \
     _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);                                                    \
     const __m256i bytes = TAIL ? _mm256_inserti128_si256(_mm256_setzero_si256(), _mm_loadu_si128((const __m128i *)p), 0) \
                                : _mm256_loadu_si256((const __m256i *)p);                                            \
     const __m256 ws = TAIL ? tail_scale(scales[j], g, F16) : group_scales(scales[j], g, BLOCKS_OF_32, shift, F16);   \
+    const __m256 wmin = !MIN ? _mm256_setzero_ps()                                                                 \
+                        : TAIL ? tail_scale(minimums[j], g, 1) : group_scales(minimums[j], g, 1, 0, 1);             \
     const __m256i lo = _mm256_and_si256(bytes, low), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);       \
     for (int i = 0; i < ROWS; i++) {                                                                                \
       const int64_t at = i * groups + g;                                                                            \
       const __m256i even = _mm256_loadu_si256((const __m256i *)(x + at * 64));                                      \
       const __m256i odd = _mm256_loadu_si256((const __m256i *)(x + at * 64 + 32));                                  \
       const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, even), _mm256_maddubs_epi16(hi, odd));       \
-      const __m256i dots = _mm256_sub_epi32(_mm256_madd_epi16(pairs, ones),                                         \
-                                            _mm256_loadu_si256((const __m256i *)(corr + at * 8)));                  \
+      __m256i dots = _mm256_madd_epi16(pairs, ones);                                                                \
+      if (!MIN) dots = _mm256_sub_epi32(dots, _mm256_loadu_si256((const __m256i *)(corr + at * 8)));                \
+      const __m256 scale = _mm256_mul_ps(ws, _mm256_loadu_ps(xscale + at * 8));                                     \
+      acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), scale, acc[i][j]);                                      \
+      if (MIN) acc[i][j] = _mm256_fmadd_ps(wmin, _mm256_loadu_ps(xsum + at * 8), acc[i][j]);                        \
+    }                                                                                                               \
+  }
+
+/* The int8 form of ACCUMULATE_GROUP (MatMulNBits's 8-bit blocks: q + 128 stored as uint8, w = scale * q; GGUF
+ * Q8_0): a group is two blocks of 32 bytes in their natural order, as A's rows are quantized for it. The signed
+ * weights meet the activations through |w| x (x with w's sign) (vpmaddubsw takes one unsigned operand); each block's
+ * products are summed to int32 on their own (two blocks' pairs would overflow int16), then arranged so that lanes
+ * 0-3 hold the first block and 4-7 the second, as the scales are. */
+#define ACCUMULATE_GROUP_INT8(ROWS, COLS, BLOCKS_OF_32, F16, TAIL)                                                  \
+  for (int j = 0; j < COLS; j++) {                                                                                  \
+    const uint8_t *p = weights[j] + g * 64;                                                                         \
+    _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);                                                    \
+    _mm_prefetch((const char *)p + PREFETCH_BYTES + 64, _MM_HINT_T0);                                               \
+    const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)p), flip);                              \
+    const __m256i w1 = TAIL ? _mm256_setzero_si256()                                                                \
+                            : _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(p + 32)), flip);               \
+    const __m256i abs0 = _mm256_abs_epi8(w0), abs1 = _mm256_abs_epi8(w1);                                          \
+    const __m256 ws = TAIL ? tail_scale(scales[j], g, F16) : group_scales(scales[j], g, BLOCKS_OF_32, shift, F16);   \
+    for (int i = 0; i < ROWS; i++) {                                                                                \
+      const int64_t at = i * groups + g;                                                                            \
+      const __m256i x0 = _mm256_loadu_si256((const __m256i *)(x + at * 64));                                        \
+      const __m256i x1 = _mm256_loadu_si256((const __m256i *)(x + at * 64 + 32));                                   \
+      const __m256i d0 = _mm256_madd_epi16(_mm256_maddubs_epi16(abs0, _mm256_sign_epi8(x0, w0)), ones);            \
+      const __m256i d1 = _mm256_madd_epi16(_mm256_maddubs_epi16(abs1, _mm256_sign_epi8(x1, w1)), ones);            \
+      const __m256i dots = _mm256_permute4x64_epi64(_mm256_hadd_epi32(d0, d1), 0xD8);                              \
       const __m256 scale = _mm256_mul_ps(ws, _mm256_loadu_ps(xscale + at * 8));                                     \
       acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), scale, acc[i][j]);                                      \
     }                                                                                                               \
   }
 
 /* Y[r .. r + ROWS, c .. c + COLS] for weights in blocks of 32 (BLOCKS_OF_32) or of 64 << shift, with float16 scales
- * (F16) or float: each output is the same operations in the same order whatever ROWS and COLS are */
-#define DEFINE_TILE(NAME, ROWS, COLS, BLOCKS_OF_32, F16)                                                            \
+ * (F16) or float, with minimums (MIN) or not: each output is the same operations in the same order whatever ROWS and
+ * COLS are */
+#define DEFINE_TILE(NAME, ROWS, COLS, BLOCKS_OF_32, F16, MIN, BITS)                                                 \
   AVX2 static void NAME(const Work *w, int64_t r, int64_t c) {                                                      \
-    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);                                        \
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);   \
+    (void)low;                                                                                                      \
+    (void)flip;                                                                                                     \
     const int64_t groups = w->groups, full = w->k / 64, n = w->n;                                                   \
     const int shift = BLOCKS_OF_32 ? 0 : __builtin_ctzll((unsigned long long)(w->block_size / 64));                 \
     const uint8_t *weights[COLS];                                                                                   \
-    const void *scales[COLS];                                                                                       \
+    const void *scales[COLS], *minimums[COLS];                                                                      \
     for (int j = 0; j < COLS; j++) {                                                                                \
-      weights[j] = w->w + (c + j) * (w->k / 2);                                                                     \
+      weights[j] = w->w + (c + j) * (w->k * BITS / 8);                                                              \
       scales[j] = (const char *)w->wscale + (c + j) * (w->k / w->block_size) * (F16 ? 2 : 4);                       \
+      minimums[j] = MIN ? w->minimums + (c + j) * (w->k / 32) : NULL;                                               \
     }                                                                                                               \
     const int8_t *x = w->q.x + r * groups * 64;                                                                     \
     const int32_t *corr = w->q.corr + r * groups * 8;                                                               \
     const float *xscale = w->q.scale + r * groups * 8;                                                              \
+    const float *xsum = w->q.sum + r * groups * 8;                                                                  \
     __m256 acc[ROWS][COLS];                                                                                         \
     for (int i = 0; i < ROWS; i++)                                                                                  \
       for (int j = 0; j < COLS; j++) acc[i][j] = _mm256_setzero_ps();                                               \
     int64_t g = 0;                                                                                                  \
-    for (; g < full; g++) ACCUMULATE_GROUP(ROWS, COLS, BLOCKS_OF_32, F16, 0)                                        \
-    if (BLOCKS_OF_32 && g < groups) ACCUMULATE_GROUP(ROWS, COLS, BLOCKS_OF_32, F16, 1)                              \
+    if (BITS == 8) {                                                                                                \
+      for (; g < full; g++) ACCUMULATE_GROUP_INT8(ROWS, COLS, BLOCKS_OF_32, F16, 0)                                 \
+      if (BLOCKS_OF_32 && g < groups) ACCUMULATE_GROUP_INT8(ROWS, COLS, BLOCKS_OF_32, F16, 1)                       \
+    } else {                                                                                                        \
+      for (; g < full; g++) ACCUMULATE_GROUP(ROWS, COLS, BLOCKS_OF_32, F16, 0, MIN)                                 \
+      if (BLOCKS_OF_32 && g < groups) ACCUMULATE_GROUP(ROWS, COLS, BLOCKS_OF_32, F16, 1, MIN)                       \
+    }                                                                                                               \
     for (int i = 0; i < ROWS; i++)                                                                                  \
       for (int j = 0; j < COLS; j++) w->y[(r + i) * n + c + j] = horizontal_sum(acc[i][j]);                         \
   }
 
-/* the four tile shapes of each kind of weights: [blocks of 32][float16 scales] */
-#define DEFINE_TILES(SUFFIX, BLOCKS_OF_32, F16)                                                                     \
-  DEFINE_TILE(tile_4x2_##SUFFIX, 4, 2, BLOCKS_OF_32, F16)                                                           \
-  DEFINE_TILE(tile_4x1_##SUFFIX, 4, 1, BLOCKS_OF_32, F16)                                                           \
-  DEFINE_TILE(tile_1x4_##SUFFIX, 1, 4, BLOCKS_OF_32, F16)                                                           \
-  DEFINE_TILE(tile_1x1_##SUFFIX, 1, 1, BLOCKS_OF_32, F16)
-DEFINE_TILES(shared, 0, 0)
-DEFINE_TILES(shared_f16, 0, 1)
-DEFINE_TILES(32, 1, 0)
-DEFINE_TILES(32_f16, 1, 1)
+/* the four tile shapes of each kind of weights: [blocks of 32][float16 scales][minimums], int4 or int8 */
+#define DEFINE_TILES(SUFFIX, BLOCKS_OF_32, F16, MIN, BITS)                                                          \
+  DEFINE_TILE(tile_4x2_##SUFFIX, 4, 2, BLOCKS_OF_32, F16, MIN, BITS)                                                \
+  DEFINE_TILE(tile_4x1_##SUFFIX, 4, 1, BLOCKS_OF_32, F16, MIN, BITS)                                                \
+  DEFINE_TILE(tile_1x4_##SUFFIX, 1, 4, BLOCKS_OF_32, F16, MIN, BITS)                                                \
+  DEFINE_TILE(tile_1x1_##SUFFIX, 1, 1, BLOCKS_OF_32, F16, MIN, BITS)
+DEFINE_TILES(shared, 0, 0, 0, 4)
+DEFINE_TILES(shared_f16, 0, 1, 0, 4)
+DEFINE_TILES(32, 1, 0, 0, 4)
+DEFINE_TILES(32_f16, 1, 1, 0, 4)
+DEFINE_TILES(32_min, 1, 0, 1, 4)
+DEFINE_TILES(32_f16_min, 1, 1, 1, 4)
+DEFINE_TILES(int8_shared, 0, 0, 0, 8)
+DEFINE_TILES(int8_shared_f16, 0, 1, 0, 8)
+DEFINE_TILES(int8_32, 1, 0, 0, 8)
+DEFINE_TILES(int8_32_f16, 1, 1, 0, 8)
 
 typedef void (*Tile)(const Work *w, int64_t r, int64_t c);
 enum { TILE_4x2, TILE_4x1, TILE_1x4, TILE_1x1 };
-static const Tile tiles[2][2][4] = {
-    {{tile_4x2_shared, tile_4x1_shared, tile_1x4_shared, tile_1x1_shared},
-     {tile_4x2_shared_f16, tile_4x1_shared_f16, tile_1x4_shared_f16, tile_1x1_shared_f16}},
-    {{tile_4x2_32, tile_4x1_32, tile_1x4_32, tile_1x1_32}, {tile_4x2_32_f16, tile_4x1_32_f16, tile_1x4_32_f16, tile_1x1_32_f16}},
+#define TILE_SHAPES(SUFFIX) {tile_4x2_##SUFFIX, tile_4x1_##SUFFIX, tile_1x4_##SUFFIX, tile_1x1_##SUFFIX}
+/* [blocks of 32][float16 scales][minimums]: minimums come in blocks of 32 only */
+static const Tile tiles[2][2][2][4] = {
+    {{TILE_SHAPES(shared), {NULL}}, {TILE_SHAPES(shared_f16), {NULL}}},
+    {{TILE_SHAPES(32), TILE_SHAPES(32_min)}, {TILE_SHAPES(32_f16), TILE_SHAPES(32_f16_min)}},
+};
+static const Tile int8_tiles[2][2][4] = {
+    {TILE_SHAPES(int8_shared), TILE_SHAPES(int8_shared_f16)},
+    {TILE_SHAPES(int8_32), TILE_SHAPES(int8_32_f16)},
 };
 
 /* one unit: a block of rows against a chunk of columns */
@@ -238,7 +312,8 @@ static void multiply_unit(void *data, size_t unit) {
   const int64_t row_block = (int64_t)unit / w->column_chunks, chunk = (int64_t)unit % w->column_chunks;
   const int64_t r0 = row_block * ROW_BLOCK, r1 = r0 + ROW_BLOCK < w->m ? r0 + ROW_BLOCK : w->m;
   const int64_t c0 = chunk * COLUMN_CHUNK(w->n), c1 = c0 + COLUMN_CHUNK(w->n) < w->n ? c0 + COLUMN_CHUNK(w->n) : w->n;
-  const Tile *tile = tiles[w->block_size == 32][w->scales_f16];
+  const Tile *tile = w->bits == 8 ? int8_tiles[w->block_size == 32][w->scales_f16]
+                                   : tiles[w->block_size == 32][w->scales_f16][w->minimums != NULL];
   int64_t r = r0;
   for (; r + 4 <= r1; r += 4) {
     int64_t c = c0;
@@ -255,28 +330,43 @@ static void multiply_unit(void *data, size_t unit) {
 typedef struct Kernel {
   OrtApiTable api;
   int64_t k, n, block_size, swiglu;
+  int bits; /* 4: Int4MatMul, 8: Int8MatMul */
 } Kernel;
+
+/* a failed status whose message names the op */
+static OrtStatus *refuse(OrtApiTable api, int bits, const char *message) {
+  char named[256];
+  snprintf(named, sizeof(named), "Int%dMatMul: %s", bits, message);
+  return fail(api, named);
+}
 
 static OrtStatus *compute(void *kernel_state, OrtKernelContext *context) {
   const Kernel *kernel = kernel_state;
   OrtApiTable api = kernel->api;
-  const OrtValue *inputs[3];
-  void *data[3];
-  int64_t dims[3][4];
-  size_t rank[3];
-  int element_type[3];
-  for (size_t i = 0; i < 3; i++)
+  const OrtValue *inputs[4] = {NULL};
+  void *data[4] = {NULL};
+  int64_t dims[4][4];
+  size_t rank[4], count = 0;
+  int element_type[4];
+  if (API(api, KernelContext_GetInputCount, OrtStatus *(*)(const OrtKernelContext *, size_t *))(context, &count) ||
+      count < 3 || count > 4)
+    return refuse(api, kernel->bits, "takes 3 inputs (A, B, scales) or 4 (and minimums, int4 only)");
+  for (size_t i = 0; i < count; i++)
     if (API(api, KernelContext_GetInput, OrtStatus *(*)(const OrtKernelContext *, size_t, const OrtValue **))(
             context, i, &inputs[i]) || !inputs[i] || !tensor_typed(api, inputs[i], &data[i], dims[i], &rank[i], &element_type[i]))
-      return fail(api, "Int4MatMul: cannot read its inputs");
-  int64_t m = 1, scale_count = 1;
+      return refuse(api, kernel->bits, "cannot read its inputs");
+  int64_t m = 1, scale_count = 1, minimum_count = 1;
   for (size_t i = 0; i + 1 < rank[0]; i++) m *= dims[0][i];
   for (size_t i = 0; i < rank[2]; i++) scale_count *= dims[2][i];
-  if (rank[0] < 1 || dims[0][rank[0] - 1] != kernel->k || dims[1][0] != kernel->n || dims[1][1] * dims[1][2] * 2 != kernel->k)
-    return fail(api, "Int4MatMul: the input's last axis or the weight's shape does not match K and N");
+  for (size_t i = 0; count == 4 && i < rank[3]; i++) minimum_count *= dims[3][i];
+  if (count == 4 && (kernel->bits != 4 || kernel->block_size != 32 || element_type[3] != ELEMENT_FLOAT16 ||
+                     minimum_count != kernel->n * (kernel->k / 32)))
+    return refuse(api, kernel->bits, "minimums must be N * K / 32 float16s, for blocks of 32");
+  if (rank[0] < 1 || dims[0][rank[0] - 1] != kernel->k || dims[1][0] != kernel->n || dims[1][1] * dims[1][2] * 8 / kernel->bits != kernel->k)
+    return refuse(api, kernel->bits, "the input's last axis or the weight's shape does not match K and N");
   if ((element_type[2] != ELEMENT_FLOAT && element_type[2] != ELEMENT_FLOAT16) ||
       scale_count != kernel->n * (kernel->k / kernel->block_size))
-    return fail(api, "Int4MatMul: the scales must be N * K / block_size floats or float16s");
+    return refuse(api, kernel->bits, "the scales must be N * K / block_size floats or float16s");
   int64_t out_dims[4];
   memcpy(out_dims, dims[0], sizeof(out_dims));
   out_dims[rank[0] - 1] = kernel->swiglu ? kernel->n / 2 : kernel->n;
@@ -285,17 +375,19 @@ static OrtStatus *compute(void *kernel_state, OrtKernelContext *context) {
   int64_t ignored[4];
   if (API(api, KernelContext_GetOutput, OrtStatus *(*)(OrtKernelContext *, size_t, const int64_t *, size_t, OrtValue **))(
           context, 0, out_dims, rank[0], &output) || !tensor(api, output, &y, ignored))
-    return fail(api, "Int4MatMul: cannot allocate its output");
+    return refuse(api, kernel->bits, "cannot allocate its output");
   if (m == 0) return NULL;
   const int64_t groups = (kernel->k / 32 + 1) / 2;
-  const size_t quantized_bytes = (size_t)(m * groups * (64 + 8 * sizeof(int32_t) + 8 * sizeof(float)));
+  const size_t quantized_bytes = (size_t)(m * groups * (64 + 8 * sizeof(int32_t) + 2 * 8 * sizeof(float)));
   /* a swiglu node's product goes to scratch after the quantized rows (an offset that keeps floats aligned) */
   char *buffer = malloc(quantized_bytes + (kernel->swiglu ? (size_t)(m * kernel->n) * sizeof(float) : 0));
-  if (!buffer) return fail(api, "Int4MatMul: out of memory");
-  Work work = {data[0], y, data[1], data[2], kernel->swiglu ? (float *)(buffer + quantized_bytes) : y,
-               {(int8_t *)buffer, (int32_t *)(buffer + m * groups * 64), (float *)(buffer + m * groups * 96)},
+  if (!buffer) return refuse(api, kernel->bits, "out of memory");
+  Work work = {data[0], y, data[1], data[2], data[3], kernel->swiglu ? (float *)(buffer + quantized_bytes) : y,
+               {(int8_t *)buffer, (int32_t *)(buffer + m * groups * 64), (float *)(buffer + m * groups * 96),
+                (float *)(buffer + m * groups * 128)},
                m, kernel->k, kernel->n, kernel->block_size, groups, (m + ROW_BLOCK - 1) / ROW_BLOCK,
-               (kernel->n + COLUMN_CHUNK(kernel->n) - 1) / COLUMN_CHUNK(kernel->n), element_type[2] == ELEMENT_FLOAT16};
+               (kernel->n + COLUMN_CHUNK(kernel->n) - 1) / COLUMN_CHUNK(kernel->n), element_type[2] == ELEMENT_FLOAT16,
+               kernel->bits};
   OrtStatus *(*parallel_for)(const OrtKernelContext *, void (*)(void *, size_t), size_t, size_t, void *) =
       API(api, KernelContext_ParallelFor, OrtStatus *(*)(const OrtKernelContext *, void (*)(void *, size_t), size_t, size_t, void *));
   OrtStatus *status = parallel_for(context, quantize_rows, (size_t)work.row_blocks, 0, &work);
@@ -306,10 +398,11 @@ static OrtStatus *compute(void *kernel_state, OrtKernelContext *context) {
 }
 
 static OrtStatus *create_kernel(const OrtCustomOp *op, OrtApiTable api, const OrtKernelInfo *info, void **out) {
-  (void)op;
+  const int bits = op == &int8_matmul_op ? 8 : 4;
   Kernel *kernel = calloc(1, sizeof(Kernel));
-  if (!kernel) return fail(api, "Int4MatMul: out of memory");
+  if (!kernel) return refuse(api, bits, "out of memory");
   kernel->api = api;
+  kernel->bits = bits;
   OrtStatus *(*get_int)(const OrtKernelInfo *, const char *, int64_t *) =
       API(api, KernelInfoGetAttribute_int64, OrtStatus *(*)(const OrtKernelInfo *, const char *, int64_t *));
   OrtStatus *status = get_int(info, "K", &kernel->k);
@@ -321,13 +414,13 @@ static OrtStatus *create_kernel(const OrtCustomOp *op, OrtApiTable api, const Or
     kernel->swiglu = 0;
   }
   if (!status && (kernel->swiglu < 0 || kernel->swiglu > 1 || (kernel->swiglu && kernel->n % 2)))
-    status = fail(api, "Int4MatMul: swiglu must be 0 or 1, and 1 needs an even N (gate columns, then up columns)");
+    status = refuse(api, kernel->bits, "swiglu must be 0 or 1, and 1 needs an even N (gate columns, then up columns)");
   if (!status && (kernel->n <= 0 || kernel->k <= 0 || kernel->block_size < 32 ||
                   (kernel->block_size & (kernel->block_size - 1)) || kernel->k % kernel->block_size))
-    status = fail(api, "Int4MatMul: block_size must be a power of 2 of at least 32 that divides K");
+    status = refuse(api, kernel->bits, "block_size must be a power of 2 of at least 32 that divides K");
   if (!status && !(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")))
-    status = fail(api, "Int4MatMul: this CPU lacks AVX2, FMA or F16C, which the kernel needs (build the engine with "
-                       "--onnxruntime-int4-matmul to run onnxruntime's MatMulNBits instead)");
+    status = refuse(api, kernel->bits, "this CPU lacks AVX2, FMA or F16C, which the kernel needs (build the engine with "
+                       "--onnxruntime-quantized-matmul to run onnxruntime's MatMulNBits instead)");
   if (status) {
     free(kernel);
     return status;
@@ -337,11 +430,18 @@ static OrtStatus *create_kernel(const OrtCustomOp *op, OrtApiTable api, const Or
 }
 
 static void destroy_kernel(void *kernel) { free(kernel); }
-static const char *op_name(const OrtCustomOp *op) { (void)op; return "Int4MatMul"; }
-static const int input_types[3] = {ELEMENT_FLOAT, ELEMENT_UINT8, ELEMENT_ANY}; /* scales: float or float16 */
+static const char *op_name(const OrtCustomOp *op) { return op == &int8_matmul_op ? "Int8MatMul" : "Int4MatMul"; }
+/* scales: float or float16; minimums: float16 */
+static const int input_types[4] = {ELEMENT_FLOAT, ELEMENT_UINT8, ELEMENT_ANY, ELEMENT_FLOAT16};
 static int input_type(const OrtCustomOp *op, size_t index) { (void)op; return input_types[index]; }
-static size_t input_count(const OrtCustomOp *op) { (void)op; return 3; }
+static size_t input_count(const OrtCustomOp *op) { (void)op; return 4; }
+static int minimums_optional(const OrtCustomOp *op, size_t index) {
+  (void)op;
+  return index == 3 ? INPUT_OPTIONAL : INPUT_REQUIRED;
+}
 static size_t output_count(const OrtCustomOp *op) { (void)op; return 1; }
 
 OrtCustomOp int4_matmul_op =
-    CPU_CUSTOM_OP(op_name, input_type, input_count, output_count, create_kernel, compute, destroy_kernel);
+    CPU_CUSTOM_OP(op_name, input_type, input_count, minimums_optional, output_count, create_kernel, compute, destroy_kernel);
+OrtCustomOp int8_matmul_op =
+    CPU_CUSTOM_OP(op_name, input_type, input_count, minimums_optional, output_count, create_kernel, compute, destroy_kernel);

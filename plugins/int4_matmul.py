@@ -11,7 +11,10 @@ for one stream (nothing to pad) the two decode alike: both stream the weights as
 quantization).
 
 Covered: bits 4, accuracy_level 4, blocks of a power of 2 from 32 that divides K; other nodes (int8 weights, fp32
-compute, blocks of 16) keep MatMulNBits. The kernel needs AVX2, FMA and F16C at run time.
+compute, blocks of 16) keep MatMulNBits. Int4 blocks with minimums (GGUF Q4_1: w = scale * q + minimum, float16
+minimums as the file holds them) are exported as Int4MatMul nodes with a fourth input already
+(plugins/quant_linear.py), which MatMulNBits cannot express exactly. The kernel needs AVX2, FMA and F16C at run
+time.
 """
 
 from __future__ import annotations
@@ -36,35 +39,47 @@ def unavailable_reason(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
     return f"this CPU lacks {' and '.join(f.upper() for f in missing)}, which the kernel needs" if missing else None
 
 
-def covers(attributes: dict, input_count: int) -> bool:
-    """Whether Int4MatMul computes what a MatMulNBits node with these attributes and inputs computes."""
+OPS = {4: "Int4MatMul", 8: "Int8MatMul"}  # bits -> our op
+
+
+def kernel_for(attributes: dict, input_count: int) -> str | None:
+    """Our op that computes what a MatMulNBits node with these attributes and inputs computes, or None."""
     block, k = attributes.get("block_size", 0), attributes.get("K", 0)
-    return (
-        attributes.get("bits") == 4
-        and attributes.get("accuracy_level") == 4
+    covered = (
+        attributes.get("accuracy_level") == 4
         and input_count == 3
         and block >= 32
         and block & (block - 1) == 0
         and k % block == 0
     )
+    return OPS.get(attributes.get("bits")) if covered else None
 
 
-def use_in_graph(graph_file: Path) -> int:
-    """Replace every MatMulNBits node of `graph_file` the kernel covers by Int4MatMul, store those nodes' scales as
-    float16 (`half_scales`) and fold the MLP activation into the gate / up node (`fuse_swiglu`); returns how many
-    nodes run Int4MatMul."""
+def use_in_graph(graph_file: Path) -> dict[str, int]:
+    """Replace every MatMulNBits node of `graph_file` our kernels cover by Int4MatMul / Int8MatMul, store the
+    scales of every int4 node (those and the ones exported as such) as float16 (`half_scales`; int8 nodes' only
+    where float16 holds them exactly, as GGUF Q8_0's), and fold the MLP activation into the gate / up node
+    (`fuse_swiglu`); returns how many nodes run each op."""
     from onnx import helper
 
-    scales, read_by_others = set(), set()
+    scales = {op: set() for op in OPS.values()}
+    read_by_others = set()
+    counts = dict.fromkeys(OPS.values(), 0)
 
     def replace(node):
+        if node.op_type in counts and node.domain == DOMAIN:  # exported as ours (int4 blocks with minimums)
+            scales[node.op_type].add(node.input[2])
+            counts[node.op_type] += 1
+            return None
         attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        if node.op_type != "MatMulNBits" or node.domain != "com.microsoft" or not covers(attributes, len(node.input)):
+        op = kernel_for(attributes, len(node.input)) if node.op_type == "MatMulNBits" else None
+        if op is None or node.domain != "com.microsoft":
             read_by_others.update(node.input)
             return None
-        scales.add(node.input[2])
+        scales[op].add(node.input[2])
+        counts[op] += 1
         return helper.make_node(
-            "Int4MatMul",
+            op,
             list(node.input),
             list(node.output),
             name=node.name,
@@ -74,10 +89,11 @@ def use_in_graph(graph_file: Path) -> int:
             block_size=attributes["block_size"],
         )
 
-    count = rewrite_nodes(graph_file, replace)
-    rewrite_initializers(graph_file, scales - read_by_others, half_scales)
+    rewrite_nodes(graph_file, replace)
+    rewrite_initializers(graph_file, scales["Int4MatMul"] - read_by_others, half_scales)
+    rewrite_initializers(graph_file, scales["Int8MatMul"] - read_by_others, exact_half_scales)
     fuse_swiglu(graph_file)
-    return count
+    return counts
 
 
 def fuse_swiglu(graph_file: Path) -> int:
@@ -102,7 +118,7 @@ def fuse_swiglu(graph_file: Path) -> int:
 
     removed, fused = set(), {}
     for node in graph.node:
-        if node.op_type != "Int4MatMul" or node.domain != DOMAIN:
+        if node.op_type not in OPS.values() or node.domain != DOMAIN:
             continue
         half = next(a.i for a in node.attribute if a.name == "N") // 2
         split = only_reader(node.output[0], "Split")
@@ -134,7 +150,7 @@ def fuse_swiglu(graph_file: Path) -> int:
         ):
             continue
         fused[id(node)] = helper.make_node(
-            "Int4MatMul",
+            node.op_type,
             list(node.input),
             list(up_reader.output),
             name=node.name,
@@ -157,3 +173,10 @@ def half_scales(scales: np.ndarray) -> np.ndarray | None:
     weights they scale (a step of 1/7 of a block's largest magnitude); None where one would overflow float16."""
     half = scales.astype(np.float16)
     return half if np.isfinite(half).all() else None
+
+
+def exact_half_scales(scales: np.ndarray) -> np.ndarray | None:
+    """The scales as float16 where that loses nothing (GGUF Q8_0's are float16 in the file), else None: int8
+    weights round 16x finer than int4, so a float16 scale's rounding would no longer be small against theirs."""
+    half = scales.astype(np.float16)
+    return half if np.array_equal(half.astype(scales.dtype), scales) else None

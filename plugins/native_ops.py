@@ -44,7 +44,7 @@ def compile_library(out_dir: Path) -> Path:
     if result.returncode != 0:
         raise ValueError(
             "compiling our kernels failed (build with --onnxruntime-decode-attention "
-            f"--onnxruntime-int4-matmul to do without them):\n{result.stderr[-2000:]}"
+            f"--onnxruntime-quantized-matmul to do without them):\n{result.stderr[-2000:]}"
         )
     return target
 

@@ -43,6 +43,7 @@ enum {
   API_GetTensorTypeAndShape = 65,
   API_KernelInfoGetAttribute_float = 85,
   API_KernelInfoGetAttribute_int64 = 86,
+  API_KernelContext_GetInputCount = 88,
   API_KernelContext_GetInput = 90,
   API_KernelContext_GetOutput = 91,
   API_ReleaseStatus = 93,
@@ -113,20 +114,21 @@ static inline int tensor(OrtApiTable api, const OrtValue *value, void **data, in
 
 /* the callbacks every op here answers alike */
 static inline const char *op_provider(const OrtCustomOp *op) { (void)op; return "CPUExecutionProvider"; }
-static inline int required(const OrtCustomOp *op, size_t index) { (void)op; (void)index; return 0; /* not optional */ }
+enum { INPUT_REQUIRED = 0, INPUT_OPTIONAL = 1 };
+static inline int required(const OrtCustomOp *op, size_t index) { (void)op; (void)index; return INPUT_REQUIRED; }
 static inline int default_memory(const OrtCustomOp *op, size_t index) { (void)op; (void)index; return 0; /* the CPU's */ }
 static inline int one(const OrtCustomOp *op) { (void)op; return 1; /* no variadic inputs or outputs */ }
 static inline int float_output(const OrtCustomOp *op, size_t index) { (void)op; (void)index; return ELEMENT_FLOAT; }
 
-/* an OrtCustomOp (version 16) for the CPU execution provider with float outputs, all its inputs and outputs
- * required: the op's own callbacks, the rest answered alike */
-#define CPU_CUSTOM_OP(GET_NAME, INPUT_TYPE, INPUT_COUNT, OUTPUT_COUNT, CREATE, COMPUTE, DESTROY)                      \
+/* an OrtCustomOp (version 16) for the CPU execution provider with float outputs, its outputs required and its inputs
+ * as INPUT_CHARACTERISTIC says (`required` for all): the op's own callbacks, the rest answered alike */
+#define CPU_CUSTOM_OP(GET_NAME, INPUT_TYPE, INPUT_COUNT, INPUT_CHARACTERISTIC, OUTPUT_COUNT, CREATE, COMPUTE, DESTROY)  \
   {.version = CUSTOM_OP_VERSION, .GetName = GET_NAME, .GetExecutionProviderType = op_provider,                      \
    .GetInputType = INPUT_TYPE, .GetInputTypeCount = INPUT_COUNT, .GetOutputType = float_output,                     \
-   .GetOutputTypeCount = OUTPUT_COUNT, .KernelDestroy = DESTROY, .GetInputCharacteristic = required,                \
+   .GetOutputTypeCount = OUTPUT_COUNT, .KernelDestroy = DESTROY, .GetInputCharacteristic = INPUT_CHARACTERISTIC,    \
    .GetOutputCharacteristic = required, .GetInputMemoryType = default_memory, .GetVariadicInputMinArity = one,      \
    .GetVariadicInputHomogeneity = one, .GetVariadicOutputMinArity = one, .GetVariadicOutputHomogeneity = one,       \
    .CreateKernelV2 = CREATE, .KernelComputeV2 = COMPUTE}
 
-extern OrtCustomOp decode_attention_op, int4_matmul_op;
+extern OrtCustomOp decode_attention_op, int4_matmul_op, int8_matmul_op;
 #endif

@@ -1,6 +1,6 @@
 """Weight-only quantized linear: int4 / int8 blocks along the input dimension, one fp32 scale per block,
-symmetric (zero point 2^(bits-1), as onnxruntime assumes when none is given), optionally plus one fp32 offset
-per block: w = scale * (q - 2^(bits-1)) + offset, which holds llama.cpp's Q4_1 blocks exactly.
+symmetric (zero point 2^(bits-1), as onnxruntime assumes when none is given): w = scale * (q - 2^(bits-1)); or with
+one float16 minimum per block besides the scale: w = scale * q + minimum, llama.cpp's Q4_1 block as it is.
 
 One op, in one place:
 - `quantize_blockwise` packs a float weight [N, K] into onnxruntime's MatMulNBits layout: uint8
@@ -12,9 +12,12 @@ One op, in one place:
 Rows (output features) are quantized independently, so a fused weight can be quantized slice by slice as the
 checkpoint streams by.
 
-Offsets are not a MatMulNBits input: its float zero points would express them, but onnxruntime runs those on a
-path far slower at batch 1 (docs/measurements.md). Instead the linear adds
-sum_b(x over block b) @ offsets[:, b], an [M, K/block] x [K/block, N] float matmul next to the fused one.
+Minimums are not a MatMulNBits input (its float zero points would express them only after a division, inexactly,
+and onnxruntime runs those on a path far slower at batch 1: docs/measurements.md). Int4 linears with minimums
+export instead as our own kernel's node, `Int4MatMul` with its optional minimums input (plugins/int4_matmul.c),
+through `torch.ops.plugins.int4_matmul`, when the build uses that kernel (`native_minimums`). Without it they
+export as MatMulNBits plus sum_b(x over block b) @ (minimum + 2^(bits-1) scale)[:, b], an [M, K/block] x
+[K/block, N] float matmul next to the fused one: the same weights, more nodes, slower.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from plugins.native_ops import DOMAIN
 from plugins.onnx_schema import register_contrib_op
 
 SUPPORTED_BITS = (4, 8)
@@ -37,7 +41,7 @@ class QuantSpec:
     # onnxruntime's accuracy_level: 4 quantizes activations to int8 on the fly and uses integer dot products
     # (several times faster on CPU, activation rounding ~1e-2 relative); 0 computes in fp32.
     accuracy_level: int = 4
-    offsets: bool = False  # one float offset per block besides the scale (Q4_1-style blocks)
+    minimums: bool = False  # one float16 minimum per block besides the scale (Q4_1 blocks): w = scale * q + min
 
     def __post_init__(self) -> None:
         if self.bits not in SUPPORTED_BITS:
@@ -84,24 +88,26 @@ def quantize_blockwise(weight: torch.Tensor, bits: int, block_size: int) -> tupl
 
 
 def dequantize_blockwise(
-    qweight: torch.Tensor, scales: torch.Tensor, in_features: int, bits: int, offsets: torch.Tensor | None = None
+    qweight: torch.Tensor, scales: torch.Tensor, in_features: int, bits: int, minimums: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The float weight [N, in_features] (fp32) the blocks hold, block offsets added where there are any."""
+    """The float weight [N, in_features] (fp32) the blocks hold: scale * (q - zero point), or scale * q + minimum
+    where there are minimums."""
     out_features, n_blocks, _ = qweight.shape
     if bits == 4:
         q = torch.stack((qweight & 0x0F, qweight >> 4), dim=-1).reshape(out_features, n_blocks, -1)
     else:
         q = qweight
-    weight = (q.float() - (1 << (bits - 1))) * scales.view(out_features, n_blocks, 1)
-    if offsets is not None:
-        weight = weight + offsets.view(out_features, n_blocks, 1)
+    if minimums is None:
+        weight = (q.float() - (1 << (bits - 1))) * scales.view(out_features, n_blocks, 1)
+    else:
+        weight = q.float() * scales.view(out_features, n_blocks, 1) + minimums.float().view(out_features, n_blocks, 1)
     return weight.reshape(out_features, -1)[:, :in_features]
 
 
-def dequantize_matmul(x, qweight, scales, offsets, in_features: int, bits: int) -> torch.Tensor:
+def dequantize_matmul(x, qweight, scales, minimums, in_features: int, bits: int) -> torch.Tensor:
     """The reference of every quantized matmul op: x [..., K] @ dequantize_blockwise(...).T in fp32, returned in
     x's dtype."""
-    return (x.float() @ dequantize_blockwise(qweight, scales, in_features, bits, offsets).t()).to(x.dtype)
+    return (x.float() @ dequantize_blockwise(qweight, scales, in_features, bits, minimums).t()).to(x.dtype)
 
 
 @torch.library.custom_op("plugins::matmul_nbits", mutates_args=())
@@ -124,6 +130,26 @@ def _(x, qweight, scales, in_features, out_features, bits, block_size, accuracy_
     return x.new_empty(*x.shape[:-1], out_features)
 
 
+@torch.library.custom_op("plugins::int4_matmul", mutates_args=())
+def int4_matmul(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    minimums: torch.Tensor,
+    in_features: int,
+    out_features: int,
+    block_size: int,
+) -> torch.Tensor:
+    """Reference of our Int4MatMul node with minimums (int4 blocks, w = scale * q + minimum): dequantize to fp32 and
+    matmul. The node itself quantizes activations to int8 per 32, as MatMulNBits's accuracy_level 4 does."""
+    return dequantize_matmul(x, qweight, scales, minimums, in_features, 4)
+
+
+@int4_matmul.register_fake
+def _(x, qweight, scales, minimums, in_features, out_features, block_size):
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
 class QuantizedLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, spec: QuantSpec) -> None:
         super().__init__()
@@ -133,32 +159,40 @@ class QuantizedLinear(nn.Module):
             "qweight", torch.zeros(out_features, n_blocks, spec.block_size * spec.bits // 8, dtype=torch.uint8)
         )
         self.register_buffer("scales", torch.zeros(out_features * n_blocks, dtype=torch.float32))
-        if spec.offsets:
+        if spec.minimums:
             if in_features % spec.block_size:
-                raise ValueError(f"block offsets need in_features ({in_features}) to be a multiple of the block size")
-            self.register_buffer("offsets", torch.zeros(out_features, n_blocks, dtype=torch.float32))
+                raise ValueError(f"block minimums need in_features ({in_features}) to be a multiple of the block size")
+            self.register_buffer("minimums", torch.zeros(out_features, n_blocks, dtype=torch.float16))
         else:
-            self.offsets = None
+            self.minimums = None
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
-        # the torch backends' op (plugins/blockwise_matmul.py: one Triton kernel, offsets inside) instead of
-        # matmul_nbits plus an offset matmul, which the ONNX engines lower to onnxruntime's MatMulNBits
+        # the torch backends' op (plugins/blockwise_matmul.py: one Triton kernel, minimums inside) instead of
+        # matmul_nbits plus a minimum matmul, which the ONNX engines lower to onnxruntime's MatMulNBits
         self.fused_kernel = False
+        # int4 blocks with minimums (and int8 activations) as our Int4MatMul node, minimums inside it
+        self.native_minimums = False
 
     def load_rows(self, start: int, weight: torch.Tensor) -> None:
         """Quantize checkpoint rows [start, start + len(weight)) into place (fused weights arrive in slices)."""
         self.load_quantized_rows(start, *quantize_blockwise(weight, self.spec.bits, self.spec.block_size))
 
     def load_quantized_rows(
-        self, start: int, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None = None
+        self, start: int, qweight: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor | None = None
     ) -> None:
-        """Rows already in this layout (e.g. GGUF blocks); rows without offsets get zero offsets."""
+        """Rows already in this layout (e.g. GGUF blocks). In a linear with minimums, symmetric rows (Q4_0 beside
+        Q4_1 in one fused weight) take minimum = -zero point x scale, which must be exact in float16."""
         rows, n_blocks = qweight.shape[0], self.qweight.shape[1]
-        if offsets is not None and self.offsets is None:
-            raise ValueError("these rows carry block offsets but the linear was built without them")
+        if minimums is not None and self.minimums is None:
+            raise ValueError("these rows carry block minimums but the linear was built without them")
+        if minimums is None and self.minimums is not None:
+            symmetric = -float(1 << (self.spec.bits - 1)) * scales.float().view(rows, n_blocks)
+            minimums = symmetric.half()
+            if not torch.equal(minimums.float(), symmetric):
+                raise ValueError("symmetric rows join a linear with minimums only where -zero point x scale is float16")
         self.qweight[start : start + rows] = qweight
         self.scales[start * n_blocks : (start + rows) * n_blocks] = scales
-        if self.offsets is not None:
-            self.offsets[start : start + rows] = 0.0 if offsets is None else offsets
+        if self.minimums is not None:
+            self.minimums[start : start + rows] = minimums
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s = self.spec
@@ -166,15 +200,23 @@ class QuantizedLinear(nn.Module):
             from plugins.blockwise_matmul import quantized_linear
 
             y = quantized_linear(
-                x, self.qweight, self.scales, self.offsets, self.in_features, self.out_features, s.bits, s.block_size
+                x, self.qweight, self.scales, self.minimums, self.in_features, self.out_features, s.bits, s.block_size
+            )
+            return y if self.bias is None else y + self.bias
+        if self.minimums is not None and self.native_minimums:
+            y = torch.ops.plugins.int4_matmul(
+                x, self.qweight, self.scales, self.minimums, self.in_features, self.out_features, s.block_size
             )
             return y if self.bias is None else y + self.bias
         y = torch.ops.plugins.matmul_nbits(
             x, self.qweight, self.scales, self.in_features, self.out_features, s.bits, s.block_size, s.accuracy_level
         )
-        if self.offsets is not None:
-            block_sums = x.float().unflatten(-1, (self.qweight.shape[1], s.block_size)).sum(-1)
-            y = y + (block_sums @ self.offsets.t()).to(y.dtype)
+        if self.minimums is not None:
+            # matmul_nbits computed scale * (q - zero point); the blocks hold scale * q + minimum
+            n_blocks = self.qweight.shape[1]
+            offsets = self.minimums.float() + (1 << (s.bits - 1)) * self.scales.view(-1, n_blocks)
+            block_sums = x.float().unflatten(-1, (n_blocks, s.block_size)).sum(-1)
+            y = y + (block_sums @ offsets.t()).to(y.dtype)
         return y if self.bias is None else y + self.bias
 
 
@@ -186,6 +228,14 @@ def _register_schema() -> None:
         types={"T1": ["tensor(float)", "tensor(float16)"], "T2": ["tensor(uint8)"]},
         attributes={name: int for name in ("K", "N", "bits", "block_size", "accuracy_level")},
     )
+    register_contrib_op(
+        "Int4MatMul",
+        inputs=["A:T1", "B:T2", "scales:T1", "minimums?:T3"],
+        outputs=["Y:T1"],
+        types={"T1": ["tensor(float)"], "T2": ["tensor(uint8)"], "T3": ["tensor(float16)"]},
+        attributes={name: int for name in ("K", "N", "block_size")},
+        domain=DOMAIN,
+    )
 
 
 def onnx_translations() -> dict:
@@ -194,6 +244,7 @@ def onnx_translations() -> dict:
 
     _register_schema()
     microsoft = onnxscript.values.Opset("com.microsoft", 1)
+    ours = onnxscript.values.Opset(DOMAIN, 1)
 
     def matmul_nbits_to_onnx(
         x, qweight, scales, in_features: int, out_features: int, bits: int, block_size: int, accuracy_level: int
@@ -209,4 +260,10 @@ def onnx_translations() -> dict:
             accuracy_level=accuracy_level,
         )
 
-    return {torch.ops.plugins.matmul_nbits.default: matmul_nbits_to_onnx}
+    def int4_matmul_to_onnx(x, qweight, scales, minimums, in_features: int, out_features: int, block_size: int):
+        return ours.Int4MatMul(x, qweight, scales, minimums, K=in_features, N=out_features, block_size=block_size)
+
+    return {
+        torch.ops.plugins.matmul_nbits.default: matmul_nbits_to_onnx,
+        torch.ops.plugins.int4_matmul.default: int4_matmul_to_onnx,
+    }

@@ -16,7 +16,7 @@ from plugins.onnx_schema import register_contrib_op
 
 NAMESPACE = "llm_engine_builder"
 OP = "BlockwiseMatMul"  # symmetric blocks: x, qweight, scales
-OP_WITH_OFFSETS = "BlockwiseMatMulOffsets"  # Q4_1-style blocks: x, qweight, scales, offsets
+OP_WITH_MINIMUMS = "BlockwiseMatMulMinimums"  # Q4_1-style blocks: x, qweight, scales, minimums
 VERSION = "1"
 DOMAIN = "trt.plugins"  # any domain would do for TensorRT; onnx needs one to hold the nodes' schemas
 ATTRIBUTES = {
@@ -33,10 +33,10 @@ def onnx_translations() -> dict:
     """custom_translation_table entries for torch.onnx.export: plugins::blockwise_matmul -> one plugin node."""
     import onnxscript
 
-    for op, offsets in ((OP, []), (OP_WITH_OFFSETS, ["offsets:tensor(float)"])):
+    for op, minimums in ((OP, []), (OP_WITH_MINIMUMS, ["minimums:tensor(float16)"])):
         register_contrib_op(
             op,
-            inputs=["x:T", "qweight:tensor(uint8)", "scales:tensor(float)", *offsets],
+            inputs=["x:T", "qweight:tensor(uint8)", "scales:tensor(float)", *minimums],
             outputs=["y:T"],
             types={"T": ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]},
             attributes=ATTRIBUTES,
@@ -45,7 +45,7 @@ def onnx_translations() -> dict:
     plugins = onnxscript.values.Opset(DOMAIN, 1)
 
     def blockwise_matmul_to_onnx(
-        x, qweight, scales, offsets, in_features: int, out_features: int, bits: int, block_size: int, tile: int
+        x, qweight, scales, minimums, in_features: int, out_features: int, bits: int, block_size: int, tile: int
     ):
         # the tile is chosen by the plugin's build for the rows of its profile, so it is not an attribute
         attributes = dict(
@@ -56,9 +56,9 @@ def onnx_translations() -> dict:
             plugin_namespace=NAMESPACE,
             plugin_version=VERSION,
         )
-        if offsets is None:
+        if minimums is None:
             return plugins.BlockwiseMatMul(x, qweight, scales, **attributes)
-        return plugins.BlockwiseMatMulOffsets(x, qweight, scales, offsets, **attributes)
+        return plugins.BlockwiseMatMulMinimums(x, qweight, scales, minimums, **attributes)
 
     return {torch.ops.plugins.blockwise_matmul.default: blockwise_matmul_to_onnx}
 
@@ -81,22 +81,23 @@ def register_plugins() -> None:
 
     @trtp.aot_impl(f"{NAMESPACE}::{OP}")
     def compile_symmetric(x, qweight, scales, in_features, out_features, bits, block_size, outputs, tactic):
-        return _compiled_kernel(trtp, x, in_features, out_features, bits, block_size, offsets=False)
+        return _compiled_kernel(trtp, x, in_features, out_features, bits, block_size, minimums=False)
 
-    @trtp.register(f"{NAMESPACE}::{OP_WITH_OFFSETS}")
-    def describe_with_offsets(x: trtp.TensorDesc, qweight: trtp.TensorDesc, scales: trtp.TensorDesc,
-                              offsets: trtp.TensorDesc, in_features: int, out_features: int, bits: int,
+    @trtp.register(f"{NAMESPACE}::{OP_WITH_MINIMUMS}")
+    def describe_with_minimums(x: trtp.TensorDesc, qweight: trtp.TensorDesc, scales: trtp.TensorDesc,
+                              minimums: trtp.TensorDesc, in_features: int, out_features: int, bits: int,
                               block_size: int) -> trtp.TensorDesc:  # fmt: skip
         return output(x, out_features)
 
-    @trtp.aot_impl(f"{NAMESPACE}::{OP_WITH_OFFSETS}")
-    def compile_with_offsets(x, qweight, scales, offsets, in_features, out_features, bits, block_size, outputs, tactic):
-        return _compiled_kernel(trtp, x, in_features, out_features, bits, block_size, offsets=True)
+    @trtp.aot_impl(f"{NAMESPACE}::{OP_WITH_MINIMUMS}")
+    def compile_with_minimums(x, qweight, scales, minimums, in_features, out_features, bits, block_size, outputs,
+                              tactic):  # fmt: skip
+        return _compiled_kernel(trtp, x, in_features, out_features, bits, block_size, minimums=True)
 
 
-def _compiled_kernel(trtp, x, in_features: int, out_features: int, bits: int, block_size: int, offsets: bool):
+def _compiled_kernel(trtp, x, in_features: int, out_features: int, bits: int, block_size: int, minimums: bool):
     """(kernel name, PTX, launch parameters, extra scalar arguments) of the Triton kernel for this node. Without
-    offsets the kernel's offset pointer is never read; TensorRT passes the output pointer after the inputs, so the
+    minimums the kernel's minimum pointer is never read; TensorRT passes the output pointer after the inputs, so the
     symmetric variant's signature names one pointer less."""
     import triton
 
@@ -105,17 +106,17 @@ def _compiled_kernel(trtp, x, in_features: int, out_features: int, bits: int, bl
     rows = x.shape_expr.numel() // in_features
     tile = TILES[0] if rows.is_constant and rows.constant_value <= SMALL_M else TILES[1]
     element = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}[str(x.dtype).split(".")[-1].lower()]
-    pointers = {"x_ptr": f"*{element}", "w_ptr": "*u8", "scale_ptr": "*fp32", "offset_ptr": "*fp32"}
-    if not offsets:
-        pointers["offset_ptr"] = "constexpr"
+    pointers = {"x_ptr": f"*{element}", "w_ptr": "*u8", "scale_ptr": "*fp32", "minimum_ptr": "*fp16"}
+    if not minimums:
+        pointers["minimum_ptr"] = "constexpr"
     source = triton.compiler.ASTSource(
         fn=_blockwise_matmul_kernel,
         signature={**pointers, "out_ptr": f"*{element}", "M": "i32", "N": "i32", "K": "i32", "n_blocks": "i32"},
         constexprs={
-            **({} if offsets else {"offset_ptr": None}),
+            **({} if minimums else {"minimum_ptr": None}),
             "BITS": bits,
             "BLOCK": block_size,
-            "HAS_OFFSETS": offsets,
+            "HAS_MINIMUMS": minimums,
             "FP32": element == "fp32",
             "BLOCK_M": tile.block_m,
             "BLOCK_N": tile.block_n,

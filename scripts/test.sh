@@ -20,16 +20,23 @@ if ! command -v cc >/dev/null; then
 fi
 
 # Build the default engine once; rebuild when the build code changed since it was built.
-ENGINE=${DEFAULT_ENGINE_DIR:-engines-out/default}
+# the default model's engines: fp32 (compared with transformers token for token), and as the README's main job
+# builds it (--quant auto: the GGUF's own Q4_1 / Q8_0 blocks)
+ENGINE=${DEFAULT_ENGINE_DIR:-engines-out/default-fp32}
 if [ ! -f "$ENGINE/manifest.json" ] || [ -n "$(find builder engines plugins \( -name '*.py' -o -name '*.c' -o -name '*.h' \) -newer "$ENGINE/manifest.json" | head -1)" ]; then
-    builder build default --out "$ENGINE" --overwrite
+    builder build default --quant none --out "$ENGINE" --overwrite
 fi
 export DEFAULT_ENGINE_DIR="$ENGINE"
+GGUF_ENGINE=${DEFAULT_GGUF_ENGINE_DIR:-engines-out/default}
+if [ ! -f "$GGUF_ENGINE/manifest.json" ] || [ -n "$(find builder engines plugins \( -name '*.py' -o -name '*.c' -o -name '*.h' \) -newer "$GGUF_ENGINE/manifest.json" | head -1)" ]; then
+    builder build default --out "$GGUF_ENGINE" --overwrite
+fi
+export DEFAULT_GGUF_ENGINE_DIR="$GGUF_ENGINE"
 # ... and the default model with the shipped ReDrafter head (speculative decoding on the real model)
 SPEC_ENGINE=${DEFAULT_REDRAFTER_ENGINE_DIR:-engines-out/default-redrafter}
 if [ ! -f "$SPEC_ENGINE/manifest.json" ] || [ -n "$(find builder engines plugins \( -name '*.py' -o -name '*.c' -o -name '*.h' \) -newer "$SPEC_ENGINE/manifest.json" | head -1)" ] \
     || [ builder/speculation/drafters -nt "$SPEC_ENGINE/manifest.json" ]; then
-    builder build default --speculative redrafter --out "$SPEC_ENGINE" --overwrite
+    builder build default --quant none --speculative redrafter --out "$SPEC_ENGINE" --overwrite
 fi
 export DEFAULT_REDRAFTER_ENGINE_DIR="$SPEC_ENGINE"
 

@@ -52,7 +52,7 @@ def engine_factory(tmp_path_factory, checkpoint_factory):
         draft_quant: str = "int8",
         kv_cache_dtype: str = "auto",
         native_decode_attention: bool = True,
-        native_int4_matmul: bool = True,
+        native_quantized_matmul: bool = True,
         backend: str = "onnxruntime",
     ) -> Path:
         """An engine of a tiny checkpoint; a `draft_head` makes it a ReDrafter engine, a `draft_model` (a tiny
@@ -76,7 +76,7 @@ def engine_factory(tmp_path_factory, checkpoint_factory):
             draft_quant,
             kv_cache_dtype,
             native_decode_attention,
-            native_int4_matmul,
+            native_quantized_matmul,
             backend,
         )
         if key not in built:
@@ -101,7 +101,7 @@ def engine_factory(tmp_path_factory, checkpoint_factory):
                 int8_compute=int8_compute,
                 kv_cache_dtype=kv_cache_dtype,
                 native_decode_attention=native_decode_attention,
-                native_int4_matmul=native_int4_matmul,
+                native_quantized_matmul=native_quantized_matmul,
                 backend=backend,
                 **speculation,
             )
@@ -128,6 +128,12 @@ def prebuilt_engine(variable: str) -> Path:
 def default_engine():
     """The engine of the default model."""
     return prebuilt_engine("DEFAULT_ENGINE_DIR")
+
+
+@pytest.fixture(scope="session")
+def default_gguf_engine():
+    """The default model as the README's main job builds it: the GGUF's own Q4_1 / Q8_0 blocks (--quant auto)."""
+    return prebuilt_engine("DEFAULT_GGUF_ENGINE_DIR")
 
 
 @pytest.fixture(scope="session")

@@ -32,6 +32,7 @@ class Checkpoint:
     # are in `block_formats`, every other tensor as float
     read_tensors: Callable[..., Iterator[tuple[str, Any]]]
     block_formats: dict[str, str] = field(default_factory=dict)  # HF name -> GGUF type, for exactly mappable blocks
+    weight_types: dict[str, str] = field(default_factory=dict)  # HF name -> GGUF type of every 2-D weight (GGUF)
     # the sampling parameters the model's makers recommend (generation_config.json, a GGUF's general.sampling.*), by
     # SamplingParams' names: the runner's defaults for what a request does not set (vLLM's --generation-config auto)
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)

@@ -238,11 +238,12 @@ def load_gguf(path: Path) -> Checkpoint:
             else:
                 yield name, torch.from_numpy(np.array(data, dtype=np.float32))
 
-    block_formats = {
+    weight_types = {
         name: t.tensor_type.name
         for t in reader.tensors
-        if (name := hf_tensor_name(t.name)) is not None and t.tensor_type.name in EXACT_FORMS and len(t.shape) == 2
+        if (name := hf_tensor_name(t.name)) is not None and len(t.shape) == 2
     }
+    block_formats = {name: kind for name, kind in weight_types.items() if kind in EXACT_FORMS}
     defaults = {name: meta.get(f"general.sampling.{key}") for key, name in GGUF_SAMPLING.items()}
     return Checkpoint(
         str(path),
@@ -251,6 +252,7 @@ def load_gguf(path: Path) -> Checkpoint:
         tokenizer,
         read_tensors,
         block_formats,
+        weight_types,
         {
             name: float(f"{value:.6g}") if isinstance(value, float) else value  # (stored as float32)
             for name, value in defaults.items()

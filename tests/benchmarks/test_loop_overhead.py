@@ -36,7 +36,7 @@ def test_the_matmuls_alone_are_every_weight_matmul_of_the_decode_graph(engine_fa
     if op == "Int4MatMul" and unavailable_reason():
         pytest.skip(f"our kernels cannot be built here: {unavailable_reason()}")
     engine = LLMEngine(
-        EngineArgs(engine_factory(quant=quant, native_int4_matmul=op == "Int4MatMul"), threads=1, max_batch=1)
+        EngineArgs(engine_factory(quant=quant, native_quantized_matmul=op == "Int4MatMul"), threads=1, max_batch=1)
     )
     graph = onnx.load(str(engine.artifact.path(engine.manifest.graphs[engine.executor.decode_phase.graph].file)))
     matmuls = MatmulsAlone(engine, tmp_path, threads=1)

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from builder.build import BuildOptions, build_engine
 from builder.loaders import load_checkpoint
 from builder.loaders.gguf_blocks import BlockQuantized
-from builder.weights import kept_block_specs
+from builder.weights import auto_quantization, kept_block_specs
 from plugins.quant_linear import QuantSpec, dequantize_blockwise
 from runner.core.args import EngineArgs
 from runner.core.engine import LLMEngine
@@ -25,14 +26,18 @@ def test_blocks_convert_exactly(kind, bits):
     qtype = gguf.GGMLQuantizationType[kind]
     weight = np.random.default_rng(0).standard_normal((12, 96)).astype(np.float32) + 0.3  # a mean: Q4_1's min matters
     raw = gguf.quants.quantize(weight, qtype)
-    qweight, scales, offsets = BlockQuantized(kind, raw, 96).to_matmul_nbits()
+    qweight, scales, minimums = BlockQuantized(kind, raw, 96).to_matmul_nbits()
     assert qweight.shape == (12, 3, 32 * bits // 8) and scales.shape == (36,)
-    assert (offsets is not None) == (kind == "Q4_1")
-    ours = dequantize_blockwise(qweight, scales, 96, bits)
-    if offsets is not None:
-        ours = ours + offsets.repeat_interleave(32, dim=1)
+    assert (minimums is not None) == (kind == "Q4_1")
+    ours = dequantize_blockwise(qweight, scales, 96, bits, minimums)
     expected = gguf.quants.dequantize(raw, qtype).reshape(12, 96)
     np.testing.assert_allclose(ours.numpy(), expected, rtol=0, atol=1e-6 * np.abs(expected).max())
+    # the file's fp16 scale and minimum, bit for bit
+    blocks = raw.reshape(12, 3, -1)
+    assert np.array_equal(scales.numpy().astype(np.float16), blocks[..., 0:2].copy().view(np.float16).reshape(-1))
+    if minimums is not None:
+        assert minimums.dtype == torch.float16
+        assert np.array_equal(minimums.numpy(), blocks[..., 2:4].copy().view(np.float16)[..., 0])
 
 
 def test_which_linears_keep_their_blocks(checkpoint_factory, tmp_path):
@@ -53,7 +58,7 @@ def test_which_linears_keep_their_blocks(checkpoint_factory, tmp_path):
     formats = q4_1 | {"model.embed_tokens.weight": "Q8_0"}
     kept = kept_block_specs(config, QuantSpec(4, 32), True, formats)
     assert len(kept) == 9 and kept["lm_head"] == QuantSpec(8, 32)  # a Q8_0 head keeps its 8 bits
-    assert kept["model.layers.0.self_attn.qkv_proj"] == QuantSpec(4, 32, offsets=True)
+    assert kept["model.layers.0.self_attn.qkv_proj"] == QuantSpec(4, 32, minimums=True)
     assert "lm_head" not in kept_block_specs(config, QuantSpec(4, 32), False, formats)
     assert kept_block_specs(config, QuantSpec(4, 64), True, formats) == {}  # other group size: requantize
     assert kept_block_specs(config, QuantSpec(8, 32), True, formats) == {"lm_head": QuantSpec(8, 32)}  # 4 < 8 bits
@@ -74,7 +79,7 @@ def build(source, out, **options) -> LLMEngine:
 
 
 def test_int4_engine_of_a_q4_1_gguf_is_that_gguf(tiny_gguf, tmp_path):
-    fp32 = build(tiny_gguf, tmp_path / "fp32")
+    fp32 = build(tiny_gguf, tmp_path / "fp32", quant="none")
     kept = build(tiny_gguf, tmp_path / "int4", quant="int4", int8_compute=False)
     facts = kept.manifest.quantization
     assert facts.source_blocks_kept == {"Q4_1": 14, "Q8_0": 1} and facts.method == "gguf-blocks"
@@ -88,3 +93,46 @@ def test_int4_engine_of_a_q4_1_gguf_is_that_gguf(tiny_gguf, tmp_path):
     requantized = build(tiny_gguf, tmp_path / "rtn", quant="int4", int8_compute=False, keep_source_blocks=False)
     assert requantized.manifest.quantization.linears_kept == 0
     assert np.abs(teacher_forced_logits(requantized, prompt, forced) - reference).max() > 1e-2 * np.abs(reference).max()
+
+
+def test_auto_builds_a_gguf_at_its_own_blocks_in_our_fused_kernels(tiny_gguf, tmp_path):
+    """The default (--quant auto) keeps the file's Q4_1 / Q8_0 blocks: each linear one Int4MatMul (minimums inside)
+    or Int8MatMul node holding the file's codes, float16 scales and minimums bit for bit; no MatMulNBits, no
+    block-sum offset matmul, no split-out activation left in the graph."""
+    import gguf
+    import onnx
+    from onnx import numpy_helper
+
+    engine = build(tiny_gguf, tmp_path / "auto")
+    facts = engine.manifest.quantization
+    assert (facts.method, facts.bits, facts.group_size) == ("gguf-blocks", 4, 32)
+    assert facts.source_blocks_kept == {"Q4_1": 14, "Q8_0": 1} and facts.linears_requantized == 0
+    step = engine.manifest.graphs["step"]
+    model = onnx.load(str(engine.artifact.path(step.file)))
+    ops = [node.op_type for node in model.graph.node]
+    assert ops.count("Int4MatMul") == 2 * 4 and ops.count("Int8MatMul") == 1  # qkv, o, gate_up, down; LM head
+    assert not {"MatMulNBits", "ReduceSum", "Split", "Sigmoid"} & set(ops)
+    constants = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    (o_proj,) = [n for n in model.graph.node if n.op_type == "Int4MatMul" and "layers.1.self_attn.o_proj" in n.input[1]]
+    assert len(o_proj.input) == 4
+    raw = next(t for t in gguf.GGUFReader(str(tiny_gguf)).tensors if t.name == "blk.1.attn_output.weight")
+    blocks = np.asarray(raw.data).reshape(constants[o_proj.input[1]].shape[0], -1, 20)
+    scales, minimums = constants[o_proj.input[2]], constants[o_proj.input[3]]
+    assert scales.dtype == minimums.dtype == np.float16
+    assert np.array_equal(scales.reshape(-1), blocks[..., 0:2].copy().view(np.float16).reshape(-1))
+    assert np.array_equal(minimums.reshape(blocks.shape[:2]), blocks[..., 2:4].copy().view(np.float16)[..., 0])
+    nibbles = constants[o_proj.input[1]]
+    values = np.stack([nibbles & 15, nibbles >> 4], axis=-1).reshape(*blocks.shape[:2], 32)
+    assert np.array_equal(values, np.concatenate((blocks[..., 4:] & 15, blocks[..., 4:] >> 4), axis=-1))
+    assert build(tiny_gguf, tmp_path / "float", quant="none").manifest.quantization.bits is None
+
+
+def test_auto_quantization_follows_the_files_types(checkpoint_factory):
+    config = load_checkpoint(checkpoint_factory("gqa")).config
+    layers = [f"model.layers.{i}.{p}.weight" for i in range(2) for p in ("self_attn.q_proj", "mlp.down_proj")]
+    assert auto_quantization(config, {}) == "none"  # a Hugging Face checkpoint
+    assert auto_quantization(config, dict.fromkeys(layers, "F16")) == "none"
+    assert auto_quantization(config, dict.fromkeys(layers, "Q8_0")) == "int8"
+    assert auto_quantization(config, dict.fromkeys(layers, "Q6_K")) == "int8"
+    assert auto_quantization(config, dict.fromkeys(layers, "Q4_1") | {layers[0]: "Q6_K"}) == "int4"
+    assert auto_quantization(config, dict.fromkeys(layers, "Q4_K")) == "int4"

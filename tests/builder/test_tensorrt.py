@@ -64,12 +64,20 @@ def test_int4_linears_are_plugin_nodes_tensorrt_finds_by_name(tmp_path, checkpoi
     assert attributes["bits"] == 4 and attributes["block_size"] == 32
 
 
-def test_q4_1_style_linears_take_the_plugin_with_offsets(tmp_path, checkpoint_factory):
-    spec = export_tensorrt_onnx(load(checkpoint_factory("gqa"), QuantSpec(4, 32, 0, offsets=True)), tmp_path, 256)
+def test_q4_1_linears_take_the_plugin_with_minimums(tmp_path, checkpoint_factory):
+    """A Q4_1 GGUF's blocks kept (its Q8_0 LM head takes the plugin without minimums)."""
+    from builder.weights import kept_block_specs
+    from tests.tiny_checkpoint import make_gguf
+
+    checkpoint = load_checkpoint(str(make_gguf(tmp_path / "tiny.gguf", checkpoint_factory("gqa"))))
+    quant = QuantSpec(4, 32, 0)
+    kept = kept_block_specs(checkpoint.config, quant, True, checkpoint.block_formats)
+    tensors = checkpoint.read_tensors(frozenset(checkpoint.block_formats))
+    model = load_model(checkpoint.config, tensors, torch.float32, quant, True, kept, 300)
+    spec = export_tensorrt_onnx(model, tmp_path, 256)
     graph = onnx.load(str(tmp_path / spec.file), load_external_data=False).graph
-    nodes = [node for node in graph.node if node.op_type.startswith(tensorrt_plugin.OP)]
-    assert {node.op_type for node in nodes} == {tensorrt_plugin.OP_WITH_OFFSETS}
-    assert all(len(node.input) == 4 for node in nodes)
+    nodes = Counter(node.op_type for node in graph.node if node.op_type.startswith(tensorrt_plugin.OP))
+    assert nodes == {tensorrt_plugin.OP_WITH_MINIMUMS: 8, tensorrt_plugin.OP: 1}
 
 
 def test_optimization_profiles_cover_every_input_of_each_phase(engine_factory):

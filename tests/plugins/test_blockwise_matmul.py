@@ -17,25 +17,26 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def random_blocks(rng, rows: int, in_features: int, bits: int, block: int, offsets: bool):
-    """Codes, scales and offsets drawn at random, packed by hand (numpy) in the documented layout, and the float64
+def random_blocks(rng, rows: int, in_features: int, bits: int, block: int, minimums: bool):
+    """Codes, scales and minimums drawn at random, packed by hand (numpy) in the documented layout, and the float64
     weight they stand for, computed from the codes without the plugin's own unpacking."""
     n_blocks = -(-in_features // block)
     codes = rng.integers(0, 1 << bits, size=(rows, n_blocks, block), dtype=np.uint8)
     codes[:, -1, in_features - (n_blocks - 1) * block :] = 1 << (bits - 1)  # padding past K holds the zero code
     scales = rng.uniform(-0.05, 0.05, size=(rows, n_blocks)).astype(np.float32)
-    mins = rng.uniform(-0.2, 0.2, size=(rows, n_blocks)).astype(np.float32) if offsets else None
+    mins = rng.uniform(-0.2, 0.2, size=(rows, n_blocks)).astype(np.float16) if minimums else None
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4) if bits == 4 else codes
-    weight = (codes.astype(np.float64) - (1 << (bits - 1))) * scales[..., None].astype(np.float64)
-    if offsets:
-        weight += mins[..., None].astype(np.float64)
+    if minimums:  # scale * q + minimum
+        weight = codes.astype(np.float64) * scales[..., None] + mins[..., None].astype(np.float64)
+    else:
+        weight = (codes.astype(np.float64) - (1 << (bits - 1))) * scales[..., None].astype(np.float64)
     weight = weight.reshape(rows, -1)[:, :in_features]
     tensors = (torch.from_numpy(np.ascontiguousarray(packed)), torch.from_numpy(scales.reshape(-1)))
     return (*tensors, None if mins is None else torch.from_numpy(mins)), weight
 
 
 CASES = [
-    # bits, block, rows M, N, K, offsets
+    # bits, block, rows M, N, K, minimums
     (4, 32, 1, 33, 96, False),
     (4, 32, 1, 64, 100, False),  # K not a multiple of the block
     (4, 32, 5, 17, 64, True),  # Q4_1-style blocks
@@ -53,11 +54,11 @@ BF16 = pytest.param(
 )
 
 
-@pytest.mark.parametrize("bits,block,rows,out_features,in_features,offsets", CASES)
+@pytest.mark.parametrize("bits,block,rows,out_features,in_features,minimums", CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, BF16])
-def test_kernel_matches_float64_reference(bits, block, rows, out_features, in_features, offsets, dtype):
+def test_kernel_matches_float64_reference(bits, block, rows, out_features, in_features, minimums, dtype):
     rng = np.random.default_rng(rows * 1000 + out_features)
-    (qweight, scales, mins), weight = random_blocks(rng, out_features, in_features, bits, block, offsets)
+    (qweight, scales, mins), weight = random_blocks(rng, out_features, in_features, bits, block, minimums)
     x = rng.standard_normal((rows, in_features)).astype(np.float32)
     x_in = torch.from_numpy(x).to(dtype)
     expected = x_in.double().numpy() @ weight.T
@@ -100,26 +101,26 @@ def test_small_int4_blocks_are_refused():
 
 def test_op_on_cpu_is_the_float_reference():
     """The registered op on CPU tensors computes dequantize-then-matmul, equal to QuantizedLinear's own path."""
-    linear = QuantizedLinear(64, 24, False, torch.float32, QuantSpec(4, 32, 0, offsets=True))
+    linear = QuantizedLinear(64, 24, False, torch.float32, QuantSpec(4, 32, 0, minimums=True))
     torch.manual_seed(0)
     linear.load_quantized_rows(0, *blockwise_matmul_inputs(linear))
     x = torch.randn(3, 64)
-    got = torch.ops.plugins.blockwise_matmul(x, linear.qweight, linear.scales, linear.offsets, 64, 24, 4, 32, 0)
+    got = torch.ops.plugins.blockwise_matmul(x, linear.qweight, linear.scales, linear.minimums, 64, 24, 4, 32, 0)
     torch.testing.assert_close(got, linear(x), rtol=1e-5, atol=1e-5)
 
 
 def blockwise_matmul_inputs(linear):
     rows, n_blocks, width = linear.qweight.shape
     qweight = torch.randint(0, 256, (rows, n_blocks, width), dtype=torch.uint8)
-    return qweight, torch.rand(rows * n_blocks) / 10, torch.randn(rows, n_blocks) / 10
+    return qweight, torch.rand(rows * n_blocks) / 10, (torch.randn(rows, n_blocks) / 10).half()
 
 
-@pytest.mark.parametrize("offsets", [False, True])
-def test_the_tile_branch_survives_export_and_aot_compilation(tmp_path, offsets):
+@pytest.mark.parametrize("minimums", [False, True])
+def test_the_tile_branch_survives_export_and_aot_compilation(tmp_path, minimums):
     """One exported graph for every row count: the torch.cond on rows is kept, and the compiled package gives the
     reference's result on both sides of SMALL_M (run on CPU, where both branches are the reference)."""
     rng = np.random.default_rng(5)
-    (qweight, scales, mins), _ = random_blocks(rng, 24, 64, 4, 32, offsets)
+    (qweight, scales, mins), _ = random_blocks(rng, 24, 64, 4, 32, minimums)
 
     class Linear(torch.nn.Module):
         def forward(self, x):

@@ -47,13 +47,18 @@ def session(
     block: int,
     rank: int = 2,
     swiglu: int = 0,
+    minimums: np.ndarray | None = None,
 ):
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    if op == "Int4MatMul":
+    constants = [numpy_helper.from_array(packed, "w"), numpy_helper.from_array(scales, "s")]
+    if op in ("Int4MatMul", "Int8MatMul"):
         extra = {"swiglu": swiglu} if swiglu else {}
-        node = helper.make_node(op, ["a", "w", "s"], ["y"], domain=DOMAIN, K=k, N=n, block_size=block, **extra)
+        inputs = ["a", "w", "s"] + ([] if minimums is None else ["m"])
+        if minimums is not None:
+            constants.append(numpy_helper.from_array(minimums, "m"))
+        node = helper.make_node(op, inputs, ["y"], domain=DOMAIN, K=k, N=n, block_size=block, **extra)
     else:
         node = helper.make_node(
             op, ["a", "w", "s"], ["y"], domain="com.microsoft", K=k, N=n, bits=4, block_size=block, accuracy_level=4
@@ -64,7 +69,7 @@ def session(
         "one",
         [helper.make_tensor_value_info("a", TensorProto.FLOAT, [*leading, k])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [*leading, n // 2 if swiglu else n])],
-        [numpy_helper.from_array(packed, "w"), numpy_helper.from_array(scales, "s")],
+        constants,
     )
     model = helper.make_model(
         graph,
@@ -174,6 +179,81 @@ def open_step_graph(engine: Path):
     return onnx.load(str(artifact.path(artifact.manifest.graphs["step"].file)), load_external_data=False)
 
 
+def int8_activations(a: np.ndarray) -> np.ndarray:
+    """The activations as the kernel quantizes them, computed independently: per row and block of 32 values,
+    round(a x 127 / max|a|) (float32, half to even) times max|a| / 127, returned in float64."""
+    blocks = a.reshape(a.shape[0], -1, 32)
+    largest = np.abs(blocks).max(axis=-1, keepdims=True)
+    inverse = np.where(largest > 0, np.float32(127) / np.where(largest > 0, largest, 1), 0).astype(np.float32)
+    codes = np.rint(blocks * inverse)
+    return (codes.astype(np.float64) * (largest / np.float32(127)).astype(np.float64)).reshape(a.shape)
+
+
+def q4_1_blocks(n: int, k: int, seed: int = 0):
+    """Random Q4_1-style blocks: every nibble value, float16 scales and minimums as a GGUF file holds them."""
+    rng = np.random.default_rng(seed)
+    packed = rng.integers(0, 256, (n, k // 32, 16), dtype=np.uint8)
+    scales = (rng.random(n * k // 32) * 0.02).astype(np.float16)
+    minimums = (-rng.random((n, k // 32)) * 0.15 + 0.02).astype(np.float16)
+    return packed, scales, minimums
+
+
+def unpacked(packed: np.ndarray) -> np.ndarray:
+    n, blocks, _ = packed.shape
+    return np.stack([packed & 15, packed >> 4], axis=-1).reshape(n, blocks, -1).astype(np.float64)
+
+
+MINIMUM_SHAPES = {"the default model's MLP": (96, 576), "odd 32-blocks, odd N": (37, 96), "one pair of blocks": (9, 64)}
+
+
+@pytest.mark.parametrize("shape", MINIMUM_SHAPES)
+@pytest.mark.parametrize("with_minimums", [True, False])
+def test_both_block_formats_against_a_float64_reference_for_1_to_17_rows(library, shape, with_minimums):
+    """scale * q + minimum (Q4_1, float16 minimums) and scale * (q - 8) (Q4_0): the kernel's only rounding is the
+    activations' int8 quantization, which the reference repeats; the rest is float summation order."""
+    n, k = MINIMUM_SHAPES[shape]
+    packed, scales, minimums = q4_1_blocks(n, k)
+    codes, s = unpacked(packed), scales.astype(np.float64).reshape(n, -1, 1)
+    weight = codes * s + minimums.astype(np.float64)[..., None] if with_minimums else (codes - 8) * s
+    run = session(library, "Int4MatMul", packed, scales, k, n, 32, minimums=minimums if with_minimums else None)
+    a = np.random.default_rng(3).standard_normal((17, k), dtype=np.float32)
+    a[:, ::13] *= 30
+    reference = int8_activations(a) @ weight.reshape(n, k).T
+    everything = run.run(None, {"a": a})[0]
+    np.testing.assert_allclose(everything, reference, rtol=0, atol=2e-6 * np.abs(reference).max())
+    for rows in range(1, 17):  # the first rows alone: bit for bit what they are among 17
+        np.testing.assert_array_equal(run.run(None, {"a": a[:rows]})[0], everything[:rows])
+    np.testing.assert_array_equal(run.run(None, {"a": a[5:6]})[0], everything[5:6])
+
+
+def test_minimums_fold_into_the_swiglu_node_too(library):
+    n, k = 192, 96
+    packed, scales, minimums = q4_1_blocks(n, k, seed=4)
+    a = np.random.default_rng(5).standard_normal((6, k), dtype=np.float32)
+    product = session(library, "Int4MatMul", packed, scales, k, n, 32, minimums=minimums).run(None, {"a": a})[0]
+    fused = session(library, "Int4MatMul", packed, scales, k, n, 32, swiglu=1, minimums=minimums)
+    gate, up = product[:, : n // 2].astype(np.float64), product[:, n // 2 :]
+    np.testing.assert_allclose(fused.run(None, {"a": a})[0], gate / (1 + np.exp(-gate)) * up, rtol=2e-6, atol=1e-6)
+
+
+def test_minimums_of_the_wrong_size_type_or_block_are_refused(library):
+    import onnxruntime as ort
+
+    n, k = 37, 96
+    packed, scales, minimums = q4_1_blocks(n, k)
+    a = np.ones((1, k), np.float32)
+    for bad in (minimums[:-1], minimums.astype(np.float32)):
+        state = ort.capi.onnxruntime_pybind11_state
+        with pytest.raises((state.Fail, state.InvalidGraph)):
+            session(library, "Int4MatMul", packed, scales, k, n, 32, minimums=bad).run(None, {"a": a})
+    packed, scales, minimums = q4_1_blocks(n, 128)  # as blocks of 64: minimums are for blocks of 32 only
+    wide = packed.reshape(n, 2, 32)
+    with pytest.raises(ort.capi.onnxruntime_pybind11_state.Fail, match="blocks of 32"):
+        session(library, "Int4MatMul", wide, scales[: n * 2], 128, n, 64, minimums=minimums).run(
+            None, {"a": np.ones((1, 128), np.float32)}
+        )
+
+
 def test_scales_of_the_wrong_size_or_type_are_refused(library):
     import onnxruntime as ort
 
@@ -201,16 +281,50 @@ def test_a_row_computes_the_same_alone_and_in_any_batch(library):
     assert run.run(None, {"a": a[:, :0]})[0].shape == (2, 0, n)
 
 
-def test_it_covers_int4_with_int8_activations_in_blocks_of_32_and_more():
+def test_it_covers_int4_and_int8_with_int8_activations_in_blocks_of_32_and_more():
     base = {"bits": 4, "accuracy_level": 4, "block_size": 32, "K": 576}
-    assert int4_matmul.covers(base, 3)
-    assert int4_matmul.covers(base | {"block_size": 64}, 3)
-    assert not int4_matmul.covers(base | {"bits": 8}, 3)
-    assert not int4_matmul.covers(base | {"accuracy_level": 0}, 3)  # fp32 compute rounds differently
-    assert not int4_matmul.covers(base | {"block_size": 16}, 3)
-    assert not int4_matmul.covers(base | {"block_size": 128}, 3)  # does not divide 576
-    assert not int4_matmul.covers(base | {"block_size": 96}, 3)  # not a power of 2
-    assert not int4_matmul.covers(base, 4)  # zero points
+    assert int4_matmul.kernel_for(base, 3) == "Int4MatMul"
+    assert int4_matmul.kernel_for(base | {"block_size": 64}, 3) == "Int4MatMul"
+    assert int4_matmul.kernel_for(base | {"bits": 8}, 3) == "Int8MatMul"
+    assert int4_matmul.kernel_for(base | {"bits": 2}, 3) is None
+    assert int4_matmul.kernel_for(base | {"accuracy_level": 0}, 3) is None  # fp32 compute rounds differently
+    assert int4_matmul.kernel_for(base | {"block_size": 16}, 3) is None
+    assert int4_matmul.kernel_for(base | {"block_size": 128}, 3) is None  # does not divide 576
+    assert int4_matmul.kernel_for(base | {"block_size": 96}, 3) is None  # not a power of 2
+    assert int4_matmul.kernel_for(base, 4) is None  # zero points
+
+
+INT8_SHAPES = {  # n, k, block
+    "Q8_0 LM head slice": (70, 576, 32),
+    "odd 32-blocks, odd N": (37, 96, 32),
+    "blocks of 128 (int8 RTN)": (9, 512, 128),
+}
+
+
+@pytest.mark.parametrize("shape", INT8_SHAPES)
+def test_int8_weights_against_a_float64_reference_for_1_to_17_rows(library, shape):
+    """MatMulNBits's 8-bit blocks (q + 128 as uint8, w = scale * q; GGUF Q8_0): every code from -128 to 127."""
+    n, k, block = INT8_SHAPES[shape]
+    rng = np.random.default_rng(6)
+    codes = rng.integers(0, 256, (n, k // block, block), dtype=np.uint8)
+    scales = (rng.random(n * k // block) * 0.01 - 0.005).astype(np.float16)
+    weight = (codes.astype(np.float64) - 128) * scales.astype(np.float64).reshape(n, -1, 1)
+    run = session(library, "Int8MatMul", codes, scales, k, n, block)
+    a = rng.standard_normal((17, k), dtype=np.float32)
+    a[:, ::13] *= 30
+    reference = int8_activations(a) @ weight.reshape(n, k).T
+    everything = run.run(None, {"a": a})[0]
+    np.testing.assert_allclose(everything, reference, rtol=0, atol=2e-6 * np.abs(reference).max())
+    for rows in range(1, 17):
+        np.testing.assert_array_equal(run.run(None, {"a": a[:rows]})[0], everything[:rows])
+    np.testing.assert_array_equal(run.run(None, {"a": a[9:10]})[0], everything[9:10])
+    float_scales = session(library, "Int8MatMul", codes, scales.astype(np.float32), k, n, block)
+    np.testing.assert_array_equal(float_scales.run(None, {"a": a})[0], everything)
+
+
+def test_int8_scales_become_float16_only_where_that_is_exact():
+    assert int4_matmul.exact_half_scales(np.array([1e-3, 0.5], np.float16).astype(np.float32)).dtype == np.float16
+    assert int4_matmul.exact_half_scales(np.array([1e-3, 0.5], np.float32)) is None
 
 
 def test_an_int4_engine_runs_it_in_every_matmul_and_pads_no_lone_row(engine_factory):
@@ -244,5 +358,5 @@ def test_a_build_machine_without_avx2_keeps_onnxruntimes_matmul(tmp_path):
 def test_engines_keep_onnxruntimes_matmul_when_told(engine_factory):
     from engines.format import open_artifact
 
-    step = open_artifact(engine_factory("gqa", quant="int4", native_int4_matmul=False)).manifest.graphs["step"]
+    step = open_artifact(engine_factory("gqa", quant="int4", native_quantized_matmul=False)).manifest.graphs["step"]
     assert "Int4MatMul" not in step.native_ops

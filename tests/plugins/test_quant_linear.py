@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from plugins.native_ops import DOMAIN
 from plugins.quant_linear import QuantizedLinear, QuantSpec, dequantize_blockwise, onnx_translations, quantize_blockwise
 
 
@@ -100,20 +101,35 @@ def test_onnx_lowering_is_one_fused_matmulnbits_matching_the_reference(tmp_path,
     np.testing.assert_allclose(ours, reference, rtol=0, atol=tolerance * scale)
 
 
-def test_block_offsets_add_one_small_float_matmul_and_stay_exact(tmp_path):
-    """w = scale * (q - 8) + offset per block (GGUF Q4_1): the fused MatMulNBits plus block sums x offsets."""
+def q4_1_linear() -> QuantizedLinear:
+    """A linear with minimums (w = scale * q + minimum per block, GGUF Q4_1): 24 rows with their own fp16 scales and
+    minimums, 16 symmetric rows (Q4_0-style: fp16 scales, minimum -8 x scale)."""
+    torch.manual_seed(2)
+    linear = QuantizedLinear(96, 40, bias=False, dtype=torch.float32, spec=QuantSpec(4, 32, 0, minimums=True))
+    qweight, scales = quantize_blockwise(torch.randn(40, 96), 4, 32)
+    scales = scales.half().float()
+    linear.load_quantized_rows(0, qweight[:24], scales[:72], torch.randn(24, 3).half())
+    linear.load_quantized_rows(24, qweight[24:], scales[72:])
+    return linear
+
+
+def test_symmetric_rows_in_a_linear_with_minimums_keep_their_weights():
+    linear = q4_1_linear()
+    symmetric = dequantize_blockwise(linear.qweight[24:], linear.scales[72:], 96, 4)
+    assert torch.equal(dequantize_blockwise(linear.qweight, linear.scales, 96, 4, linear.minimums)[24:], symmetric)
+    with pytest.raises(ValueError, match="float16"):  # an RTN scale is no float16: -8 x scale would be rounded
+        linear.load_rows(0, torch.randn(4, 96))
+    with pytest.raises(ValueError, match="multiple of the block size"):
+        QuantizedLinear(100, 8, bias=False, dtype=torch.float32, spec=QuantSpec(4, 32, 0, minimums=True))
+
+
+def test_minimums_without_our_kernel_add_one_small_float_matmul_and_stay_exact(tmp_path):
+    """Exported for onnxruntime's own ops: the fused MatMulNBits plus block sums x (minimum + 8 scale)."""
     import onnx
     import onnxruntime as ort
 
-    torch.manual_seed(2)
-    spec = QuantSpec(4, 32, 0, offsets=True)
-    linear = QuantizedLinear(96, 40, bias=False, dtype=torch.float32, spec=spec)
-    qweight, scales = quantize_blockwise(torch.randn(40, 96), 4, 32)
-    offsets = torch.randn(24, 3)
-    linear.load_quantized_rows(0, qweight[:24], scales[:72], offsets)
-    linear.load_rows(24, torch.randn(16, 96))  # rows without offsets get zero offsets
-    dense = dequantize_blockwise(linear.qweight, linear.scales, 96, 4) + linear.offsets.repeat_interleave(32, dim=1)
-    assert torch.all(linear.offsets[24:] == 0)
+    linear = q4_1_linear()
+    dense = dequantize_blockwise(linear.qweight, linear.scales, 96, 4, linear.minimums)
     path, x = export_one_linear(tmp_path, linear)
     graph = onnx.load(str(path)).graph
     assert sorted(n.op_type for n in graph.node if n.op_type in ("MatMulNBits", "MatMul")) == ["MatMul", "MatMulNBits"]
@@ -121,8 +137,25 @@ def test_block_offsets_add_one_small_float_matmul_and_stay_exact(tmp_path):
     ours = session.run(None, {session.get_inputs()[0].name: x.numpy()})[0]
     reference = (x @ dense.t()).numpy()
     np.testing.assert_allclose(ours, reference, rtol=0, atol=1e-5 * np.abs(reference).max())
-    with pytest.raises(ValueError, match="multiple of the block size"):
-        QuantizedLinear(100, 8, bias=False, dtype=torch.float32, spec=spec)
+
+
+def test_minimums_with_our_kernel_export_one_node_holding_the_blocks(tmp_path):
+    """With `native_minimums` the linear is one Int4MatMul node whose inputs are the blocks as loaded: the codes,
+    the scales and the float16 minimums, nothing computed from them."""
+    import onnx
+    from onnx import numpy_helper
+
+    linear = q4_1_linear()
+    linear.native_minimums = True
+    path, _ = export_one_linear(tmp_path, linear)
+    model = onnx.load(str(path))
+    (node,) = [n for n in model.graph.node if n.op_type not in ("Constant", "Identity")]
+    assert (node.op_type, node.domain, len(node.input)) == ("Int4MatMul", DOMAIN, 4)
+    constants = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    assert np.array_equal(constants[node.input[1]], linear.qweight.numpy())
+    assert np.array_equal(constants[node.input[2]], linear.scales.numpy())
+    assert constants[node.input[3]].dtype == np.float16
+    assert np.array_equal(constants[node.input[3]], linear.minimums.numpy())
 
 
 def test_invalid_specs_are_refused():

@@ -1,4 +1,5 @@
-"""The default model (SmolLM2-135M-Instruct, Q4_1 GGUF): the prebuilt engine against transformers on that GGUF."""
+"""The default model (SmolLM2-135M-Instruct, Q4_1 GGUF): the prebuilt fp32 engine against transformers on that GGUF,
+and the engine of the README's main job (the GGUF's own blocks) against the fp32 one."""
 
 from __future__ import annotations
 
@@ -84,3 +85,18 @@ def test_a_json_schema_answer_from_the_real_model(llm):
         chat, SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=StructuredOutputs(json=schema))
     )[0]
     assert out.finish_reason == "stop" and json.loads(out.text) == {"city": "Paris"}
+
+
+def test_the_engine_of_the_files_own_blocks_scores_within_1_percent_of_fp32(llm, default_gguf_engine):
+    """`builder build default` keeps the GGUF's Q4_1 / Q8_0 blocks: its perplexity on text nobody here wrote is
+    within 1% of the fp32 engine's (the int8 activations' rounding), and it answers as the fp32 engine does."""
+    from builder.quantization.gptq import DEFAULT_CALIBRATION
+    from runner.tools.evaluate import perplexity
+
+    exact = LLM(default_gguf_engine)
+    assert exact.engine.manifest.quantization.source_blocks_kept == {"Q4_1": 210, "Q8_0": 1}
+    text = DEFAULT_CALIBRATION[1].read_text()  # CPython's docstrings (calibration/README.md)
+    ids = llm.tokenizer.encode(text)[:1536]
+    fp32, ours = (perplexity(e.engine, ids, 512, 256).perplexity for e in (llm, exact))
+    assert abs(ours / fp32 - 1) < 0.01, (ours, fp32)
+    assert "Paris" in exact.chat(CHATS[0], SamplingParams(max_tokens=32, temperature=0.0))[0].text
