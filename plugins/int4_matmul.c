@@ -30,7 +30,9 @@
  * columns unpacks each weight once for 4 rows. The weights are prefetched ahead of use: they come from memory.
  * With minimums the nibble products are kept whole and minimum x the activations' sum is added instead. int8
  * weights take A's rows in their natural order (ACCUMULATE_GROUP_INT8).
- * Needs AVX2, FMA and F16C (kernel creation fails without them).
+ * Needs AVX2, FMA and F16C (kernel creation fails without them). Where the CPU has AVX-512 VNNI (and VL) the tiles
+ * take vpdpbusd on the same 256-bit vectors instead: the same integer sums, so the same results bit for bit
+ * (LLM_ENGINE_BUILDER_KERNEL_ISA=avx2 keeps the AVX2 tiles; QuantizedMatMulIsa() says which a kernel takes).
  */
 #include <immintrin.h>
 #include <stdio.h>
@@ -40,8 +42,21 @@
 #define ROW_BLOCK 64     /* rows of A per unit of work */
 /* columns per unit of work: enough units that the session's threads share a small matrix evenly (N = 576: 36) */
 #define COLUMN_CHUNK(n) ((n) >= 2048 ? 64 : 16)
+/* "avx2" makes the kernels take their AVX2 tiles on a CPU with AVX-512 VNNI (read when a session creates them) */
+#define KERNEL_ISA_VARIABLE "LLM_ENGINE_BUILDER_KERNEL_ISA"
 #define PREFETCH_BYTES 2048 /* how far ahead of use the weights are fetched (each column's are contiguous) */
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
+/* the tiles' variant for CPUs with AVX-512 VNNI (vpdpbusd on 256-bit vectors): the same integer sums in one
+ * instruction where AVX2 takes two or three, so the same results bit for bit */
+#define VNNI_1 __attribute__((target("avx2,fma,f16c,avx512vnni,avx512vl")))
+#define VNNI_0 AVX2
+/* u8 x s8 products summed to int32 per 4 bytes: of two pairs of vectors (int4: the low and high nibbles), or one
+ * (int8); AVX2 sums through int16 (no saturation: int4 products reach 4 x 15 x 127, int8 pairs 2 x 128 x 127) */
+#define DOT_PAIRS_0(lo, even, hi, odd) \
+  _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, even), _mm256_maddubs_epi16(hi, odd)), ones)
+#define DOT_PAIRS_1(lo, even, hi, odd) _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, even), hi, odd)
+#define DOT_0(u, s) _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), ones)
+#define DOT_1(u, s) _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)
 #define INLINE_AVX2 __attribute__((always_inline, target("avx2,fma,f16c"))) static inline
 
 /* A's rows quantized: per row, per pair of 32-blocks ("group"; the last holds one block where K / 32 is odd) */
@@ -63,6 +78,7 @@ typedef struct Work {
   int64_t m, k, n, block_size, groups, row_blocks, column_chunks;
   int scales_f16;
   int bits; /* 4, or 8 (Int8MatMul: A's rows are then quantized in their natural order) */
+  int vnni; /* the tiles' AVX-512 VNNI variant */
 } Work;
 
 /* e^x for x in [-87, 88] (clamped there), within ~2 float ulps: x = n ln2 + r with |r| <= ln2 / 2 (ln2 in two parts,
@@ -190,7 +206,7 @@ INLINE_AVX2 __m256 tail_scale(const void *column_scales, int64_t g, int f16) {
  * which holds one block (16 bytes of weights, one scale; its second half of the activations is zero). MIN: the
  * blocks carry a minimum (blocks of 32, float16): scale * q + minimum, so the dot product of the unsigned nibbles
  * is taken as it is and minimum x the activations' sum added, instead of subtracting 8 x that sum. */
-#define ACCUMULATE_GROUP(ROWS, COLS, BLOCKS_OF_32, F16, TAIL, MIN)                                                   \
+#define ACCUMULATE_GROUP(ROWS, COLS, BLOCKS_OF_32, F16, TAIL, MIN, VNNI)                                             \
   for (int j = 0; j < COLS; j++) {                                                                                  \
     const uint8_t *p = weights[j] + g * 32;                                                                         \
     _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);                                                    \
@@ -204,8 +220,7 @@ INLINE_AVX2 __m256 tail_scale(const void *column_scales, int64_t g, int f16) {
       const int64_t at = i * groups + g;                                                                            \
       const __m256i even = _mm256_loadu_si256((const __m256i *)(x + at * 64));                                      \
       const __m256i odd = _mm256_loadu_si256((const __m256i *)(x + at * 64 + 32));                                  \
-      const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, even), _mm256_maddubs_epi16(hi, odd));       \
-      __m256i dots = _mm256_madd_epi16(pairs, ones);                                                                \
+      __m256i dots = DOT_PAIRS_##VNNI(lo, even, hi, odd);                                                           \
       if (!MIN) dots = _mm256_sub_epi32(dots, _mm256_loadu_si256((const __m256i *)(corr + at * 8)));                \
       const __m256 scale = _mm256_mul_ps(ws, _mm256_loadu_ps(xscale + at * 8));                                     \
       acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), scale, acc[i][j]);                                      \
@@ -218,7 +233,7 @@ INLINE_AVX2 __m256 tail_scale(const void *column_scales, int64_t g, int f16) {
  * weights meet the activations through |w| x (x with w's sign) (vpmaddubsw takes one unsigned operand); each block's
  * products are summed to int32 on their own (two blocks' pairs would overflow int16), then arranged so that lanes
  * 0-3 hold the first block and 4-7 the second, as the scales are. */
-#define ACCUMULATE_GROUP_INT8(ROWS, COLS, BLOCKS_OF_32, F16, TAIL)                                                  \
+#define ACCUMULATE_GROUP_INT8(ROWS, COLS, BLOCKS_OF_32, F16, TAIL, VNNI)                                            \
   for (int j = 0; j < COLS; j++) {                                                                                  \
     const uint8_t *p = weights[j] + g * 64;                                                                         \
     _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);                                                    \
@@ -232,8 +247,8 @@ INLINE_AVX2 __m256 tail_scale(const void *column_scales, int64_t g, int f16) {
       const int64_t at = i * groups + g;                                                                            \
       const __m256i x0 = _mm256_loadu_si256((const __m256i *)(x + at * 64));                                        \
       const __m256i x1 = _mm256_loadu_si256((const __m256i *)(x + at * 64 + 32));                                   \
-      const __m256i d0 = _mm256_madd_epi16(_mm256_maddubs_epi16(abs0, _mm256_sign_epi8(x0, w0)), ones);            \
-      const __m256i d1 = _mm256_madd_epi16(_mm256_maddubs_epi16(abs1, _mm256_sign_epi8(x1, w1)), ones);            \
+      const __m256i d0 = DOT_##VNNI(abs0, _mm256_sign_epi8(x0, w0));                                                \
+      const __m256i d1 = DOT_##VNNI(abs1, _mm256_sign_epi8(x1, w1));                                                \
       const __m256i dots = _mm256_permute4x64_epi64(_mm256_hadd_epi32(d0, d1), 0xD8);                              \
       const __m256 scale = _mm256_mul_ps(ws, _mm256_loadu_ps(xscale + at * 8));                                     \
       acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), scale, acc[i][j]);                                      \
@@ -243,9 +258,10 @@ INLINE_AVX2 __m256 tail_scale(const void *column_scales, int64_t g, int f16) {
 /* Y[r .. r + ROWS, c .. c + COLS] for weights in blocks of 32 (BLOCKS_OF_32) or of 64 << shift, with float16 scales
  * (F16) or float, with minimums (MIN) or not: each output is the same operations in the same order whatever ROWS and
  * COLS are */
-#define DEFINE_TILE(NAME, ROWS, COLS, BLOCKS_OF_32, F16, MIN, BITS)                                                 \
-  AVX2 static void NAME(const Work *w, int64_t r, int64_t c) {                                                      \
+#define DEFINE_TILE(NAME, ROWS, COLS, BLOCKS_OF_32, F16, MIN, BITS, VNNI)                                           \
+  VNNI_##VNNI static void NAME(const Work *w, int64_t r, int64_t c) {                                               \
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);   \
+    (void)ones;                                                                                                     \
     (void)low;                                                                                                      \
     (void)flip;                                                                                                     \
     const int64_t groups = w->groups, full = w->k / 64, n = w->n;                                                   \
@@ -266,22 +282,25 @@ INLINE_AVX2 __m256 tail_scale(const void *column_scales, int64_t g, int f16) {
       for (int j = 0; j < COLS; j++) acc[i][j] = _mm256_setzero_ps();                                               \
     int64_t g = 0;                                                                                                  \
     if (BITS == 8) {                                                                                                \
-      for (; g < full; g++) ACCUMULATE_GROUP_INT8(ROWS, COLS, BLOCKS_OF_32, F16, 0)                                 \
-      if (BLOCKS_OF_32 && g < groups) ACCUMULATE_GROUP_INT8(ROWS, COLS, BLOCKS_OF_32, F16, 1)                       \
+      for (; g < full; g++) ACCUMULATE_GROUP_INT8(ROWS, COLS, BLOCKS_OF_32, F16, 0, VNNI)                           \
+      if (BLOCKS_OF_32 && g < groups) ACCUMULATE_GROUP_INT8(ROWS, COLS, BLOCKS_OF_32, F16, 1, VNNI)                 \
     } else {                                                                                                        \
-      for (; g < full; g++) ACCUMULATE_GROUP(ROWS, COLS, BLOCKS_OF_32, F16, 0, MIN)                                 \
-      if (BLOCKS_OF_32 && g < groups) ACCUMULATE_GROUP(ROWS, COLS, BLOCKS_OF_32, F16, 1, MIN)                       \
+      for (; g < full; g++) ACCUMULATE_GROUP(ROWS, COLS, BLOCKS_OF_32, F16, 0, MIN, VNNI)                           \
+      if (BLOCKS_OF_32 && g < groups) ACCUMULATE_GROUP(ROWS, COLS, BLOCKS_OF_32, F16, 1, MIN, VNNI)                 \
     }                                                                                                               \
     for (int i = 0; i < ROWS; i++)                                                                                  \
       for (int j = 0; j < COLS; j++) w->y[(r + i) * n + c + j] = horizontal_sum(acc[i][j]);                         \
   }
 
-/* the four tile shapes of each kind of weights: [blocks of 32][float16 scales][minimums], int4 or int8 */
+/* the four tile shapes of each kind of weights: [blocks of 32][float16 scales][minimums], int4 or int8, AVX2 or VNNI */
+#define DEFINE_SHAPES(SUFFIX, BLOCKS_OF_32, F16, MIN, BITS, VNNI)                                                   \
+  DEFINE_TILE(tile_4x2_##SUFFIX, 4, 2, BLOCKS_OF_32, F16, MIN, BITS, VNNI)                                          \
+  DEFINE_TILE(tile_4x1_##SUFFIX, 4, 1, BLOCKS_OF_32, F16, MIN, BITS, VNNI)                                          \
+  DEFINE_TILE(tile_1x4_##SUFFIX, 1, 4, BLOCKS_OF_32, F16, MIN, BITS, VNNI)                                          \
+  DEFINE_TILE(tile_1x1_##SUFFIX, 1, 1, BLOCKS_OF_32, F16, MIN, BITS, VNNI)
 #define DEFINE_TILES(SUFFIX, BLOCKS_OF_32, F16, MIN, BITS)                                                          \
-  DEFINE_TILE(tile_4x2_##SUFFIX, 4, 2, BLOCKS_OF_32, F16, MIN, BITS)                                                \
-  DEFINE_TILE(tile_4x1_##SUFFIX, 4, 1, BLOCKS_OF_32, F16, MIN, BITS)                                                \
-  DEFINE_TILE(tile_1x4_##SUFFIX, 1, 4, BLOCKS_OF_32, F16, MIN, BITS)                                                \
-  DEFINE_TILE(tile_1x1_##SUFFIX, 1, 1, BLOCKS_OF_32, F16, MIN, BITS)
+  DEFINE_SHAPES(SUFFIX, BLOCKS_OF_32, F16, MIN, BITS, 0)                                                            \
+  DEFINE_SHAPES(SUFFIX##_vnni, BLOCKS_OF_32, F16, MIN, BITS, 1)
 DEFINE_TILES(shared, 0, 0, 0, 4)
 DEFINE_TILES(shared_f16, 0, 1, 0, 4)
 DEFINE_TILES(32, 1, 0, 0, 4)
@@ -296,14 +315,17 @@ DEFINE_TILES(int8_32_f16, 1, 1, 0, 8)
 typedef void (*Tile)(const Work *w, int64_t r, int64_t c);
 enum { TILE_4x2, TILE_4x1, TILE_1x4, TILE_1x1 };
 #define TILE_SHAPES(SUFFIX) {tile_4x2_##SUFFIX, tile_4x1_##SUFFIX, tile_1x4_##SUFFIX, tile_1x1_##SUFFIX}
-/* [blocks of 32][float16 scales][minimums]: minimums come in blocks of 32 only */
-static const Tile tiles[2][2][2][4] = {
-    {{TILE_SHAPES(shared), {NULL}}, {TILE_SHAPES(shared_f16), {NULL}}},
-    {{TILE_SHAPES(32), TILE_SHAPES(32_min)}, {TILE_SHAPES(32_f16), TILE_SHAPES(32_f16_min)}},
+/* [VNNI][blocks of 32][float16 scales][minimums]: minimums come in blocks of 32 only */
+static const Tile tiles[2][2][2][2][4] = {
+    {{{TILE_SHAPES(shared), {NULL}}, {TILE_SHAPES(shared_f16), {NULL}}},
+     {{TILE_SHAPES(32), TILE_SHAPES(32_min)}, {TILE_SHAPES(32_f16), TILE_SHAPES(32_f16_min)}}},
+    {{{TILE_SHAPES(shared_vnni), {NULL}}, {TILE_SHAPES(shared_f16_vnni), {NULL}}},
+     {{TILE_SHAPES(32_vnni), TILE_SHAPES(32_min_vnni)}, {TILE_SHAPES(32_f16_vnni), TILE_SHAPES(32_f16_min_vnni)}}},
 };
-static const Tile int8_tiles[2][2][4] = {
-    {TILE_SHAPES(int8_shared), TILE_SHAPES(int8_shared_f16)},
-    {TILE_SHAPES(int8_32), TILE_SHAPES(int8_32_f16)},
+static const Tile int8_tiles[2][2][2][4] = {
+    {{TILE_SHAPES(int8_shared), TILE_SHAPES(int8_shared_f16)}, {TILE_SHAPES(int8_32), TILE_SHAPES(int8_32_f16)}},
+    {{TILE_SHAPES(int8_shared_vnni), TILE_SHAPES(int8_shared_f16_vnni)},
+     {TILE_SHAPES(int8_32_vnni), TILE_SHAPES(int8_32_f16_vnni)}},
 };
 
 /* one unit: a block of rows against a chunk of columns */
@@ -312,8 +334,8 @@ static void multiply_unit(void *data, size_t unit) {
   const int64_t row_block = (int64_t)unit / w->column_chunks, chunk = (int64_t)unit % w->column_chunks;
   const int64_t r0 = row_block * ROW_BLOCK, r1 = r0 + ROW_BLOCK < w->m ? r0 + ROW_BLOCK : w->m;
   const int64_t c0 = chunk * COLUMN_CHUNK(w->n), c1 = c0 + COLUMN_CHUNK(w->n) < w->n ? c0 + COLUMN_CHUNK(w->n) : w->n;
-  const Tile *tile = w->bits == 8 ? int8_tiles[w->block_size == 32][w->scales_f16]
-                                   : tiles[w->block_size == 32][w->scales_f16][w->minimums != NULL];
+  const Tile *tile = w->bits == 8 ? int8_tiles[w->vnni][w->block_size == 32][w->scales_f16]
+                                   : tiles[w->vnni][w->block_size == 32][w->scales_f16][w->minimums != NULL];
   int64_t r = r0;
   for (; r + 4 <= r1; r += 4) {
     int64_t c = c0;
@@ -331,6 +353,7 @@ typedef struct Kernel {
   OrtApiTable api;
   int64_t k, n, block_size, swiglu;
   int bits; /* 4: Int4MatMul, 8: Int8MatMul */
+  int vnni; /* this CPU has AVX-512 VNNI (+ VL) and KERNEL_ISA_VARIABLE does not say avx2 */
 } Kernel;
 
 /* a failed status whose message names the op */
@@ -387,7 +410,7 @@ static OrtStatus *compute(void *kernel_state, OrtKernelContext *context) {
                 (float *)(buffer + m * groups * 128)},
                m, kernel->k, kernel->n, kernel->block_size, groups, (m + ROW_BLOCK - 1) / ROW_BLOCK,
                (kernel->n + COLUMN_CHUNK(kernel->n) - 1) / COLUMN_CHUNK(kernel->n), element_type[2] == ELEMENT_FLOAT16,
-               kernel->bits};
+               kernel->bits, kernel->vnni};
   OrtStatus *(*parallel_for)(const OrtKernelContext *, void (*)(void *, size_t), size_t, size_t, void *) =
       API(api, KernelContext_ParallelFor, OrtStatus *(*)(const OrtKernelContext *, void (*)(void *, size_t), size_t, size_t, void *));
   OrtStatus *status = parallel_for(context, quantize_rows, (size_t)work.row_blocks, 0, &work);
@@ -397,12 +420,22 @@ static OrtStatus *compute(void *kernel_state, OrtKernelContext *context) {
   return status;
 }
 
+/* whether the kernels take their VNNI tiles: the CPU has AVX-512 VNNI and VL, and KERNEL_ISA_VARIABLE is not "avx2" */
+static int use_vnni(void) {
+  const char *isa = getenv(KERNEL_ISA_VARIABLE);
+  return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") && !(isa && !strcmp(isa, "avx2"));
+}
+
+/* the tiles a kernel created now takes, for tools and tests: "avx512vnni" or "avx2" */
+__attribute__((visibility("default"))) const char *QuantizedMatMulIsa(void) { return use_vnni() ? "avx512vnni" : "avx2"; }
+
 static OrtStatus *create_kernel(const OrtCustomOp *op, OrtApiTable api, const OrtKernelInfo *info, void **out) {
   const int bits = op == &int8_matmul_op ? 8 : 4;
   Kernel *kernel = calloc(1, sizeof(Kernel));
   if (!kernel) return refuse(api, bits, "out of memory");
   kernel->api = api;
   kernel->bits = bits;
+  kernel->vnni = use_vnni();
   OrtStatus *(*get_int)(const OrtKernelInfo *, const char *, int64_t *) =
       API(api, KernelInfoGetAttribute_int64, OrtStatus *(*)(const OrtKernelInfo *, const char *, int64_t *));
   OrtStatus *status = get_int(info, "K", &kernel->k);

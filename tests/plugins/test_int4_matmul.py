@@ -1,9 +1,11 @@
-"""Int4MatMul, our onnxruntime CPU kernel for int4 weights: against a float reference and onnxruntime's MatMulNBits
-on the same weights, bit for bit the same for a row alone and in any batch, which nodes it replaces, and an int4
-engine that therefore decodes a lone row without padding it."""
+"""Int4MatMul / Int8MatMul, our onnxruntime CPU kernels for int4 (Q4_0, Q4_1 with minimums) and int8 (Q8_0) weights:
+against float64 references and onnxruntime's MatMulNBits on the same weights, bit for bit the same for a row alone
+and in any batch and on the AVX2 and VNNI tiles, which nodes they replace, and an int4 engine that therefore decodes
+a lone row without padding it."""
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 import numpy as np
@@ -206,9 +208,25 @@ def unpacked(packed: np.ndarray) -> np.ndarray:
 MINIMUM_SHAPES = {"the default model's MLP": (96, 576), "odd 32-blocks, odd N": (37, 96), "one pair of blocks": (9, 64)}
 
 
+def vnni() -> bool:
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    return "avx512_vnni" in flags and "avx512vl" in flags
+
+
+# the kernels' tiles: the CPU's best (AVX-512 VNNI where it has it) and the AVX2 ones every x86-64 CPU we support runs
+ISAS = ["native", pytest.param("avx2", marks=pytest.mark.skipif(not vnni(), reason="no AVX-512 VNNI: native is AVX2"))]
+
+
+@pytest.fixture(params=ISAS)
+def isa(request, monkeypatch):
+    if request.param == "avx2":  # read by the kernel when a session creates it
+        monkeypatch.setenv("LLM_ENGINE_BUILDER_KERNEL_ISA", "avx2")
+    return request.param
+
+
 @pytest.mark.parametrize("shape", MINIMUM_SHAPES)
 @pytest.mark.parametrize("with_minimums", [True, False])
-def test_both_block_formats_against_a_float64_reference_for_1_to_17_rows(library, shape, with_minimums):
+def test_both_block_formats_against_a_float64_reference_for_1_to_17_rows(library, shape, with_minimums, isa):
     """scale * q + minimum (Q4_1, float16 minimums) and scale * (q - 8) (Q4_0): the kernel's only rounding is the
     activations' int8 quantization, which the reference repeats; the rest is float summation order."""
     n, k = MINIMUM_SHAPES[shape]
@@ -302,7 +320,7 @@ INT8_SHAPES = {  # n, k, block
 
 
 @pytest.mark.parametrize("shape", INT8_SHAPES)
-def test_int8_weights_against_a_float64_reference_for_1_to_17_rows(library, shape):
+def test_int8_weights_against_a_float64_reference_for_1_to_17_rows(library, shape, isa):
     """MatMulNBits's 8-bit blocks (q + 128 as uint8, w = scale * q; GGUF Q8_0): every code from -128 to 127."""
     n, k, block = INT8_SHAPES[shape]
     rng = np.random.default_rng(6)
@@ -360,3 +378,26 @@ def test_engines_keep_onnxruntimes_matmul_when_told(engine_factory):
 
     step = open_artifact(engine_factory("gqa", quant="int4", native_quantized_matmul=False)).manifest.graphs["step"]
     assert "Int4MatMul" not in step.native_ops
+
+
+@pytest.mark.skipif(not vnni(), reason="no AVX-512 VNNI here: the kernels run their AVX2 tiles only")
+@pytest.mark.parametrize("op", ["Int4MatMul", "Int4MatMul with minimums", "Int8MatMul"])
+def test_the_vnni_tiles_compute_what_the_avx2_tiles_compute_bit_for_bit(library, monkeypatch, op):
+    """vpdpbusd sums the same integer products as vpmaddubsw + vpmaddwd (which never saturate here), so an engine
+    answers alike on both kinds of CPU."""
+    n, k = 70, 576
+    packed, scales, minimums = q4_1_blocks(n, k)
+    if op == "Int8MatMul":
+        packed = np.random.default_rng(8).integers(0, 256, (n, k // 32, 32), dtype=np.uint8)
+    extra = {"minimums": minimums} if op.endswith("minimums") else {}
+    a = np.random.default_rng(9).standard_normal((9, k), dtype=np.float32) * 4
+    name = op.split()[0]
+    isa = ctypes.CDLL(str(library)).QuantizedMatMulIsa
+    isa.restype = ctypes.c_char_p
+    assert isa() == b"avx512vnni"
+    native = session(library, name, packed, scales, k, n, 32, **extra).run(None, {"a": a})[0]
+    monkeypatch.setenv("LLM_ENGINE_BUILDER_KERNEL_ISA", "avx2")
+    assert isa() == b"avx2"
+    np.testing.assert_array_equal(
+        session(library, name, packed, scales, k, n, 32, **extra).run(None, {"a": a})[0], native
+    )
