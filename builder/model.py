@@ -201,6 +201,8 @@ class LlamaForCausalLM(nn.Module):
         head_quant = quant if quantize_lm_head else None
         untied = not config.tie_word_embeddings or head_quant is not None
         self.lm_head = make_linear(config.hidden_size, config.vocab_size, False, dtype, head_quant) if untied else None
+        # a tied head that holds the checkpoint's own blocks (GGUF) is also the embedding table (weights.load_model)
+        self.embedding_from_head = False
         cos, sin = rotary_tables(config, max_positions or config.max_position_embeddings, dtype)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -252,7 +254,10 @@ class LlamaForCausalLM(nn.Module):
             cos=self.rope_cos,
             sin=self.rope_sin,
         )
-        x, residual = self.model.embed_tokens(input_ids), None
+        if self.embedding_from_head:
+            x, residual = self.lm_head.rows(input_ids).to(self.dtype), None
+        else:
+            x, residual = self.model.embed_tokens(input_ids), None
         present_keys, present_values = [], []
         for layer, past_key, past_value in zip(self.model.layers, past_keys, past_values):
             x, residual, present_key, present_value = layer(x, residual, step, past_key, past_value)

@@ -121,17 +121,27 @@ def load_model(
             model.set_submodule(
                 name, QuantizedLinear(old.in_features, old.out_features, old.bias is not None, dtype, spec)
             )
+    if config.tie_word_embeddings and "lm_head" in kept:
+        # the head's blocks are the file's embedding table itself: the embedding reads them, no float copy is made
+        model.embedding_from_head = True
+        model.model.embed_tokens = None
     quantized = {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
     for module in quantized.values():
         module.to_empty(device="cpu")
     # every weight to load and its row count (a quantized linear's weight lives in its qweight/scales buffers)
     expected = {n: p.shape for n, p in model.named_parameters()}
+    if model.embedding_from_head:
+        expected["model.embed_tokens.weight"] = (config.vocab_size, config.hidden_size)  # read into the head only
     expected.update({f"{n}.weight": (m.out_features, m.in_features) for n, m in quantized.items()})
     copy_embedding_to_head = config.tie_word_embeddings and "lm_head" in quantized
     rows = fused_rows(config)
     filled: dict[str, int] = {}  # weight -> rows (or whole tensors) loaded
     for name, tensor in tensors:
         blocks = tensor if isinstance(tensor, BlockQuantized) else None
+        if model.embedding_from_head and name == "model.embed_tokens.weight" and blocks is not None:
+            quantized["lm_head"].load_quantized_rows(0, *blocks.to_matmul_nbits())
+            filled[name] = filled["lm_head.weight"] = blocks.shape[0]
+            continue
         if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and config.tie_word_embeddings):
             continue
         target, start, stop = name, 0, None

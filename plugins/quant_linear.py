@@ -194,6 +194,17 @@ class QuantizedLinear(nn.Module):
         if self.minimums is not None:
             self.minimums[start : start + rows] = minimums
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` [...] of the weight, dequantized to fp32 [..., in_features]: a tied LM head's blocks read as
+        the embedding table, as llama.cpp reads a GGUF's token_embd, so no float copy of the table exists."""
+        n_blocks = self.qweight.shape[1]
+        flat = ids.reshape(-1)
+        minimums = None if self.minimums is None else self.minimums.index_select(0, flat)
+        scales = self.scales.view(self.out_features, n_blocks).index_select(0, flat).reshape(-1)
+        qweight = self.qweight.index_select(0, flat)
+        rows = dequantize_blockwise(qweight, scales, self.in_features, self.spec.bits, minimums)
+        return rows.reshape(*ids.shape, self.in_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s = self.spec
         if self.fused_kernel:

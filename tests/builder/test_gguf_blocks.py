@@ -98,7 +98,7 @@ def test_int4_engine_of_a_q4_1_gguf_is_that_gguf(tiny_gguf, tmp_path):
 def test_auto_builds_a_gguf_at_its_own_blocks_in_our_fused_kernels(tiny_gguf, tmp_path):
     """The default (--quant auto) keeps the file's Q4_1 / Q8_0 blocks: each linear one Int4MatMul (minimums inside)
     or Int8MatMul node holding the file's codes, float16 scales and minimums bit for bit; no MatMulNBits, no
-    block-sum offset matmul, no split-out activation left in the graph."""
+    block-sum offset matmul, no split-out activation left in the graph; the embedding read from the head's blocks."""
     import gguf
     import onnx
     from onnx import numpy_helper
@@ -124,6 +124,11 @@ def test_auto_builds_a_gguf_at_its_own_blocks_in_our_fused_kernels(tiny_gguf, tm
     nibbles = constants[o_proj.input[1]]
     values = np.stack([nibbles & 15, nibbles >> 4], axis=-1).reshape(*blocks.shape[:2], 32)
     assert np.array_equal(values, np.concatenate((blocks[..., 4:] & 15, blocks[..., 4:] >> 4), axis=-1))
+    # the tied LM head's Q8_0 blocks are the embedding table too: read by a Gather, no float copy of the table
+    (head,) = [n for n in model.graph.node if n.op_type == "Int8MatMul"]
+    assert any(n.op_type == "Gather" and n.input[0] == head.input[1] for n in model.graph.node)
+    table = [engine.manifest.model.vocab_size, engine.manifest.model.hidden_size]
+    assert not [t.name for t in model.graph.initializer if list(t.dims) == table]
     assert build(tiny_gguf, tmp_path / "float", quant="none").manifest.quantization.bits is None
 
 
