@@ -469,7 +469,7 @@ def _load_weights(options: BuildOptions, checkpoint, shapes: BuildShapes, log: C
             config, tensors, DTYPES[options.dtype], quant, options.quantize_lm_head, kept, rotary_positions
         )
         if quant is not None:
-            quantization = _kept_blocks(quantization, kept, keep, len(sources), checkpoint.block_formats, log)
+            quantization = _kept_blocks(quantization, kept, sources, checkpoint, log)
     if options.kv_cache_dtype == "int8":
         calibration = options.kv_calibration
         windows = calibration_windows(_encoder(checkpoint.tokenizer), calibration, shapes.max_seq_len)
@@ -481,21 +481,32 @@ def _load_weights(options: BuildOptions, checkpoint, shapes: BuildShapes, log: C
 
 
 def _kept_blocks(
-    quantization: QuantizationSpec, kept: dict, keep: frozenset, total: int, block_formats: dict, log
+    quantization: QuantizationSpec, kept: dict, sources: dict[str, list[str]], checkpoint, log
 ) -> QuantizationSpec:
-    """The quantization section with which linears kept their GGUF blocks and which were quantized from float."""
+    """The quantization section with which linears kept their GGUF blocks and which were quantized from float
+    (and, for a GGUF, from which of its types: a K-quant requantized is a loss the user should see)."""
+    total = len(sources)
     methods = {0: QuantMethod.RTN, total: QuantMethod.GGUF_BLOCKS}
+    kept_names = [name for module in kept for name in sources[module]]
+    requantized = [name for module, names in sources.items() if module not in kept for name in names]
     quantization = replace(
         quantization,
         method=methods.get(len(kept), QuantMethod.GGUF_BLOCKS_RTN),
-        source_blocks_kept=dict(sorted(Counter(block_formats[n] for n in keep).items())),
+        source_blocks_kept=dict(sorted(Counter(checkpoint.block_formats[n] for n in kept_names).items())),
         linears_kept=len(kept),
         linears_requantized=total - len(kept),
+        requantized_from=dict(
+            sorted(Counter(checkpoint.weight_types[n] for n in requantized if n in checkpoint.weight_types).items())
+        ),
         block_offsets=any(spec.minimums for spec in kept.values()),
+        embedding_from_head=checkpoint.config.tie_word_embeddings and "lm_head" in kept,
     )
+    origin = "from float"
+    if quantization.requantized_from:
+        origin = f"again from the file's {_key_values(quantization.requantized_from)} weights"
     log(
         f"      quantized linears: {len(kept)} keep their GGUF blocks {quantization.source_blocks_kept or ''}, "
-        f"{total - len(kept)} quantized from float ({quantization.method})"
+        f"{total - len(kept)} quantized {origin} ({quantization.method})"
     )
     return quantization
 

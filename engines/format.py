@@ -151,7 +151,9 @@ class QuantizationSpec:
     source_blocks_kept: dict[str, int] = field(default_factory=dict)  # GGUF block type -> linears keeping them
     linears_kept: int = 0
     linears_requantized: int = 0
-    block_offsets: bool = False  # Q4_1-style per-block minimums, applied next to the matmul
+    requantized_from: dict[str, int] = field(default_factory=dict)  # GGUF type -> weights quantized again from float
+    block_offsets: bool = False  # Q4_1-style per-block minimums (the blocks are scale * q + minimum)
+    embedding_from_head: bool = False  # the tied LM head's blocks are the embedding table (no float copy)
     kv_cache: KVCacheQuantization | None = None
 
     def facts(self) -> dict[str, Any]:

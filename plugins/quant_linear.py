@@ -200,7 +200,9 @@ class QuantizedLinear(nn.Module):
         n_blocks = self.qweight.shape[1]
         flat = ids.reshape(-1)
         minimums = None if self.minimums is None else self.minimums.index_select(0, flat)
-        scales = self.scales.view(self.out_features, n_blocks).index_select(0, flat).reshape(-1)
+        # indices into the flat scales the matmul reads too (a reshaped view would be stored again as a constant)
+        scale_index = (flat.unsqueeze(-1) * n_blocks + torch.arange(n_blocks, device=flat.device)).reshape(-1)
+        scales = self.scales.index_select(0, scale_index)
         qweight = self.qweight.index_select(0, flat)
         rows = dequantize_blockwise(qweight, scales, self.in_features, self.spec.bits, minimums)
         return rows.reshape(*ids.shape, self.in_features)

@@ -14,7 +14,9 @@ from builder.weights import auto_quantization, kept_block_specs
 from plugins.quant_linear import QuantSpec, dequantize_blockwise
 from runner.core.args import EngineArgs
 from runner.core.engine import LLMEngine
+from runner.tools.bench import weight_bytes_per_step
 from tests.builder.test_quantized_engine import TEXT, teacher_forced_logits
+from tests.runner.tools.test_bench import initializer_bytes_read_per_step
 from tests.tiny_checkpoint import make_gguf
 
 
@@ -129,6 +131,9 @@ def test_auto_builds_a_gguf_at_its_own_blocks_in_our_fused_kernels(tiny_gguf, tm
     assert any(n.op_type == "Gather" and n.input[0] == head.input[1] for n in model.graph.node)
     table = [engine.manifest.model.vocab_size, engine.manifest.model.hidden_size]
     assert not [t.name for t in model.graph.initializer if list(t.dims) == table]
+    # ... so a decode step reads all of the head's blocks, which runner bench's MBU counts
+    expected = initializer_bytes_read_per_step(tmp_path / "auto")
+    assert expected * 0.98 <= weight_bytes_per_step(engine) <= expected
     assert build(tiny_gguf, tmp_path / "float", quant="none").manifest.quantization.bits is None
 
 
@@ -141,3 +146,15 @@ def test_auto_quantization_follows_the_files_types(checkpoint_factory):
     assert auto_quantization(config, dict.fromkeys(layers, "Q6_K")) == "int8"
     assert auto_quantization(config, dict.fromkeys(layers, "Q4_1") | {layers[0]: "Q6_K"}) == "int4"
     assert auto_quantization(config, dict.fromkeys(layers, "Q4_K")) == "int4"
+
+
+def test_auto_requantizes_other_gguf_types_and_says_from_which(checkpoint_factory, tmp_path):
+    """A Q5_0 file (no exact form here): auto builds int8 (more bits than 4, never fewer), the layers requantized from
+    Q5_0 as the manifest and the build summary say, the Q8_0 head kept."""
+    source = make_gguf(tmp_path / "q5.gguf", checkpoint_factory("gqa"), linear_type="Q5_0")
+    lines = []
+    build_engine(BuildOptions(str(source), tmp_path / "e", max_seq_len=128, max_batch=2), log=lines.append)
+    facts = LLMEngine(EngineArgs(tmp_path / "e")).manifest.quantization
+    assert (facts.bits, facts.method, facts.linears_kept) == (8, "gguf-blocks+rtn", 1)
+    assert facts.requantized_from == {"Q5_0": 14} and facts.embedding_from_head
+    assert any("8 quantized again from the file's Q5_0=14 weights" in line for line in lines), lines
