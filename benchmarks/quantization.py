@@ -33,11 +33,11 @@ from runner.tools.bench import license_text  # noqa: E402
 # RTN and GPTQ start from that float model; "GGUF blocks" keeps the file's own Q4_1 / Q8_0 blocks.
 NEW_TOKENS = 128
 VARIANTS = {
-    "fp32": [],
+    "fp32": ["--quant", "none"],
     "int8 RTN g128": ["--quant", "int8"],
     "int4 RTN g32": ["--quant", "int4", "--requantize-gguf"],
     "int4 GPTQ g32": ["--quant", "gptq"],
-    "int4 GGUF blocks g32": ["--quant", "int4"],
+    "GGUF blocks (the default)": [],
 }
 
 
