@@ -1,0 +1,128 @@
+"""What a quantized matmul call costs per number of rows: our Int4MatMul (Q4_0-style and Q4_1 with minimums) and
+Int8MatMul (Q8_0) on the default model's shapes, for M = 1..16 rows (decode batches, verify trees, short prompt
+chunks), on the tiles this CPU takes and on the AVX2 ones.
+
+    python benchmarks/quantized_rows.py [--threads 2] [--repeats 200] [--json benchmarks/results/quantized_rows.json]
+
+A call whose weights are read once for all its rows (and unpacked once) costs about what one row costs while it is
+bound by the weight stream; this prints each call's time and its ratio to the one-row call, per shape, so the
+"rows share the weight stream" property can be compared between commits. Each node runs in its own onnxruntime
+session with the kernel library built from this checkout; best of 3 passes of --repeats calls after a warm-up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import click
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from plugins import native_ops  # noqa: E402
+from runner.core.machine import cpu_model  # noqa: E402
+
+# (name, N, K) of the default model: the fused q/k/v, the MLP's gate+up and down, the LM head
+SHAPES = [("qkv", 960, 576), ("gate_up", 3072, 576), ("down", 576, 1536), ("lm_head", 49152, 576)]
+ROWS = [1, 2, 4, 6, 8, 12, 16]
+KINDS = ["Q4_0", "Q4_1", "Q8_0"]
+
+
+def session(library: Path, kind: str, n: int, k: int, threads: int):
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    bits = 8 if kind == "Q8_0" else 4
+    weights = rng.integers(0, 256, (n, k // 32, 32 * bits // 8), dtype=np.uint8)
+    constants = [
+        numpy_helper.from_array(weights, "w"),
+        numpy_helper.from_array(rng.random(n * k // 32, np.float32).astype(np.float16), "s"),
+    ]
+    inputs = ["a", "w", "s"]
+    if kind == "Q4_1":
+        constants.append(numpy_helper.from_array((-rng.random((n, k // 32))).astype(np.float16), "m"))
+        inputs.append("m")
+    op = "Int8MatMul" if bits == 8 else "Int4MatMul"
+    node = helper.make_node(op, inputs, ["y"], domain=native_ops.DOMAIN, K=k, N=n, block_size=32)
+    graph = helper.make_graph(
+        [node],
+        "one",
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["rows", k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["rows", n])],
+        constants,
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(native_ops.DOMAIN, 1)]
+    )
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.register_custom_ops_library(str(library))
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def call_us(run, a: np.ndarray, repeats: int) -> float:
+    for _ in range(20):
+        run.run(None, {"a": a})
+    passes = []
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(repeats):
+            run.run(None, {"a": a})
+        passes.append((time.perf_counter() - start) / repeats * 1e6)
+    return min(passes)
+
+
+def measure(library: Path, threads: int, repeats: int) -> dict:
+    results = {}
+    for kind in KINDS:
+        for name, n, k in SHAPES:
+            run = session(library, kind, n, k, threads)
+            times = {}
+            for rows in ROWS:
+                a = np.random.default_rng(rows).standard_normal((rows, k), dtype=np.float32)
+                times[rows] = call_us(run, a, max(10, repeats * 1000 // (n * k // 1000 + 1000)))
+            results[f"{kind} {name} {n}x{k}"] = times
+    return results
+
+
+def isa_of(library: Path) -> str:
+    import ctypes
+
+    isa = ctypes.CDLL(str(library)).QuantizedMatMulIsa
+    isa.restype = ctypes.c_char_p
+    return isa().decode()
+
+
+@click.command()
+@click.option("--threads", type=int, default=2, show_default=True)
+@click.option("--repeats", type=int, default=200, show_default=True, help="Calls per pass for the smallest shape.")
+@click.option("--json", "json_path", type=click.Path(path_type=Path), default=None)
+def main(threads: int, repeats: int, json_path: Path | None) -> None:
+    library = native_ops.compile_library(Path(tempfile.mkdtemp()))
+    report = {"machine": cpu_model(), "threads": threads, "rows": ROWS, "isas": {}}
+    isas = [isa_of(library)]
+    if isas[0] != "avx2":
+        isas.append("avx2")
+    for isa in isas:
+        if isa == "avx2":
+            os.environ["LLM_ENGINE_BUILDER_KERNEL_ISA"] = "avx2"  # read when a session creates its kernels
+        report["isas"][isa] = measure(library, threads, repeats)
+    for isa, results in report["isas"].items():
+        click.echo(f"\n{report['machine']}, {threads} threads, {isa} tiles: us per call (x the one-row call)")
+        click.echo(f"{'node':34}" + "".join(f"{f'M={m}':>16}" for m in ROWS))
+        for node, times in results.items():
+            cells = "".join(f"{times[m]:>8.0f} ({times[m] / times[1]:4.1f}x)" for m in ROWS)
+            click.echo(f"{node:34}{cells}")
+    if json_path:
+        json_path.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
