@@ -470,6 +470,7 @@ def _load_weights(options: BuildOptions, checkpoint, shapes: BuildShapes, log: C
         )
         if quant is not None:
             quantization = _kept_blocks(quantization, kept, sources, checkpoint, log)
+            quantization = replace(quantization, embedding_from_head=model.embedding_from_head)
     if options.kv_cache_dtype == "int8":
         calibration = options.kv_calibration
         windows = calibration_windows(_encoder(checkpoint.tokenizer), calibration, shapes.max_seq_len)
@@ -499,7 +500,6 @@ def _kept_blocks(
             sorted(Counter(checkpoint.weight_types[n] for n in requantized if n in checkpoint.weight_types).items())
         ),
         block_offsets=any(spec.minimums for spec in kept.values()),
-        embedding_from_head=checkpoint.config.tie_word_embeddings and "lm_head" in kept,
     )
     origin = "from float"
     if quantization.requantized_from:

@@ -201,7 +201,7 @@ class LlamaForCausalLM(nn.Module):
         head_quant = quant if quantize_lm_head else None
         untied = not config.tie_word_embeddings or head_quant is not None
         self.lm_head = make_linear(config.hidden_size, config.vocab_size, False, dtype, head_quant) if untied else None
-        # a tied head that holds the checkpoint's own blocks (GGUF) is also the embedding table (weights.load_model)
+        # a tied quantized head is also the embedding table (weights.load_model)
         self.embedding_from_head = False
         cos, sin = rotary_tables(config, max_positions or config.max_position_embeddings, dtype)
         self.register_buffer("rope_cos", cos, persistent=False)

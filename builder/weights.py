@@ -121,8 +121,8 @@ def load_model(
             model.set_submodule(
                 name, QuantizedLinear(old.in_features, old.out_features, old.bias is not None, dtype, spec)
             )
-    if config.tie_word_embeddings and "lm_head" in kept:
-        # the head's blocks are the file's embedding table itself: the embedding reads them, no float copy is made
+    if config.tie_word_embeddings and isinstance(model.lm_head, QuantizedLinear):
+        # a tied quantized head is the embedding table too (the file's own blocks, or RTN's): no float copy is made
         model.embedding_from_head = True
         model.model.embed_tokens = None
     quantized = {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
@@ -138,9 +138,12 @@ def load_model(
     filled: dict[str, int] = {}  # weight -> rows (or whole tensors) loaded
     for name, tensor in tensors:
         blocks = tensor if isinstance(tensor, BlockQuantized) else None
-        if model.embedding_from_head and name == "model.embed_tokens.weight" and blocks is not None:
-            quantized["lm_head"].load_quantized_rows(0, *blocks.to_matmul_nbits())
-            filled[name] = filled["lm_head.weight"] = blocks.shape[0]
+        if model.embedding_from_head and name == "model.embed_tokens.weight":
+            if blocks is not None and "lm_head" in kept:
+                quantized["lm_head"].load_quantized_rows(0, *blocks.to_matmul_nbits())
+            else:
+                quantized["lm_head"].load_rows(0, tensor if blocks is None else blocks.dequantize())
+            filled[name] = filled["lm_head.weight"] = tensor.shape[0]
             continue
         if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and config.tie_word_embeddings):
             continue

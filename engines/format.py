@@ -153,7 +153,7 @@ class QuantizationSpec:
     linears_requantized: int = 0
     requantized_from: dict[str, int] = field(default_factory=dict)  # GGUF type -> weights quantized again from float
     block_offsets: bool = False  # Q4_1-style per-block minimums (the blocks are scale * q + minimum)
-    embedding_from_head: bool = False  # the tied LM head's blocks are the embedding table (no float copy)
+    embedding_from_head: bool = False  # the tied quantized LM head's blocks are the embedding table (no float copy)
     kv_cache: KVCacheQuantization | None = None
 
     def facts(self) -> dict[str, Any]:

@@ -94,7 +94,11 @@ def dequantize_blockwise(
     where there are minimums."""
     out_features, n_blocks, _ = qweight.shape
     if bits == 4:
-        q = torch.stack((qweight & 0x0F, qweight >> 4), dim=-1).reshape(out_features, n_blocks, -1)
+        # nibbles by integer arithmetic on int32: traced into a graph (the embedding read from a head's blocks) a
+        # shift of uint8 comes out as a mix of uint8 and int8 that onnxruntime refuses
+        wide = qweight.to(torch.int32)
+        high = torch.div(wide, 16, rounding_mode="floor")
+        q = torch.stack((wide - 16 * high, high), dim=-1).reshape(out_features, n_blocks, -1)
     else:
         q = qweight
     if minimums is None:
@@ -196,7 +200,8 @@ class QuantizedLinear(nn.Module):
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` [...] of the weight, dequantized to fp32 [..., in_features]: a tied LM head's blocks read as
-        the embedding table, as llama.cpp reads a GGUF's token_embd, so no float copy of the table exists."""
+        the embedding table, as llama.cpp reads a GGUF's quantized token_embd and onnxruntime-genai its int4 head, so
+        no float copy of the table exists."""
         n_blocks = self.qweight.shape[1]
         flat = ids.reshape(-1)
         minimums = None if self.minimums is None else self.minimums.index_select(0, flat)
