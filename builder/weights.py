@@ -133,7 +133,6 @@ def load_model(
     if model.embedding_from_head:
         expected["model.embed_tokens.weight"] = (config.vocab_size, config.hidden_size)  # read into the head only
     expected.update({f"{n}.weight": (m.out_features, m.in_features) for n, m in quantized.items()})
-    copy_embedding_to_head = config.tie_word_embeddings and "lm_head" in quantized
     rows = fused_rows(config)
     filled: dict[str, int] = {}  # weight -> rows (or whole tensors) loaded
     for name, tensor in tensors:
@@ -176,12 +175,6 @@ def load_model(
                 param = model.get_parameter(target)
             param.data[start:stop] = tensor.to(dtype)
         filled[target] = filled.get(target, 0) + (tensor.shape[0] if len(tensor.shape) else 1)
-        if copy_embedding_to_head and name == "model.embed_tokens.weight":
-            if blocks is not None and "lm_head" in kept:
-                quantized["lm_head"].load_quantized_rows(0, *blocks.to_matmul_nbits())
-            else:
-                quantized["lm_head"].load_rows(0, tensor)
-            filled["lm_head.weight"] = tensor.shape[0]
     missing = sorted(n for n, shape in expected.items() if filled.get(n, 0) != (shape[0] if len(shape) else 1))
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
