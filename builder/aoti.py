@@ -75,7 +75,12 @@ def export_aoti_step_graph(model: LlamaForCausalLM, out_dir: Path, max_seq_len: 
     with torch.no_grad(), warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
         logging.getLogger("torch._inductor").setLevel(logging.ERROR)
-        program = torch.export.export(StepGraph(model), args, dynamic_shapes=shapes)
+        # Guards the shape solver cannot prove over the whole range (torch 2.11 cannot show that a stride of the
+        # attention output, min(head_dim, group * steps * head_dim), is head_dim for steps >= 1) become runtime
+        # asserts in the graph instead of failing the export.
+        program = torch.export.export(
+            StepGraph(model), args, dynamic_shapes=shapes, prefer_deferred_runtime_asserts_over_guards=True
+        )
         torch._inductor.aoti_compile_and_package(
             program, package_path=str(out_dir / PACKAGE_FILE), inductor_configs=_inductor_configs(device, quantized)
         )

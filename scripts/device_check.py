@@ -48,6 +48,8 @@ ONE_B = dict(
 )
 PEAK_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}  # bytes/s, SXM parts
 PROMPT, NEW_TOKENS = 1000, 128
+# The check ends by itself before the device call's limit: a stage that would start past this is recorded as skipped.
+DEADLINE = time.monotonic() + float(os.environ.get("DEVICE_CHECK_SECONDS", "470"))
 
 
 def synchronize() -> None:
@@ -55,7 +57,16 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def stage(results: dict, name: str, run) -> None:
+def seconds_left() -> float:
+    return DEADLINE - time.monotonic()
+
+
+def stage(results: dict, name: str, run, needs: float = 0.0) -> None:
+    """Runs one stage unless fewer than `needs` seconds are left before the deadline."""
+    if seconds_left() < needs:
+        results[name] = {"skipped": f"{seconds_left():.0f} s left, the stage needs about {needs:.0f}"}
+        print(f"== {name}: skipped", flush=True)
+        return
     start = time.perf_counter()
     try:
         results[name] = run()
@@ -68,8 +79,20 @@ def stage(results: dict, name: str, run) -> None:
 
 
 def kernel_tests() -> dict:
+    import importlib.util
+
+    workers = ["-n", "8"] if importlib.util.find_spec("xdist") else []  # the kernels' compiles are CPU work
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/plugins/test_blockwise_matmul.py"],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            *workers,
+            "tests/plugins/test_blockwise_matmul.py",
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -83,9 +106,10 @@ def kernel_speed() -> dict:
     prompt chunk."""
     import triton.testing
 
-    from plugins.blockwise_matmul import run_kernel, tile_index
+    from plugins.blockwise_matmul import Tile, _launch, run_kernel, tile_index
 
     results = {}
+    decode_tiles = [Tile(16, columns, warps) for columns in (16, 32, 64, 128) for warps in (2, 4)]
     c = ONE_B
     kv = c["num_key_value_heads"] * c["hidden_size"] // c["num_attention_heads"]
     shapes = {"qkv": (c["hidden_size"] + 2 * kv, c["hidden_size"]), "o": (c["hidden_size"], c["hidden_size"])}
@@ -107,6 +131,13 @@ def kernel_speed() -> dict:
                 "bf16_us": round(bf16_ms * 1e3, 1),
                 "int4_weight_gb_s": round((n * k / 2 + n * k / 32 * 4) / int4_ms / 1e6, 1),
             }
+            if rows <= 8:  # other decode tiles, to choose the shipped one from
+                results[f"{name}_m{rows}_tiles_us"] = {
+                    f"{t.block_m}x{t.block_n}w{t.num_warps}": round(
+                        triton.testing.do_bench(partial(_launch, x, qweight, scales, None, k, n, 4, 32, t)) * 1e3, 1
+                    )
+                    for t in decode_tiles
+                }
     return results
 
 
@@ -216,8 +247,36 @@ def time_engine(engine: Path, weight_bytes: int, prompt_len: int = PROMPT, new_t
     return results
 
 
-def one_b(work: Path, results: dict) -> None:
-    checkpoint = one_b_checkpoint(work)
+def start_build(checkpoint: Path, out: Path, device: str = "cuda", **flags) -> tuple[subprocess.Popen, Path, float]:
+    """`builder build --backend aoti --device cuda` in a process of its own, so that the 1B engines compile (CPU
+    work) while the other stages run; returns the process, its log and its start time."""
+    args = [sys.executable, "-m", "training.cli", "build", str(checkpoint), "--out", str(out), "--overwrite"]
+    args += ["--backend", "aoti", "--device", device]
+    for name, value in flags.items():
+        args += [f"--{name.replace('_', '-')}", str(value)]
+    log = out.with_suffix(".log")
+    with log.open("w") as stream:
+        process = subprocess.Popen(args, cwd=ROOT, stdout=stream, stderr=subprocess.STDOUT)
+    return process, log, time.perf_counter()
+
+
+def finish_build(build: tuple[subprocess.Popen, Path, float], out: Path) -> tuple[Path, float]:
+    """Waits for a build from `start_build` (no longer than the deadline allows): the engine and its build time."""
+    process, log, started = build
+    try:
+        process.wait(timeout=max(seconds_left(), 1))
+    except subprocess.TimeoutExpired:
+        process.kill()
+        tail = log.read_text()[-1500:]
+        raise RuntimeError(f"the build was still running at the deadline; its log ends:\n{tail}") from None
+    if process.returncode != 0:
+        raise RuntimeError(f"the build failed ({process.returncode}); its log ends:\n{log.read_text()[-3000:]}")
+    return out, round(time.perf_counter() - started, 1)
+
+
+def one_b_weight_bytes() -> dict[str, int]:
+    """Bytes one decode step streams from the linears and LM head: bf16, and int4 (half a byte per weight plus an
+    fp32 scale per 32)."""
     c = ONE_B
     head_dim = c["hidden_size"] // c["num_attention_heads"]
     linear = (
@@ -229,26 +288,52 @@ def one_b(work: Path, results: dict) -> None:
         )
         + c["vocab_size"] * c["hidden_size"]
     )
-    shapes = dict(max_seq_len=PROMPT + NEW_TOKENS + 64, max_batch=8, prefill_chunk=1024)
-    stage(
-        results, "1b_bf16", lambda: time_engine(build(checkpoint, work / "1b-bf16", dtype="bf16", **shapes), 2 * linear)
-    )
-    # int4: half a byte per weight plus one fp32 scale per 32
-    int4_bytes = linear // 2 + linear // 32 * 4
-    stage(
-        results,
-        "1b_int4",
-        lambda: time_engine(build(checkpoint, work / "1b-int4", dtype="bf16", quant="int4", **shapes), int4_bytes),
-    )
+    return {"bf16": 2 * linear, "int4": linear // 2 + linear // 32 * 4}
+
+
+ONE_B_ENGINES = {"bf16": dict(dtype="bf16"), "int4": dict(dtype="bf16", quant="int4")}
+ONE_B_SHAPES = dict(max_seq_len=PROMPT + NEW_TOKENS + 64, max_batch=8, prefill_chunk=1024)
+
+
+def start_one_b(work: Path, started: dict) -> dict:
+    """Writes the 1B checkpoint and starts both its builds, into `started` for `time_one_b`."""
+    checkpoint = one_b_checkpoint(work)
+    builds = {
+        name: start_build(checkpoint, work / f"1b-{name}", **flags, **ONE_B_SHAPES)
+        for name, flags in ONE_B_ENGINES.items()
+    }
+    started.update(checkpoint=checkpoint, builds=builds)
+    return {"building": sorted(builds)}
+
+
+def time_one_b(work: Path, started: dict, results: dict) -> None:
+    """Once both 1B builds are done (nothing else compiling, so the timings are clean): each engine's prefill and
+    decode, then the gpt-fast-style loop on the same weights."""
+    engines = {}
+    for name in ONE_B_ENGINES:
+        try:
+            engines[name] = finish_build(started["builds"][name], work / f"1b-{name}")
+        except Exception as error:
+            engines[name] = error
+    weight_bytes = one_b_weight_bytes()
+    for name, engine in engines.items():
+
+        def timed(engine=engine, name=name):
+            if isinstance(engine, Exception):
+                raise engine
+            path, build_seconds = engine
+            return {"build_s": build_seconds, **time_engine(path, weight_bytes[name])}
+
+        stage(results, f"1b_{name}", timed, needs=30)
     from benchmarks.gpt_fast_baseline import time_decode
 
     prompt = np.random.default_rng(0).integers(3, 300, PROMPT).tolist()
 
     def gpt_fast_style():
-        runs = {f"b{b}": time_decode(checkpoint, prompt, b, NEW_TOKENS) for b in (1, 8)}
+        runs = {f"b{b}": time_decode(started["checkpoint"], prompt, b, NEW_TOKENS) for b in (1, 8)}
         return {name: {k: v for k, v in run.items() if k != "tokens"} for name, run in runs.items()}
 
-    stage(results, "1b_gpt_fast_style", gpt_fast_style)
+    stage(results, "1b_gpt_fast_style", gpt_fast_style, needs=60)
 
 
 def table(results: dict) -> str:
@@ -270,20 +355,26 @@ def main() -> None:
         "machine": {
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
             "torch": torch.__version__,
-            "commit": subprocess.run(
-                ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
-            ).stdout.strip(),
+            # the device machine gets a copy of the working tree without its history: the caller names the commit
+            "commit": os.environ.get("DEVICE_CHECK_COMMIT")
+            or subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),
         }
     }
     with tempfile.TemporaryDirectory() as scratch:
         work = Path(scratch)
-        if "kernel" in stages:
-            stage(results, "kernel_tests", kernel_tests)
-            stage(results, "kernel_speed", kernel_speed)
-        if "tiny" in stages:
-            stage(results, "tiny_parity", lambda: tiny_parity(work))
+        # The order saves device time: the 1B engines compile in the background while the tiny engines and the
+        # kernel's tests run; every timing comes after all compiling is done.
+        started = {}
         if "1b" in stages:
-            one_b(work, results)
+            stage(results, "1b_checkpoint_and_builds_started", lambda: start_one_b(work, started))
+        if "tiny" in stages:
+            stage(results, "tiny_parity", lambda: tiny_parity(work), needs=30)
+        if "kernel" in stages:
+            stage(results, "kernel_tests", kernel_tests, needs=30)
+        if started:
+            time_one_b(work, started, results)
+        if "kernel" in stages:
+            stage(results, "kernel_speed", kernel_speed, needs=20)
     (OUT / "device_check.json").write_text(json.dumps(results, indent=2))
     (OUT / "device_check.md").write_text(table(results))
     print(table(results))

@@ -37,3 +37,20 @@ def test_stage_records_an_error_and_the_check_goes_on(device_check):
     device_check.stage(results, "broken", lambda: 1 / 0)
     device_check.stage(results, "fine", lambda: {"ok": True})
     assert "ZeroDivisionError" in results["broken"]["error"] and results["fine"]["ok"] is True
+
+
+def test_a_stage_past_the_deadline_is_recorded_as_skipped(device_check, monkeypatch):
+    monkeypatch.setattr(device_check, "DEADLINE", device_check.time.monotonic() + 5)
+    results = {}
+    device_check.stage(results, "long", lambda: {"ran": True}, needs=60)
+    assert "skipped" in results["long"] and "ran" not in results["long"]
+
+
+def test_background_build_gives_the_engine_or_its_log(device_check, checkpoint_factory, tmp_path):
+    engine, seconds = device_check.finish_build(
+        device_check.start_build(checkpoint_factory("gqa"), tmp_path / "e", "cpu", max_seq_len=64), tmp_path / "e"
+    )
+    assert (engine / "manifest.json").is_file() and seconds > 0
+    broken = device_check.start_build(tmp_path / "missing", tmp_path / "f", "cpu")
+    with pytest.raises(RuntimeError, match="the build failed"):
+        device_check.finish_build(broken, tmp_path / "f")
