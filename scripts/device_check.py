@@ -81,7 +81,7 @@ def stage(results: dict, name: str, run, needs: float = 0.0) -> None:
 def kernel_tests() -> dict:
     import importlib.util
 
-    workers = ["-n", "8"] if importlib.util.find_spec("xdist") else []  # the kernels' compiles are CPU work
+    workers = ["-n", "4"] if importlib.util.find_spec("xdist") else []  # the kernels' compiles are CPU work
     run = subprocess.run(
         [
             sys.executable,
@@ -148,16 +148,19 @@ def build(source: Path, out: Path, device: str = "cuda", **options) -> Path:
     return out
 
 
-def tiny_parity(work: Path, device: str = "cuda") -> dict:
+def tiny_parity(work: Path, device: str = "cuda", quants: tuple[str, ...] = ("none", "int4")) -> dict:
     from runner import LLM, SamplingParams
     from tests.reference import load_reference, reference_greedy
     from tests.tiny_checkpoint import make_checkpoint
 
-    checkpoint = make_checkpoint(work / "tiny")
+    checkpoint = work / "tiny" if (work / "tiny").is_dir() else make_checkpoint(work / "tiny")
     reference = load_reference(checkpoint)
     results = {}
-    for quant in ("none", "int4"):
-        llm = LLM(build(checkpoint, work / f"tiny-{quant}", device, quant=quant, max_seq_len=256, max_batch=4))
+    for quant in quants:
+        engine = work / f"tiny-{quant}"
+        if not (engine / "manifest.json").is_file():  # a second try (without CUDA graphs) runs the same engine
+            build(checkpoint, engine, device, quant=quant, max_seq_len=256, max_batch=4)
+        llm = LLM(engine)
         prompt = llm.tokenizer.encode("The quick brown fox jumps over the lazy dog.")
         params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
         ours = llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0].token_ids
@@ -306,9 +309,9 @@ def start_one_b(work: Path, started: dict) -> dict:
     return {"building": sorted(builds)}
 
 
-def time_one_b(work: Path, started: dict, results: dict) -> None:
+def time_one_b(work: Path, started: dict, results: dict, eager: bool = False) -> None:
     """Once both 1B builds are done (nothing else compiling, so the timings are clean): each engine's prefill and
-    decode, then the gpt-fast-style loop on the same weights."""
+    decode (`eager`: without CUDA graphs), then the gpt-fast-style loop on the same weights."""
     engines = {}
     for name in ONE_B_ENGINES:
         try:
@@ -322,18 +325,48 @@ def time_one_b(work: Path, started: dict, results: dict) -> None:
             if isinstance(engine, Exception):
                 raise engine
             path, build_seconds = engine
-            return {"build_s": build_seconds, **time_engine(path, weight_bytes[name])}
+            timing = isolated("time", str(path), str(weight_bytes[name]), eager=eager)
+            return {"build_s": build_seconds, "eager": eager, **timing}
 
         stage(results, f"1b_{name}", timed, needs=30)
-    from benchmarks.gpt_fast_baseline import time_decode
+    stage(results, "1b_gpt_fast_style", lambda: isolated("gpt_fast", str(started["checkpoint"])), needs=60)
 
-    prompt = np.random.default_rng(0).integers(3, 300, PROMPT).tolist()
 
-    def gpt_fast_style():
-        runs = {f"b{b}": time_decode(started["checkpoint"], prompt, b, NEW_TOKENS) for b in (1, 8)}
-        return {name: {k: v for k, v in run.items() if k != "tokens"} for name, run in runs.items()}
+def isolated(name: str, *args: str, eager: bool = False) -> dict:
+    """A stage in a process of its own (`python scripts/device_check.py --one NAME ARGS...`), so that a crash in
+    compiled code (a segfault) is a result with its Python traceback (faulthandler), not the end of the check.
+    `eager`: without CUDA graphs."""
+    result = Path(tempfile.mkdtemp()) / "result.json"
+    command = [sys.executable, "-X", "faulthandler", str(Path(__file__).resolve()), "--one", name, str(result), *args]
+    env = os.environ | ({"DEVICE_CHECK_EAGER": "1"} if eager else {})
+    try:
+        run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env, timeout=max(seconds_left(), 1))
+    except subprocess.TimeoutExpired:
+        return {"error": "still running at the deadline"}
+    if run.returncode != 0 or not result.is_file():
+        return {"error": f"exit {run.returncode}", "log_tail": (run.stdout + run.stderr)[-4000:]}
+    return json.loads(result.read_text())
 
-    stage(results, "1b_gpt_fast_style", gpt_fast_style, needs=60)
+
+def run_one(name: str, result: Path, args: list[str]) -> None:
+    """The body of an `isolated` stage."""
+    if os.environ.get("DEVICE_CHECK_EAGER") == "1":  # the runner's AOTInductor backend without CUDA graphs
+        from engines.backends import aoti
+
+        aoti.AOTInductorBackend.__init__.__defaults__ = (None, None, False)
+    if name == "tiny":
+        value = tiny_parity(Path(args[0]), "cuda" if torch.cuda.is_available() else "cpu", tuple(args[1:]))
+    elif name == "time":
+        value = time_engine(Path(args[0]), int(args[1]))
+    elif name == "gpt_fast":
+        from benchmarks.gpt_fast_baseline import time_decode
+
+        prompt = np.random.default_rng(0).integers(3, 300, PROMPT).tolist()
+        runs = {f"b{b}": time_decode(Path(args[0]), prompt, b, NEW_TOKENS) for b in (1, 8)}
+        value = {batch: {k: v for k, v in run.items() if k != "tokens"} for batch, run in runs.items()}
+    else:
+        value = kernel_speed()
+    result.write_text(json.dumps(value))
 
 
 def table(results: dict) -> str:
@@ -347,6 +380,8 @@ STAGES = ("kernel", "tiny", "1b")
 
 def main() -> None:
     """`python scripts/device_check.py [STAGE...]`: all stages, or those named (to split the check over two calls)."""
+    if sys.argv[1:2] == ["--one"]:
+        return run_one(sys.argv[2], Path(sys.argv[3]), sys.argv[4:])
     stages = sys.argv[1:] or list(STAGES)
     if unknown := set(stages) - set(STAGES):
         raise SystemExit(f"unknown stages {sorted(unknown)}; choose from {', '.join(STAGES)}")
@@ -367,14 +402,19 @@ def main() -> None:
         started = {}
         if "1b" in stages:
             stage(results, "1b_checkpoint_and_builds_started", lambda: start_one_b(work, started))
+        eager = False
         if "tiny" in stages:
-            stage(results, "tiny_parity", lambda: tiny_parity(work), needs=30)
+            # fp32 only here: the int4 kernel is checked by its tests and runs in the 1B int4 engine
+            stage(results, "tiny_parity", lambda: isolated("tiny", str(work), "none"), needs=30)
+            if "error" in results["tiny_parity"]:  # with CUDA graphs; then the same without them
+                stage(results, "tiny_parity_eager", lambda: isolated("tiny", str(work), "none", eager=True), needs=30)
+                eager = "error" not in results["tiny_parity_eager"]
         if "kernel" in stages:
             stage(results, "kernel_tests", kernel_tests, needs=30)
         if started:
-            time_one_b(work, started, results)
+            time_one_b(work, started, results, eager)
         if "kernel" in stages:
-            stage(results, "kernel_speed", kernel_speed, needs=20)
+            stage(results, "kernel_speed", lambda: isolated("kernel_speed"), needs=20)
     (OUT / "device_check.json").write_text(json.dumps(results, indent=2))
     (OUT / "device_check.md").write_text(table(results))
     print(table(results))

@@ -54,3 +54,14 @@ def test_background_build_gives_the_engine_or_its_log(device_check, checkpoint_f
     broken = device_check.start_build(tmp_path / "missing", tmp_path / "f", "cpu")
     with pytest.raises(RuntimeError, match="the build failed"):
         device_check.finish_build(broken, tmp_path / "f")
+
+
+def test_an_isolated_stage_that_dies_is_a_result_with_its_traceback(device_check, tmp_path):
+    results = device_check.isolated("time", str(tmp_path / "no-engine"), "1")
+    assert results["error"].startswith("exit") and "Traceback" in results["log_tail"]
+
+
+def test_an_isolated_stage_returns_its_result_with_and_without_cuda_graphs(device_check, tmp_path):
+    first = device_check.isolated("tiny", str(tmp_path), "none")
+    again = device_check.isolated("tiny", str(tmp_path), "none", eager=True)  # the engine built by the first
+    assert first == again == {"fp32_greedy_identical_to_transformers": True}
