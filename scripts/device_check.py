@@ -343,9 +343,75 @@ def isolated(name: str, *args: str, eager: bool = False) -> dict:
         run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env, timeout=max(seconds_left(), 1))
     except subprocess.TimeoutExpired:
         return {"error": "still running at the deadline"}
+    keep_log(name, run.stdout + run.stderr)
     if run.returncode != 0 or not result.is_file():
-        return {"error": f"exit {run.returncode}", "log_tail": (run.stdout + run.stderr)[-4000:]}
+        return {"error": f"exit {run.returncode}", "log_tail": crash_excerpt(run.stdout + run.stderr)}
     return json.loads(result.read_text())
+
+
+def keep_log(name: str, log: str) -> None:
+    """Every isolated process's whole output (up to 30,000 characters each) goes to $OUT/stage_logs.txt."""
+    if OUT.is_dir():
+        with (OUT / "stage_logs.txt").open("a") as stream:
+            stream.write(f"\n===== {name} =====\n{log[-30000:]}\n")
+
+
+def crash_excerpt(log: str, size: int = 3000) -> str:
+    """What says why a process died: its faulthandler traceback (without the long list of extension modules that
+    follows it) and the lines before it, where a C++ exception is printed; else the log's end."""
+    fatal = log.find("Fatal Python error")
+    if fatal < 0:
+        return log[-size:]
+    end = log.find("Extension modules:", fatal)
+    return log[max(0, fatal - size // 2) : fatal] + log[fatal : end if end > 0 else None][: size // 2]
+
+
+# A one-Linear model through export, AOTInductor and the package loader, in a process that imports nothing of this
+# repository: whether the machine's torch and C++ compiler make packages that load at all.
+AOTI_SMOKE = """
+import json, os, sys, tempfile, torch
+device = sys.argv[1]
+model = torch.nn.Linear(8, 4).to(device)
+x = torch.randn(3, 8, device=device)
+program = torch.export.export(model, (x,))
+path = torch._inductor.aoti_compile_and_package(program, package_path=os.path.join(tempfile.mkdtemp(), "m.pt2"))
+print("compiled", flush=True)
+package = torch._inductor.aoti_load_package(path)
+print("loaded", flush=True)
+torch.testing.assert_close(package(x), model(x))
+print(json.dumps({"ok": True}))
+"""
+
+
+def aoti_smoke() -> dict:
+    """The AOTI smoke model on CPU and CUDA with each C++ compiler the machine has (CXX), run side by side."""
+    import shutil
+
+    compilers = [name for name in ("g++", "clang++") if shutil.which(name)]
+    results = {
+        name: subprocess.run([name, "--version"], capture_output=True, text=True).stdout.splitlines()[0]
+        for name in compilers
+    }
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    runs = {
+        f"{device}_{compiler}": subprocess.Popen(
+            [sys.executable, "-X", "faulthandler", "-c", AOTI_SMOKE, device],
+            cwd=tempfile.mkdtemp(),
+            env=env | {"CXX": compiler},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for device in devices
+        for compiler in compilers
+    }
+    for name, process in runs.items():
+        log = process.communicate(timeout=max(seconds_left(), 1))[0]
+        keep_log(f"aoti_smoke_{name}", log)
+        passed = process.returncode == 0 and '"ok": true' in log
+        results[name] = "ok" if passed else {"exit": process.returncode, "log_tail": crash_excerpt(log, 1500)}
+    return results
 
 
 def run_one(name: str, result: Path, args: list[str]) -> None:
@@ -400,6 +466,7 @@ def main() -> None:
         # The order saves device time: the 1B engines compile in the background while the tiny engines and the
         # kernel's tests run; every timing comes after all compiling is done.
         started = {}
+        stage(results, "aoti_smoke", aoti_smoke, needs=30)
         if "1b" in stages:
             stage(results, "1b_checkpoint_and_builds_started", lambda: start_one_b(work, started))
         eager = False

@@ -65,3 +65,14 @@ def test_an_isolated_stage_returns_its_result_with_and_without_cuda_graphs(devic
     first = device_check.isolated("tiny", str(tmp_path), "none")
     again = device_check.isolated("tiny", str(tmp_path), "none", eager=True)  # the engine built by the first
     assert first == again == {"fp32_greedy_identical_to_transformers": True}
+
+
+def test_a_crash_excerpt_keeps_the_traceback_and_the_error_before_it(device_check):
+    log = "noise\n" * 2000 + "Exception in aoti_torch: bad pointer\nFatal Python error: Segmentation fault\n  File x\n"
+    excerpt = device_check.crash_excerpt(log + "Extension modules: " + "m, " * 5000)
+    assert "bad pointer" in excerpt and "File x" in excerpt and "Extension modules" not in excerpt
+
+
+def test_aoti_smoke_compiles_and_loads_a_package_with_this_machines_compiler(device_check):
+    results = device_check.aoti_smoke()
+    assert results["cpu_g++"] == "ok" and results["g++"].startswith("g++")
