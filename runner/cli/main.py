@@ -22,6 +22,7 @@ from runner.core.tokenizer import ChatTemplateError, read_chat_template
 from runner.llm import LLM
 from runner.sampling.params import SamplingParams
 from runner.sampling.structured import StructuredOutputs
+from runner.serving import DEFAULT_MAX_BODY_BYTES
 from runner.serving.tool_parsers import PARSERS
 from runner.tools.info import describe
 
@@ -371,6 +372,13 @@ def open_served_engine(
     help="Browser origins allowed to call the API (CORS), repeated or as "
     "a JSON list (vLLM's form); '*' for any. Default: none (no cross-origin browser calls).",
 )
+@click.option(
+    "--max-body-mb",
+    type=click.FloatRange(min=0.001),
+    default=DEFAULT_MAX_BODY_BYTES / 2**20,
+    show_default=True,
+    help="The largest request body taken, in MiB (413 otherwise, refused before it is read whole).",
+)
 @click.option("--root-path", default="", help="The path prefix a proxy serves the API under.")
 @click.option(
     "--ssl-keyfile", type=click.Path(exists=True, dir_okay=False), default=None, help="Serve HTTPS with this key..."
@@ -394,6 +402,7 @@ def serve(
     shutdown_grace,
     api_key,
     allowed_origins,
+    max_body_mb,
     root_path,
     ssl_keyfile,
     ssl_certfile,
@@ -412,7 +421,7 @@ def serve(
     origins = origin_list(allowed_origins)
     engine_options["num_scheduler_steps"] = engine_options["num_scheduler_steps"] or 1  # streams token by token
     llm_engine, name = open_served_engine(engine, tool_call_parser=tool_call_parser, **engine_options)
-    config = ServerConfig(name, shutdown_grace, api_key, tool_call_parser, origins or [])
+    config = ServerConfig(name, shutdown_grace, api_key, tool_call_parser, origins or [], int(max_body_mb * 2**20))
     app = create_app(AsyncEngine(llm_engine, max_waiting=max_waiting), config)
     scheme = "https" if ssl_certfile else "http"
     click.echo(

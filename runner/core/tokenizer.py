@@ -54,6 +54,13 @@ class TextCodec:
     def vocab_size(self) -> int:
         return self._tokenizer.get_vocab_size()
 
+    @functools.cached_property
+    def longest_token(self) -> int:
+        """The most characters of text one token stands for, read off the vocabulary's own strings (a byte-level
+        token's string has a character per byte, a byte-fallback token's is longer than its one byte): a text of
+        more than `k * longest_token` characters cannot encode to k tokens or fewer."""
+        return max(len(token) for token in self._tokenizer.get_vocab(with_added_tokens=True))
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """`add_special_tokens`: start with the BOS token where the tokenizer adds one (once: not before a BOS the
         text, e.g. a chat template's, already starts with)."""

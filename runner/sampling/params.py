@@ -62,8 +62,8 @@ class SamplingParams:
             problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
             problems.append(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            problems.append(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
+            problems.append(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= max(self.max_tokens, 0):
             problems.append(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):

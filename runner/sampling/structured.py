@@ -33,7 +33,10 @@ class StructuredOutputs:
         given = [self.json is not None, self.json_object, self.regex is not None, self.choice is not None]
         if sum(given) != 1:
             raise ValueError("structured outputs need exactly one of json, json_object, regex or choice")
-        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+        choice = self.choice
+        if choice is not None and (
+            not isinstance(choice, list) or not choice or not all(isinstance(c, str) and c for c in choice)
+        ):
             raise ValueError("structured outputs: choice must be a non-empty list of non-empty strings")
 
 

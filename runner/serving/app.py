@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runner.core.async_engine import AsyncEngine
+from runner.serving import DEFAULT_MAX_BODY_BYTES
 from runner.serving.protocol import APIError, error_response
 from runner.serving.routers import ROUTERS
 from runner.serving.serving_chat import ServingChat
@@ -32,13 +33,15 @@ class ServerConfig:
     """`api_key`: when set, every route but OPEN_PATHS wants `Authorization: Bearer <api_key>` (401 otherwise).
     `tool_call_parser` (a name in runner/serving/tool_parsers.PARSERS): read the calls the model makes by itself,
     which serves tool_choice "auto". `allowed_origins`: the browser origins (CORS) that may call the API ("*": any).
-    `shutdown_grace`: seconds running requests get to finish when the server stops."""
+    `shutdown_grace`: seconds running requests get to finish when the server stops. `max_body_bytes`: the largest
+    request body taken (413 otherwise, before the body is read whole)."""
 
     model_name: str
     shutdown_grace: float = 10.0
     api_key: str | None = None
     tool_call_parser: str | None = None
     allowed_origins: list[str] = field(default_factory=list)
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
@@ -65,23 +68,74 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     _add_error_handlers(app)
     if config.api_key is not None:
         _require_api_key(app, config.api_key)
-    if config.allowed_origins:  # added last, so outermost: a browser's preflight is answered before the key check
+    if config.allowed_origins:  # a browser's preflight is answered before the key check
         app.add_middleware(
             CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["*"], allow_headers=["*"]
         )
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)  # added last, so outermost: before anything reads
     return app
 
 
+class BodyTooLarge(Exception):
+    pass
+
+
+class BodyLimit:
+    """Refuses a request body over `max_bytes` with a 413 before it is read whole: at once where Content-Length says
+    so, else as soon as the body received passes the limit (a chunked upload)."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or ()).get(b"content-length", b"0")
+        if not declared.isdigit() or int(declared) > self.max_bytes:
+            return await self._refuse(scope, receive, send, declared.isdigit())
+        received, exceeded = 0, False
+
+        async def counted_receive():
+            nonlocal received, exceeded
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                exceeded = True
+                raise BodyTooLarge
+            return message
+
+        async def guarded_send(message):
+            if not exceeded:  # once the body overflowed, whatever the app made of it gives way to the 413
+                await send(message)
+
+        with contextlib.suppress(BodyTooLarge):
+            await self.app(scope, counted_receive, guarded_send)
+        if exceeded:
+            await self._refuse(scope, receive, send, True)
+
+    async def _refuse(self, scope, receive, send, length_known: bool) -> None:
+        message = (
+            f"the request body is larger than this server takes ({self.max_bytes} bytes)"
+            if length_known
+            else "the Content-Length header is not a number"
+        )
+        await error_response(413 if length_known else 400, message, "invalid_request_error")(scope, receive, send)
+
+
 def _require_api_key(app: FastAPI, api_key: str) -> None:
-    expected = f"Bearer {api_key}".encode()
+    expected = api_key.encode()
 
     @app.middleware("http")
     async def check_api_key(http: Request, call_next):
-        given = http.headers.get("authorization", "").encode()
-        if http.url.path not in OPEN_PATHS and not hmac.compare_digest(given, expected):
-            return error_response(
+        scheme, _, given = http.headers.get("authorization", "").partition(" ")
+        # the scheme is case-insensitive (RFC 9110); the key is compared in constant time
+        valid = scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), expected)
+        if http.url.path not in OPEN_PATHS and not valid:
+            response = error_response(
                 401, "invalid or missing API key (Authorization: Bearer ...)", "invalid_request_error"
             )
+            response.headers["WWW-Authenticate"] = "Bearer"
+            return response
         return await call_next(http)
 
 
@@ -98,7 +152,8 @@ def _add_error_handlers(app: FastAPI) -> None:
             return error_response(
                 400, f"malformed JSON body: {first.get('ctx', {}).get('error', 'invalid')}", "invalid_request_error"
             )
-        return error_response(400, f"{where}: {first.get('msg', 'invalid')}", "invalid_request_error", where or None)
+        message = f"{where}: {first.get('msg', 'invalid')}" if where else first.get("msg", "invalid")
+        return error_response(400, message, "invalid_request_error", where or None)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:

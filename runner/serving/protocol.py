@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 
 class APIError(Exception):
@@ -54,8 +54,40 @@ UNSUPPORTED_FIELDS = {
 }
 
 
-class SamplingFields(BaseModel):
-    """The sampling fields both endpoints share (OpenAI's names, plus vLLM's extras)."""
+def lone_surrogate_at(value: Any, path: str = "") -> str | None:
+    """Where a string of `value` holds a lone UTF-16 surrogate ("\\ud800", which JSON allows and UTF-8 cannot
+    encode, so no tokenizer can read it), as a dotted path; None if nowhere."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            found = lone_surrogate_at(key, path) or lone_surrogate_at(item, f"{path}.{key}" if path else str(key))
+            if found:
+                return found
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            if found := lone_surrogate_at(item, f"{path}.{index}" if path else str(index)):
+                return found
+    return None
+
+
+class Body(BaseModel):
+    """Every request body: strings must be text that UTF-8 can encode."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_lone_surrogates(cls, data: Any) -> Any:
+        if (where := lone_surrogate_at(data)) is not None:
+            raise ValueError(f"{where} holds a lone UTF-16 surrogate, which is not text")
+        return data
+
+
+class SamplingFields(Body):
+    """The sampling fields both endpoints share (OpenAI's names, plus vLLM's extras). Counts are strict integers:
+    `true` is not 1."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -66,24 +98,24 @@ class SamplingFields(BaseModel):
         return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
     model: str
-    max_tokens: int | None = None
+    max_tokens: StrictInt | None = None
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1
+    top_k: StrictInt = -1
     min_p: float = 0.0
-    n: int = 1
+    n: StrictInt = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    seed: StrictInt | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: StrictInt = 0
     logit_bias: dict[int, float] | None = None
-    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob, rank and the top ones (not streamed)
+    prompt_logprobs: StrictInt | None = None  # vLLM's: each prompt token's logprob, rank and top ones (not streamed)
     response_format: dict[str, Any] | None = None  # OpenAI's: text, json_object or json_schema
     guided_json: dict[str, Any] | str | None = None  # vLLM's structured outputs, older and newer names
     guided_regex: str | None = None
@@ -94,7 +126,7 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    truncate_prompt_tokens: int | None = None
+    truncate_prompt_tokens: StrictInt | None = None
     add_special_tokens: bool | None = None  # None: the endpoint's default (completions add BOS, chat does not)
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
     request_id: str | None = None  # the response's id (after its "cmpl-" / "chatcmpl-")
@@ -104,7 +136,7 @@ class SamplingFields(BaseModel):
 
 class CompletionBody(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
+    logprobs: StrictInt | None = None
     echo: bool = False
 
 
@@ -114,7 +146,7 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
 
-class TokenizeBody(BaseModel):
+class TokenizeBody(Body):
     """vLLM's /tokenize: a prompt, or chat messages to which the chat template is applied first."""
 
     model: str
@@ -126,16 +158,16 @@ class TokenizeBody(BaseModel):
     add_special_tokens: bool | None = None  # None: as the completions (prompt) or chat (messages) endpoint would
 
 
-class DetokenizeBody(BaseModel):
+class DetokenizeBody(Body):
     model: str
     tokens: list[int]
 
 
 class ChatBody(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: StrictInt | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: StrictInt | None = None
     tools: list[dict[str, Any]] | None = None  # called when tool_choice forces them (runner/serving/tool_calls.py)
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
@@ -152,7 +184,7 @@ class ResponsesBody(SamplingFields):
 
     input: str | list[dict[str, Any]]
     instructions: str | None = None
-    max_output_tokens: int | None = None
+    max_output_tokens: StrictInt | None = None
     text: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -161,7 +193,7 @@ class ResponsesBody(SamplingFields):
     store: bool = True
     metadata: dict[str, str] | None = None
     include: list[str] | None = None
-    top_logprobs: int | None = None
+    top_logprobs: StrictInt | None = None
     truncation: Literal["disabled"] = "disabled"  # "auto" (drop the oldest turns to fit) is not implemented
 
 

@@ -97,14 +97,18 @@ def structured_outputs(body: SamplingFields) -> StructuredOutputs | None:
         raise APIError(
             400, f"response_format type {kind!r} is not one of text, json_object, json_schema", param="response_format"
         )
-    for value, make in (
-        (body.guided_json, lambda v: StructuredOutputs(json=v)),
-        (body.guided_regex, lambda v: StructuredOutputs(regex=v)),
-        (body.guided_choice, lambda v: StructuredOutputs(choice=v)),
-        (body.structured_outputs, _vllm_structured_outputs),
+    for name, make in (
+        ("guided_json", lambda v: StructuredOutputs(json=v)),
+        ("guided_regex", lambda v: StructuredOutputs(regex=v)),
+        ("guided_choice", lambda v: StructuredOutputs(choice=v)),
+        ("structured_outputs", _vllm_structured_outputs),
     ):
+        value = getattr(body, name)
         if value is not None:
-            asked.append(make(value))
+            try:
+                asked.append(make(value))
+            except (ValueError, TypeError) as err:  # StructuredOutputs' own checks (an empty choice, say)
+                raise APIError(400, f"{name}: {err}", param=name) from None
     if len(asked) > 1:
         raise APIError(
             400,

@@ -4,6 +4,7 @@ client that left)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Literal
 
@@ -68,7 +69,7 @@ def _tokenization(http: Request) -> ServingTokenization:
 
 @tokenization.post("/tokenize")
 async def tokenize(body: TokenizeBody, http: Request) -> dict:
-    return _tokenization(http).tokenize(body)
+    return await asyncio.to_thread(_tokenization(http).tokenize, body)  # templating and tokenizing: off the loop
 
 
 @tokenization.post("/detokenize")

@@ -9,6 +9,8 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
+from pydantic import BaseModel
+
 from runner.core.async_engine import AsyncEngine
 from runner.core.engine import PromptError
 from runner.core.request import Request as EngineRequest
@@ -26,6 +28,20 @@ from runner.serving.protocol import (
 )
 from runner.serving.request_params import adds_bos, message_text
 from runner.serving.tool_parsers import ToolCallParser
+
+# the output limit's names: chat's newer and older, the Responses API's, completions'
+LIMIT_FIELDS = ("max_completion_tokens", "max_output_tokens", "max_tokens")
+
+
+def text_length(value) -> int:
+    """The characters of every string in a JSON-like value."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(len(str(key)) + text_length(item) for key, item in value.items())
+    if isinstance(value, list):
+        return sum(text_length(item) for item in value)
+    return 0
 
 
 class ServingContext:
@@ -47,6 +63,19 @@ class ServingContext:
             "max_model_len": self.llm.max_seq_len,
         }
 
+    def check_size(self, body: BaseModel) -> None:
+        """Refuses, before any templating or tokenizing, a body holding more text than the context could take in
+        any tokenization (twice the characters the longest tokens would need to fill it), so that a huge prompt
+        costs the server microseconds, not seconds of work that ends in the same refusal."""
+        most = 2 * self.llm.max_seq_len * self.codec.longest_token
+        if (chars := text_length(body.model_dump())) > most:
+            raise APIError(
+                400,
+                f"the request holds {chars} characters of text; this model's context of {self.llm.max_seq_len} "
+                f"tokens takes at most about {most // 2}",
+                param=next((n for n in ("messages", "input", "prompt") if getattr(body, n, None) is not None), None),
+            )
+
     def check_model(self, model: str) -> None:
         if model != self.model_name:
             raise APIError(
@@ -64,12 +93,32 @@ class ServingContext:
         if ids is None and isinstance(prompt, str):
             chat_like = not isinstance(body, CompletionBody)
             ids = self.codec.encode(prompt, add_special_tokens=adds_bos(body.add_special_tokens, chat_like))
+        self._check_context(ids, params, body)
         try:
             return self.llm.new_requests(prompt, ids, params, cache_salt=body.cache_salt)
         except PromptError as err:
             raise APIError(400, str(err), param="prompt") from None
         except GrammarError as err:
             raise APIError(400, str(err), param="response_format") from None
+
+    def _check_context(self, ids: list[int] | None, params: SamplingParams, body: SamplingFields) -> None:
+        """A max_tokens the context cannot hold after the prompt is refused (vLLM's 400), not silently cut."""
+        requested = next(
+            (v for v in (getattr(body, n, None) for n in LIMIT_FIELDS) if v is not None),
+            None,
+        )
+        if requested is None or ids is None or params.truncate_prompt_tokens is not None:
+            return
+        # (a prompt that alone does not fit is the engine's to refuse, saying just that)
+        if len(ids) < self.llm.max_seq_len < len(ids) + requested:
+            field = next(n for n in LIMIT_FIELDS if getattr(body, n, None) is not None)
+            raise APIError(
+                400,
+                f"this model's maximum context length is {self.llm.max_seq_len} tokens; the request asks for "
+                f"{len(ids) + requested} ({len(ids)} in the prompt, {requested} to generate): lower {field} or "
+                "shorten the prompt",
+                param=field,
+            )
 
     def chat_prompt(
         self, body: ChatBody | TokenizeBody, tools: list | None = None, documents: list | None = None

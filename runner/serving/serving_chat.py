@@ -21,6 +21,9 @@ class ServingChat(ServingContext):
     async def create(self, body: ChatBody, disconnected: Disconnected) -> dict | AsyncIterator[str] | None:
         """A response object, an SSE stream, or None when the client left (ServingContext.respond)."""
         self.check_model(body.model)
+        self.check_size(body)
+        if body.top_logprobs and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         limit = next((v for v in (body.max_completion_tokens, body.max_tokens) if v is not None), self.default_limit)
         if limit == 0:

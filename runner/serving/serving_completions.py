@@ -19,6 +19,7 @@ class ServingCompletions(ServingContext):
     async def create(self, body: CompletionBody, disconnected: Disconnected) -> dict | AsyncIterator[str] | None:
         """A response object, an SSE stream, or None when the client left (ServingContext.respond)."""
         self.check_model(body.model)
+        self.check_size(body)
         # echo returns the prompt before the completion, with its tokens' logprobs when logprobs are asked for;
         # max_tokens 0 with echo returns the prompt alone (OpenAI's legacy way to score a text)
         if body.max_tokens == 0 and not body.echo:

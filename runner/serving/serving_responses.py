@@ -84,6 +84,7 @@ class ServingResponses(ServingContext):
 
     async def _start(self, body: ResponsesBody) -> ResponseRun:
         self.check_model(body.model)
+        self.check_size(body)
         refuse_unsupported_responses(body)
         include = body.include or []
         top_logprobs = (body.top_logprobs or 0) if LOGPROBS_INCLUDE in include else None

@@ -11,6 +11,7 @@ from runner.serving.serving_base import ServingContext
 class ServingTokenization(ServingContext):
     def tokenize(self, body: TokenizeBody) -> dict:
         self.check_model(body.model)
+        self.check_size(body)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give either prompt or messages", param="prompt")
         text = body.prompt if body.messages is None else self.chat_prompt(body)

@@ -71,6 +71,15 @@ def forced_tools(
     """The tools a request forces, None when it forces none ("none", no tools, or "auto" where the server parses
     the model's own calls: `auto`); ToolRequestError for what the server cannot do ("auto" without a parser) or
     malformed tools."""
+    named = isinstance(tool_choice, dict)
+    if not named and tool_choice not in (None, "none", "auto", "required"):
+        raise ToolRequestError(
+            f'tool_choice must be "none", "auto", "required" or {{"type": "function", "function": {{"name": ...}}}}, '
+            f"not {tool_choice!r}",
+            "tool_choice",
+        )
+    if not tools and (named or tool_choice == "required"):
+        raise ToolRequestError(f"tool_choice {tool_choice!r} needs tools, and the request has none", "tool_choice")
     if not tools or tool_choice == "none":
         return None
     schemas = {}

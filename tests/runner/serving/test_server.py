@@ -40,6 +40,7 @@ class LiveServer:
         generation_config="auto",
         allowed_origins=None,
         max_model_len=None,
+        max_body_bytes=8 * 2**20,
     ) -> None:
         import uvicorn
 
@@ -58,7 +59,7 @@ class LiveServer:
         )
         self.engine = AsyncEngine(engine, max_waiting=max_waiting)
         self.port = free_port()
-        config = ServerConfig(MODEL, 2.0, api_key, tool_call_parser, allowed_origins or [])
+        config = ServerConfig(MODEL, 2.0, api_key, tool_call_parser, allowed_origins or [], max_body_bytes)
         app = create_app(self.engine, config)
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error")
         self.server = uvicorn.Server(config)

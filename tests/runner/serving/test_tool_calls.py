@@ -37,8 +37,12 @@ def test_named_and_required_schemas_and_their_calls():
 
 
 def test_what_is_not_forced_or_not_possible():
-    assert forced_tools(None, "required") is None and forced_tools(TOOLS, "none") is None
+    assert forced_tools(None, None) is None and forced_tools(None, "none") is None
+    assert forced_tools(TOOLS, "none") is None
     for tools, choice, field in (
+        (None, "required", "tool_choice"),  # a choice that forces a call needs tools to call
+        ([], {"type": "function", "function": {"name": "f"}}, "tool_choice"),
+        (TOOLS, "maybe", "tool_choice"),
         (TOOLS, None, "tool_choice"),
         (TOOLS, "auto", "tool_choice"),
         (TOOLS, {"type": "function", "function": {"name": "other"}}, "tool_choice"),

@@ -1,0 +1,126 @@
+"""The server under bad input: bodies too large for it, text too long for the context, and fields that are wrong
+in ways the schema alone does not catch. Every case gets an OpenAI-style 4xx naming what is wrong, and the server
+keeps serving."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.runner.serving.test_server import MODEL, LiveServer, chat
+
+BODY_LIMIT = 2 * 2**20
+
+
+@pytest.fixture(scope="module")
+def server(engine_factory):
+    live = LiveServer(engine_factory("gqa"), max_body_bytes=BODY_LIMIT)
+    yield live
+    live.stop()
+
+
+def post(server, body: dict | str | bytes, path: str = "/v1/chat/completions", **options) -> httpx.Response:
+    content = json.dumps(body) if isinstance(body, dict) else body
+    return httpx.post(f"{server.url}{path}", content=content, headers={"content-type": "application/json"}, **options)
+
+
+def error_of(response: httpx.Response, status: int = 400) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["code"] == status and error["type"] == "invalid_request_error"
+    return error
+
+
+def user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def test_a_body_over_the_limit_is_refused_before_it_is_read(server):
+    big = {"model": MODEL, "messages": user("x" * (BODY_LIMIT + 10))}
+    assert "larger than this server takes" in error_of(post(server, big), 413)["message"]
+
+    def chunks():  # no Content-Length: the limit is counted as the body arrives
+        text = json.dumps(big).encode()
+        for start in range(0, len(text), 2**16):
+            yield text[start : start + 2**16]
+
+    assert "larger than this server takes" in error_of(post(server, chunks()), 413)["message"]
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert chat(server).choices[0].message.content is not None
+
+
+def test_text_no_tokenization_could_fit_in_the_context_is_refused_before_templating(server):
+    long_text = "word " * 200_000  # 1 MB: under the body limit, far over a 256-token context
+    error = error_of(post(server, {"model": MODEL, "messages": user(long_text)}))
+    assert error["param"] == "messages" and "characters" in error["message"]
+    error = error_of(post(server, {"model": MODEL, "prompt": long_text}, "/v1/completions"))
+    assert error["param"] == "prompt"
+    assert error_of(post(server, {"model": MODEL, "prompt": long_text}, "/tokenize"))["param"] == "prompt"
+    assert error_of(post(server, {"model": MODEL, "input": long_text}, "/v1/responses"))
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800b"}]}'),
+        ("/v1/completions", '{"model": "tiny", "prompt": "a\\ud800b"}'),
+        ("/v1/responses", '{"model": "tiny", "input": "a\\ud800b"}'),
+        ("/tokenize", '{"model": "tiny", "prompt": "a\\ud800b"}'),
+    ],
+)
+def test_a_lone_surrogate_is_not_text(server, path, body):
+    error = error_of(post(server, body, path))
+    assert (
+        "surrogate" in error["message"]
+        and ("content" in error["message"] or "prompt" in error["message"])
+        or ("input" in error["message"])
+    )
+
+
+@pytest.mark.parametrize(
+    "fields, named",
+    [
+        ({"seed": -1}, "seed"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"n": True}, "n"),
+        ({"max_tokens": 10**9}, "max_tokens"),
+        ({"max_completion_tokens": 250}, "max_completion_tokens"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"guided_choice": [""]}, "guided_choice"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+        ({"tool_choice": "maybe", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+    ],
+)
+def test_each_bad_field_gets_a_400_that_names_it(server, fields, named):
+    response = post(server, {"model": MODEL, "messages": user("hello " * 10), **fields})
+    assert named in error_of(response)["message"]
+
+
+def test_an_output_limit_the_context_cannot_hold_is_refused_not_cut(server):
+    error = error_of(post(server, {"model": MODEL, "prompt": "hello", "max_tokens": 10**6}, "/v1/completions"))
+    assert error["param"] == "max_tokens" and "maximum context length is 256 tokens" in error["message"]
+    fits = post(server, {"model": MODEL, "prompt": "hello", "max_tokens": 4}, "/v1/completions")
+    assert fits.status_code == 200
+
+
+def test_the_bearer_scheme_is_case_insensitive_and_a_401_says_which_scheme(engine_factory):
+    live = LiveServer(engine_factory("gqa"), api_key="s3cret")
+    try:
+        url = f"{live.url}/v1/models"
+        assert httpx.get(url, headers={"Authorization": "bearer s3cret"}).status_code == 200
+        refused = httpx.get(url, headers={"Authorization": "Basic s3cret"})
+        assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer"
+        assert httpx.get(url).headers["www-authenticate"] == "Bearer"
+    finally:
+        live.stop()
+
+
+def test_an_invalid_seed_is_refused_through_the_sdk_too(server):
+    with pytest.raises(openai.BadRequestError, match="seed"):
+        chat(server, seed=-5)
