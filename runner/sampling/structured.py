@@ -82,6 +82,11 @@ class GrammarCompiler:
     def constraint(self, spec: StructuredOutputs) -> TokenConstraint:
         """A fresh matcher for one request."""
         compiler = self._compiler
+        if spec.json is not None and not json_schema_satisfiable(spec.json):
+            raise GrammarError(
+                "no finite JSON value satisfies this schema: every way through it requires a value that contains "
+                "itself (a $ref cycle through required properties or non-empty arrays)"
+            )
         try:
             if spec.json is not None or spec.json_object:
                 schema = {"type": "object"} if spec.json_object else spec.json  # OpenAI's JSON mode answers an object
@@ -95,7 +100,74 @@ class GrammarCompiler:
         except Exception as err:  # xgrammar raises RuntimeError / ValueError with the parser's message
             message = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(err).splitlines()[0])  # its log prefix: time, source
             raise GrammarError(f"cannot compile the structured output: {message}") from None
-        return TokenConstraint(self._xgrammar.GrammarMatcher(grammar), self.vocab_size)
+        constraint = TokenConstraint(self._xgrammar.GrammarMatcher(grammar), self.vocab_size)
+        if not constraint.allowed().any():  # (the schema check above cannot see every dead end)
+            raise GrammarError("the structured output allows no output: no token may come first")
+        return constraint
+
+
+def json_schema_satisfiable(schema: dict | str | bool) -> bool:
+    """Whether some finite JSON value can satisfy `schema`, as far as required properties, non-empty arrays,
+    combinators, enums and $refs within the schema go: `{"$ref": "#"}`, or definitions that require each other
+    with no way out, have none. What it cannot tell (another keyword, a reference outside the schema) it takes as
+    satisfiable. A reference back to a schema being checked counts as unsatisfiable along that path, which is
+    the least fixed point: a value must be finite."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError:
+            return True  # xgrammar reports what is wrong with it
+    root, visiting = schema, set()
+
+    def resolve(ref: str):
+        if not ref.startswith("#"):
+            return True
+        node = root
+        for part in (p.replace("~1", "/").replace("~0", "~") for p in ref[1:].split("/") if p):
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                return True
+        return node
+
+    def satisfiable(node) -> bool:
+        if isinstance(node, bool):
+            return node
+        if not isinstance(node, dict) or id(node) in visiting:
+            return not isinstance(node, dict)
+        visiting.add(id(node))
+        try:
+            if "$ref" in node and not satisfiable(resolve(str(node["$ref"]))):
+                return False
+            if "enum" in node and not node["enum"]:
+                return False
+            if "anyOf" in node or "oneOf" in node:
+                if not any(satisfiable(option) for option in node.get("anyOf", []) + node.get("oneOf", [])):
+                    return False
+            if not all(satisfiable(part) for part in node.get("allOf", [])):
+                return False
+            kinds = node.get("type")
+            kinds = kinds if isinstance(kinds, list) else [kinds]
+            return any(_kind_satisfiable(node, kind, satisfiable) for kind in kinds)
+        finally:
+            visiting.discard(id(node))
+
+    return satisfiable(schema)
+
+
+def _kind_satisfiable(node: dict, kind, satisfiable) -> bool:
+    """One `type` of a schema node (None: whatever the node's keywords make it)."""
+    if kind in ("object", None):
+        properties = node.get("properties") or {}
+        if not all(satisfiable(properties[name]) for name in node.get("required", []) if name in properties):
+            return False
+    if kind in ("array", None) and (node.get("minItems") or 0) > 0:
+        items = node.get("items", True)
+        if isinstance(items, (dict, bool)) and not satisfiable(items):
+            return False
+    return True
 
 
 class TokenConstraint:

@@ -11,7 +11,7 @@ from runner.core.args import EngineArgs
 from runner.core.engine import LLMEngine
 from runner.llm import LLM
 from runner.sampling.params import SamplingParams
-from runner.sampling.structured import GrammarError, StructuredOutputs
+from runner.sampling.structured import GrammarError, StructuredOutputs, json_schema_satisfiable
 
 pytest.importorskip("xgrammar", reason="structured outputs need xgrammar (scripts/test.sh installs it)")
 
@@ -117,3 +117,49 @@ def test_bad_specs_are_refused(engine_factory):
         engine.new_requests(
             "hi", None, SamplingParams(structured_outputs=StructuredOutputs(json={"type": "no-such-type"}))
         )
+    for schema in ({"$ref": "#"}, MUTUAL):  # no finite value: refused when compiled, not once generation started
+        with pytest.raises(GrammarError, match="no finite JSON value"):
+            engine.new_requests("hi", None, SamplingParams(structured_outputs=StructuredOutputs(json=schema)))
+    with pytest.raises(ValueError, match="choice must be a non-empty list"):
+        StructuredOutputs(choice="abc")
+
+
+# definitions that require each other: A needs a B, which needs an A
+MUTUAL = {
+    "$ref": "#/$defs/A",
+    "$defs": {
+        "A": {"type": "object", "properties": {"b": {"$ref": "#/$defs/B"}}, "required": ["b"]},
+        "B": {"type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}, "required": ["a"]},
+    },
+}
+TREE = {  # recursive, with a way out: an empty list of children
+    "$ref": "#/$defs/T",
+    "$defs": {
+        "T": {
+            "type": "object",
+            "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/T"}}},
+            "required": ["kids"],
+        }
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "schema, satisfiable",
+    [
+        ({"$ref": "#"}, False),
+        (MUTUAL, False),
+        (json.dumps(MUTUAL), False),
+        (TREE, True),
+        ({"type": "object", "properties": {"next": {"$ref": "#"}}}, True),  # optional: it may be left out
+        ({"anyOf": [{"$ref": "#"}, {"type": "null"}]}, True),
+        ({"type": "array", "items": {"$ref": "#"}, "minItems": 1}, False),
+        ({"type": "array", "items": {"$ref": "#"}}, True),
+        ({"type": "string", "enum": []}, False),
+        ({"allOf": [{"type": "string"}, False]}, False),
+        ({"$ref": "https://example.com/schema.json"}, True),  # what it cannot see it takes as satisfiable
+        ({"type": ["null", "object"], "properties": {"a": {"$ref": "#"}}, "required": ["a"]}, True),
+    ],
+)
+def test_json_schema_satisfiability(schema, satisfiable):
+    assert json_schema_satisfiable(schema) is satisfiable
