@@ -5,11 +5,13 @@ client that left)."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from typing import Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
+from fastapi.routing import APIRoute
 
 from runner.serving.protocol import ChatBody, CompletionBody, DetokenizeBody, ResponsesBody, TokenizeBody
 from runner.serving.serving_chat import ServingChat
@@ -24,6 +26,34 @@ def http_answer(answer: dict | AsyncIterator[str] | None) -> dict | Response:
     if isinstance(answer, dict):
         return answer
     return StreamingResponse(answer, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+# A body parsed on the event loop stalls every other request for as long as the parse takes (~10 ms a MiB)
+OFF_LOOP_JSON_BYTES = 64 * 2**10
+
+
+class OffLoopJSONRequest(Request):
+    """A request whose JSON body, when large, is parsed in a worker thread (FastAPI reads bodies through `json`)."""
+
+    async def json(self):
+        if not hasattr(self, "_json"):
+            body = await self.body()
+            self._json = (
+                await asyncio.to_thread(json.loads, body) if len(body) > OFF_LOOP_JSON_BYTES else json.loads(body)
+            )
+        return self._json
+
+
+class OffLoopJSONRoute(APIRoute):
+    """FastAPI's documented way to give routes a custom Request class."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def route_handler(request: Request) -> Response:
+            return await handler(OffLoopJSONRequest(request.scope, request.receive))
+
+        return route_handler
 
 
 service = APIRouter()  # health, metrics, version: probes and scrapers
@@ -60,7 +90,7 @@ async def retrieve_model(name: str, http: Request) -> dict:
     return http.app.state.chat.model_card
 
 
-tokenization = APIRouter()
+tokenization = APIRouter(route_class=OffLoopJSONRoute)
 
 
 def _tokenization(http: Request) -> ServingTokenization:
@@ -77,7 +107,7 @@ async def detokenize(body: DetokenizeBody, http: Request) -> dict:
     return _tokenization(http).detokenize(body)
 
 
-completions = APIRouter()
+completions = APIRouter(route_class=OffLoopJSONRoute)
 
 
 @completions.post("/v1/completions")
@@ -86,7 +116,7 @@ async def create_completion(body: CompletionBody, http: Request):
     return http_answer(await serving.create(body, http.is_disconnected))
 
 
-chat = APIRouter()
+chat = APIRouter(route_class=OffLoopJSONRoute)
 
 
 @chat.post("/v1/chat/completions")
@@ -95,7 +125,7 @@ async def create_chat_completion(body: ChatBody, http: Request):
     return http_answer(await serving.create(body, http.is_disconnected))
 
 
-responses = APIRouter()
+responses = APIRouter(route_class=OffLoopJSONRoute)
 
 
 def _responses(http: Request) -> ServingResponses:
