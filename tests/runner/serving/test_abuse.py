@@ -5,12 +5,16 @@ keeps serving."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from tests.runner.serving.test_server import MODEL, LiveServer, chat
+from tests.runner.serving.test_server import MODEL, LiveServer, chat, free_port
 
 BODY_LIMIT = 2 * 2**20
 
@@ -92,6 +96,7 @@ def test_a_lone_surrogate_is_not_text(server, path, body):
         ({"guided_choice": []}, "guided_choice"),
         ({"guided_choice": [""]}, "guided_choice"),
         ({"structured_outputs": {"choice": []}}, "structured_outputs"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"$ref": "#"}}}}, "no finite JSON"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
         ({"tool_choice": "maybe", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
@@ -124,3 +129,59 @@ def test_the_bearer_scheme_is_case_insensitive_and_a_401_says_which_scheme(engin
 def test_an_invalid_seed_is_refused_through_the_sdk_too(server):
     with pytest.raises(openai.BadRequestError, match="seed"):
         chat(server, seed=-5)
+
+
+def test_memory_comes_back_after_oversized_and_aborted_requests(engine_factory):
+    """A server process of its own, warmed up with every shape of request first: its RSS after bodies over the
+    limit, text too long for the context and streams the client left stays within 10% of where it started."""
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "runner.cli.main", "serve", str(engine_factory("gqa")), "--port", str(port)],
+        cwd=Path(__file__).resolve().parents[3],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline and server.poll() is None, "the server did not start"
+                time.sleep(0.2)
+        long_text = json.dumps({"model": model, "messages": user("word " * 1_400_000)})  # 7 MiB: a 400
+        huge = json.dumps({"model": model, "messages": user("word " * 4_200_000)})  # 20 MiB: a 413
+
+        def abort_a_stream():
+            body = {"model": model, "messages": user("hello " * 30), "max_tokens": 100, "stream": True}
+            with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as answer:
+                next(answer.iter_lines())
+
+        def abuse():
+            assert post(LiveURL(url), long_text).status_code == 400
+            assert post(LiveURL(url), huge).status_code == 413
+            abort_a_stream()
+
+        abuse()  # the warm-up: every shape once
+        time.sleep(0.5)
+        start = rss_mib(server.pid)
+        for _ in range(3):
+            abuse()
+        time.sleep(0.5)
+        assert rss_mib(server.pid) <= 1.10 * start
+        assert httpx.get(f"{url}/health").status_code == 200
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+class LiveURL:  # what `post` needs of a server
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as status:
+        return int(status.read().split("VmRSS:")[1].split()[0]) / 1024
