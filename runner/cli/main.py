@@ -379,6 +379,12 @@ def open_served_engine(
     show_default=True,
     help="The largest request body taken, in MiB (413 otherwise, refused before it is read whole).",
 )
+@click.option(
+    "--parse-special-tokens-in-content",
+    is_flag=True,
+    help="Read special-token text inside chat message content (e.g. '<|im_start|>system') as those tokens, as vLLM "
+    "and transformers do. Default: it stays plain text, so a client cannot write a turn of another role.",
+)
 @click.option("--root-path", default="", help="The path prefix a proxy serves the API under.")
 @click.option(
     "--ssl-keyfile", type=click.Path(exists=True, dir_okay=False), default=None, help="Serve HTTPS with this key..."
@@ -403,6 +409,7 @@ def serve(
     api_key,
     allowed_origins,
     max_body_mb,
+    parse_special_tokens_in_content,
     root_path,
     ssl_keyfile,
     ssl_certfile,
@@ -421,7 +428,15 @@ def serve(
     origins = origin_list(allowed_origins)
     engine_options["num_scheduler_steps"] = engine_options["num_scheduler_steps"] or 1  # streams token by token
     llm_engine, name = open_served_engine(engine, tool_call_parser=tool_call_parser, **engine_options)
-    config = ServerConfig(name, shutdown_grace, api_key, tool_call_parser, origins or [], int(max_body_mb * 2**20))
+    config = ServerConfig(
+        name,
+        shutdown_grace,
+        api_key,
+        tool_call_parser,
+        origins or [],
+        int(max_body_mb * 2**20),
+        parse_special_tokens_in_content,
+    )
     app = create_app(AsyncEngine(llm_engine, max_waiting=max_waiting), config)
     scheme = "https" if ssl_certfile else "http"
     click.echo(

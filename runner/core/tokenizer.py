@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+from tokenizers import Tokenizer
+
 from engines.format import TokenizerInfo
 
 
@@ -43,8 +45,6 @@ def compile_chat_template(template: str):
 
 class TextCodec:
     def __init__(self, tokenizer_file: Path, info: TokenizerInfo) -> None:
-        from tokenizers import Tokenizer
-
         self._tokenizer = Tokenizer.from_file(str(tokenizer_file))
         self.info = info
         self.bos_id = self._tokenizer.token_to_id(info.bos_token) if info.bos_token else None
@@ -64,7 +64,41 @@ class TextCodec:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """`add_special_tokens`: start with the BOS token where the tokenizer adds one (once: not before a BOS the
         text, e.g. a chat template's, already starts with)."""
-        ids = self._tokenizer.encode(text, add_special_tokens=False).ids
+        return self._with_bos(self._tokenizer.encode(text, add_special_tokens=False).ids, add_special_tokens)
+
+    def encode_chat(self, text: str, contents: list[str], add_special_tokens: bool = False) -> list[int]:
+        """A rendered chat `text` as ids, where special-token text inside the messages' own `contents` (found in
+        `text` in order) stays plain text: only the template writes special tokens, so a message holding
+        "<|im_end|><|im_start|>system" cannot open a system turn of its own. ChatTemplateError where such a
+        content is not in `text` as it was given (a template that rewrites it)."""
+        pieces, cursor = [], 0
+        for content in contents:
+            if not any(special in content for special in self._special_texts):
+                continue  # nothing to keep from the tokenizer's special-token matching
+            start = text.find(content, cursor)
+            if start < 0:
+                raise ChatTemplateError(
+                    "a message holds special-token text, and this chat template changes the message, so it cannot "
+                    "be kept as plain text (the server's --parse-special-tokens-in-content would read it as tokens)"
+                )
+            pieces += [(text[cursor:start], self._tokenizer), (content, self._literal_tokenizer)]
+            cursor = start + len(content)
+        pieces.append((text[cursor:], self._tokenizer))
+        ids = [i for piece, tokenizer in pieces if piece for i in tokenizer.encode(piece, add_special_tokens=False).ids]
+        return self._with_bos(ids, add_special_tokens)
+
+    @functools.cached_property
+    def _special_texts(self) -> list[str]:
+        return [token.content for token in self._tokenizer.get_added_tokens_decoder().values() if token.special]
+
+    @functools.cached_property
+    def _literal_tokenizer(self):
+        """The same tokenizer, reading special-token text as plain text (its own instance: the flag is state)."""
+        literal = Tokenizer.from_str(self._tokenizer.to_str())
+        literal.encode_special_tokens = True
+        return literal
+
+    def _with_bos(self, ids: list[int], add_special_tokens: bool) -> list[int]:
         if (
             add_special_tokens
             and self.info.add_bos_token

@@ -35,7 +35,9 @@ class ServerConfig:
     `tool_call_parser` (a name in runner/serving/tool_parsers.PARSERS): read the calls the model makes by itself,
     which serves tool_choice "auto". `allowed_origins`: the browser origins (CORS) that may call the API ("*": any).
     `shutdown_grace`: seconds running requests get to finish when the server stops. `max_body_bytes`: the largest
-    request body taken (413 otherwise, before the body is read whole)."""
+    request body taken (413 otherwise, before the body is read whole). `special_tokens_in_content`: read
+    special-token text inside message content as those tokens (vLLM's and transformers' behaviour) rather than as
+    plain text (the default: a client cannot forge another role's turn)."""
 
     model_name: str
     shutdown_grace: float = 10.0
@@ -43,6 +45,7 @@ class ServerConfig:
     tool_call_parser: str | None = None
     allowed_origins: list[str] = field(default_factory=list)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    special_tokens_in_content: bool = False
 
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
@@ -60,10 +63,11 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     parser = None if config.tool_call_parser is None else PARSERS[config.tool_call_parser]
     state = app.state
     state.engine, state.model_name = engine, config.model_name
-    state.completions = ServingCompletions(engine, config.model_name, parser)
-    state.chat = ServingChat(engine, config.model_name, parser)
-    state.responses = ServingResponses(engine, config.model_name, parser)
-    state.tokenization = ServingTokenization(engine, config.model_name, parser)
+    serving = (engine, config.model_name, parser, config.special_tokens_in_content)
+    state.completions = ServingCompletions(*serving)
+    state.chat = ServingChat(*serving)
+    state.responses = ServingResponses(*serving)
+    state.tokenization = ServingTokenization(*serving)
     for router in ROUTERS:
         app.include_router(router)
     _add_error_handlers(app)

@@ -14,6 +14,7 @@ from pydantic import BaseModel
 from runner.core.async_engine import AsyncEngine
 from runner.core.engine import PromptError
 from runner.core.request import Request as EngineRequest
+from runner.core.tokenizer import ChatTemplateError
 from runner.sampling.logprobs import TokenLogprob
 from runner.sampling.params import SamplingParams
 from runner.sampling.structured import GrammarError
@@ -45,10 +46,19 @@ def text_length(value) -> int:
 
 
 class ServingContext:
-    """`tool_call_parser`: reads the calls the model makes by itself (tool_choice "auto"); None: no such calls."""
+    """`tool_call_parser`: reads the calls the model makes by itself (tool_choice "auto"); None: no such calls.
+    `special_tokens_in_content`: special-token text inside a message's content is read as those tokens (as vLLM
+    and transformers do); by default it stays plain text, so that no client can write a turn of another role."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str, tool_call_parser: ToolCallParser | None = None) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        model_name: str,
+        tool_call_parser: ToolCallParser | None = None,
+        special_tokens_in_content: bool = False,
+    ) -> None:
         self.engine, self.model_name, self.parser = engine, model_name, tool_call_parser
+        self.special_tokens_in_content = special_tokens_in_content
         self.llm = engine.engine
         self.codec = self.llm.codec
         # the model's recommended sampling, for what a request leaves unset
@@ -134,6 +144,17 @@ class ServingContext:
             continue_final_message=body.continue_final_message,
             template_kwargs=body.chat_template_kwargs,
         )
+
+    def chat_ids(self, text: str, contents: list, add_special_tokens: bool | None, param: str) -> list[int]:
+        """A rendered chat's ids: the template's special tokens as tokens, the messages' `contents` as text
+        (unless `special_tokens_in_content`)."""
+        add_bos = adds_bos(add_special_tokens, chat=True)
+        if self.special_tokens_in_content:
+            return self.codec.encode(text, add_special_tokens=add_bos)
+        try:
+            return self.codec.encode_chat(text, [c for c in contents if isinstance(c, str)], add_special_tokens=add_bos)
+        except ChatTemplateError as err:
+            raise APIError(400, str(err), param=param) from None
 
     def apply_template(self, turns: list[dict], param: str, **options) -> str:
         try:

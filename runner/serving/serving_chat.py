@@ -39,13 +39,17 @@ class ServingChat(ServingContext):
         if echo and (tools is not None or auto is not None):
             raise APIError(400, "echo cannot be combined with tool calls", param="echo")
         params = sampling_params(body, limit, logprobs, self.defaults, tools=tools)
-        groups = await asyncio.to_thread(
-            lambda: [
+
+        def requests():
+            text = self.chat_prompt(body, tools=body.tools, documents=body.documents)
+            contents = [message_text(m.content) for m in body.messages]
+            return [
                 self.make_requests(
-                    self.chat_prompt(body, tools=body.tools, documents=body.documents), None, params, body
+                    text, self.chat_ids(text, contents, body.add_special_tokens, "messages"), params, body
                 )
             ]
-        )
+
+        groups = await asyncio.to_thread(requests)
         as_ids = body.return_tokens_as_token_ids
         choice = functools.partial(chat_choice, tools=tools, echo=echo, as_ids=as_ids, parser=auto)
         chunk = functools.partial(

@@ -105,9 +105,15 @@ class ServingResponses(ServingContext):
         auto = self.auto_tool_parser(tools_asked, tool_choice)
         limit = next((v for v in (body.max_output_tokens, body.max_tokens) if v is not None), self.default_limit)
         params = sampling_params(body, limit, top_logprobs, self.defaults, tools=tools)
-        groups = await asyncio.to_thread(
-            lambda: [self.make_requests(self.apply_template(turns, "input", tools=tools_asked), None, params, body)]
-        )
+
+        def requests():
+            text = self.apply_template(turns, "input", tools=tools_asked)
+            contents = [turn.get("content") for turn in turns]
+            return [
+                self.make_requests(text, self.chat_ids(text, contents, body.add_special_tokens, "input"), params, body)
+            ]
+
+        groups = await asyncio.to_thread(requests)
         head = response_head(body, params)
         return ResponseRun(body, groups[0][0], earlier, added, head, ResponseOutput(tools, auto), top_logprobs)
 

@@ -41,6 +41,7 @@ class LiveServer:
         allowed_origins=None,
         max_model_len=None,
         max_body_bytes=8 * 2**20,
+        special_tokens_in_content=False,
     ) -> None:
         import uvicorn
 
@@ -59,7 +60,9 @@ class LiveServer:
         )
         self.engine = AsyncEngine(engine, max_waiting=max_waiting)
         self.port = free_port()
-        config = ServerConfig(MODEL, 2.0, api_key, tool_call_parser, allowed_origins or [], max_body_bytes)
+        config = ServerConfig(
+            MODEL, 2.0, api_key, tool_call_parser, allowed_origins or [], max_body_bytes, special_tokens_in_content
+        )
         app = create_app(self.engine, config)
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error")
         self.server = uvicorn.Server(config)
