@@ -421,11 +421,12 @@ def serve(
     import uvicorn
 
     from runner.core.async_engine import AsyncEngine
-    from runner.serving.app import ServerConfig, create_app
+    from runner.serving.app import ServerConfig, create_app, limit_malloc_arenas
 
     if (ssl_keyfile is None) != (ssl_certfile is None):
         raise click.UsageError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
     origins = origin_list(allowed_origins)
+    limit_malloc_arenas()
     engine_options["num_scheduler_steps"] = engine_options["num_scheduler_steps"] or 1  # streams token by token
     llm_engine, name = open_served_engine(engine, tool_call_parser=tool_call_parser, **engine_options)
     config = ServerConfig(

@@ -92,6 +92,18 @@ def release_free_heap() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
+M_ARENA_MAX = -8  # glibc's mallopt parameter
+
+
+def limit_malloc_arenas(arenas: int = 2) -> None:
+    """glibc gives each thread that allocates its own heap arena (up to 8 per core), and a free page kept in one
+    arena serves no other: with the worker threads that parse and template bodies, the server's RSS grows with
+    every thread that once handled a large request. A few shared arenas keep it near what is in use. For the
+    server process (`runner serve`); nothing where there is no glibc."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").mallopt(M_ARENA_MAX, arenas)
+
+
 class BodyTooLarge(Exception):
     pass
 
