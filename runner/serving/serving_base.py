@@ -113,15 +113,12 @@ class ServingContext:
 
     def _check_context(self, ids: list[int] | None, params: SamplingParams, body: SamplingFields) -> None:
         """A max_tokens the context cannot hold after the prompt is refused (vLLM's 400), not silently cut."""
-        requested = next(
-            (v for v in (getattr(body, n, None) for n in LIMIT_FIELDS) if v is not None),
-            None,
-        )
-        if requested is None or ids is None or params.truncate_prompt_tokens is not None:
+        field = next((name for name in LIMIT_FIELDS if getattr(body, name, None) is not None), None)
+        if field is None or ids is None or params.truncate_prompt_tokens is not None:
             return
+        requested = getattr(body, field)
         # (a prompt that alone does not fit is the engine's to refuse, saying just that)
         if len(ids) < self.llm.max_seq_len < len(ids) + requested:
-            field = next(n for n in LIMIT_FIELDS if getattr(body, n, None) is not None)
             raise APIError(
                 400,
                 f"this model's maximum context length is {self.llm.max_seq_len} tokens; the request asks for "
@@ -132,12 +129,14 @@ class ServingContext:
 
     def chat_prompt(
         self, body: ChatBody | TokenizeBody, tools: list | None = None, documents: list | None = None
-    ) -> str:
+    ) -> tuple[str, list[int]]:
+        """The body's chat through the template, as text and as ids (`render_chat`)."""
         # a message's other fields (an assistant's tool_calls, a tool result's tool_call_id) go to the template too
         turns = [{**(m.model_extra or {}), "role": m.role, "content": message_text(m.content)} for m in body.messages]
-        return self.apply_template(
+        return self.render_chat(
             turns,
             "messages",
+            body.add_special_tokens,
             add_generation_prompt=body.add_generation_prompt,
             tools=tools,
             documents=documents,
@@ -145,22 +144,23 @@ class ServingContext:
             template_kwargs=body.chat_template_kwargs,
         )
 
-    def chat_ids(self, text: str, contents: list, add_special_tokens: bool | None, param: str) -> list[int]:
-        """A rendered chat's ids: the template's special tokens as tokens, the messages' `contents` as text
-        (unless `special_tokens_in_content`)."""
-        add_bos = adds_bos(add_special_tokens, chat=True)
-        if self.special_tokens_in_content:
-            return self.codec.encode(text, add_special_tokens=add_bos)
+    def render_chat(
+        self, turns: list[dict], param: str, add_special_tokens: bool | None, **options
+    ) -> tuple[str, list[int]]:
+        """`turns` through the chat template, as text and as ids: the template's special tokens as tokens, the
+        turns' own contents as text (unless `special_tokens_in_content`). A 400 naming `param` where either fails."""
         try:
-            return self.codec.encode_chat(text, [c for c in contents if isinstance(c, str)], add_special_tokens=add_bos)
-        except ChatTemplateError as err:
-            raise APIError(400, str(err), param=param) from None
-
-    def apply_template(self, turns: list[dict], param: str, **options) -> str:
-        try:
-            return self.codec.apply_chat_template(turns, **options)
+            text = self.codec.apply_chat_template(turns, **options)
         except Exception as err:  # ChatTemplateError, or anything else a jinja template raises
             raise APIError(400, f"cannot apply the chat template: {err}", param=param) from None
+        add_bos = adds_bos(add_special_tokens, chat=True)
+        if self.special_tokens_in_content:
+            return text, self.codec.encode(text, add_special_tokens=add_bos)
+        contents = [turn["content"] for turn in turns if isinstance(turn.get("content"), str)]
+        try:
+            return text, self.codec.encode_chat(text, contents, add_special_tokens=add_bos)
+        except ChatTemplateError as err:
+            raise APIError(400, str(err), param=param) from None
 
     def auto_tool_parser(self, tools: list | None, tool_choice) -> ToolCallParser | None:
         """The parser that reads the model's own calls where the model decides (tool_choice "auto")."""

@@ -41,13 +41,8 @@ class ServingChat(ServingContext):
         params = sampling_params(body, limit, logprobs, self.defaults, tools=tools)
 
         def requests():
-            text = self.chat_prompt(body, tools=body.tools, documents=body.documents)
-            contents = [message_text(m.content) for m in body.messages]
-            return [
-                self.make_requests(
-                    text, self.chat_ids(text, contents, body.add_special_tokens, "messages"), params, body
-                )
-            ]
+            text, ids = self.chat_prompt(body, tools=body.tools, documents=body.documents)
+            return [self.make_requests(text, ids, params, body)]
 
         groups = await asyncio.to_thread(requests)
         as_ids = body.return_tokens_as_token_ids

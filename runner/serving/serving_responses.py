@@ -107,11 +107,8 @@ class ServingResponses(ServingContext):
         params = sampling_params(body, limit, top_logprobs, self.defaults, tools=tools)
 
         def requests():
-            text = self.apply_template(turns, "input", tools=tools_asked)
-            contents = [turn.get("content") for turn in turns]
-            return [
-                self.make_requests(text, self.chat_ids(text, contents, body.add_special_tokens, "input"), params, body)
-            ]
+            text, ids = self.render_chat(turns, "input", body.add_special_tokens, tools=tools_asked)
+            return [self.make_requests(text, ids, params, body)]
 
         groups = await asyncio.to_thread(requests)
         head = response_head(body, params)

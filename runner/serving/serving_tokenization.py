@@ -4,7 +4,7 @@ before sending, and back."""
 from __future__ import annotations
 
 from runner.serving.protocol import APIError, DetokenizeBody, TokenizeBody
-from runner.serving.request_params import adds_bos, message_text
+from runner.serving.request_params import adds_bos
 from runner.serving.serving_base import ServingContext
 
 
@@ -17,8 +17,7 @@ class ServingTokenization(ServingContext):
         if body.messages is None:
             tokens = self.codec.encode(body.prompt, add_special_tokens=adds_bos(body.add_special_tokens, False))
         else:
-            text, contents = self.chat_prompt(body), [message_text(m.content) for m in body.messages]
-            tokens = self.chat_ids(text, contents, body.add_special_tokens, "messages")
+            tokens = self.chat_prompt(body)[1]
         return {"count": len(tokens), "max_model_len": self.llm.max_seq_len, "tokens": tokens}
 
     def detokenize(self, body: DetokenizeBody) -> dict:
