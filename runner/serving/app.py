@@ -84,12 +84,17 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 RELEASE_AFTER_BYTES = 2**20
 
 
+def _glibc(function: str, *args) -> None:
+    """Calls one of glibc's allocator controls; nothing where there is no glibc."""
+    with contextlib.suppress(OSError, AttributeError):
+        getattr(ctypes.CDLL("libc.so.6"), function)(*args)
+
+
 def release_free_heap() -> None:
     """Returns the heap's free pages to the system (glibc's malloc_trim), which glibc otherwise keeps after a large
     body's strings are freed, so the server's RSS comes back after large requests; nothing where there is no
     glibc."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    _glibc("malloc_trim", 0)
 
 
 M_ARENA_MAX = -8  # glibc's mallopt parameter
@@ -100,8 +105,7 @@ def limit_malloc_arenas(arenas: int = 2) -> None:
     arena serves no other: with the worker threads that parse and template bodies, the server's RSS grows with
     every thread that once handled a large request. A few shared arenas keep it near what is in use. For the
     server process (`runner serve`); nothing where there is no glibc."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").mallopt(M_ARENA_MAX, arenas)
+    _glibc("mallopt", M_ARENA_MAX, arenas)
 
 
 class BodyTooLarge(Exception):
