@@ -252,20 +252,21 @@ def time_engine(engine: Path, weight_bytes: int, prompt_len: int = PROMPT, new_t
 
 def start_build(checkpoint: Path, out: Path, device: str = "cuda", **flags) -> tuple[subprocess.Popen, Path, float]:
     """`builder build --backend aoti --device cuda` in a process of its own, so that the 1B engines compile (CPU
-    work) while the other stages run; returns the process, its log and its start time."""
+    work) while the other stages run; returns the process, the engine's directory (its log beside it, .log) and the
+    start time."""
     args = [sys.executable, "-m", "training.cli", "build", str(checkpoint), "--out", str(out), "--overwrite"]
     args += ["--backend", "aoti", "--device", device]
     for name, value in flags.items():
         args += [f"--{name.replace('_', '-')}", str(value)]
-    log = out.with_suffix(".log")
-    with log.open("w") as stream:
+    with out.with_suffix(".log").open("w") as stream:
         process = subprocess.Popen(args, cwd=ROOT, stdout=stream, stderr=subprocess.STDOUT)
-    return process, log, time.perf_counter()
+    return process, out, time.perf_counter()
 
 
-def finish_build(build: tuple[subprocess.Popen, Path, float], out: Path) -> tuple[Path, float]:
+def finish_build(build: tuple[subprocess.Popen, Path, float]) -> tuple[Path, float]:
     """Waits for a build from `start_build` (no longer than the deadline allows): the engine and its build time."""
-    process, log, started = build
+    process, out, started = build
+    log = out.with_suffix(".log")
     try:
         process.wait(timeout=max(seconds_left(), 1))
     except subprocess.TimeoutExpired:
@@ -309,13 +310,13 @@ def start_one_b(work: Path, started: dict) -> dict:
     return {"building": sorted(builds)}
 
 
-def time_one_b(work: Path, started: dict, results: dict, eager: bool = False) -> None:
+def time_one_b(started: dict, results: dict, eager: bool = False) -> None:
     """Once both 1B builds are done (nothing else compiling, so the timings are clean): each engine's prefill and
     decode (`eager`: without CUDA graphs), then the gpt-fast-style loop on the same weights."""
     engines = {}
     for name in ONE_B_ENGINES:
         try:
-            engines[name] = finish_build(started["builds"][name], work / f"1b-{name}")
+            engines[name] = finish_build(started["builds"][name])
         except Exception as error:
             engines[name] = error
     weight_bytes = one_b_weight_bytes()
@@ -479,7 +480,7 @@ def main() -> None:
         if "kernel" in stages:
             stage(results, "kernel_tests", kernel_tests, needs=30)
         if started:
-            time_one_b(work, started, results, eager)
+            time_one_b(started, results, eager)
         if "kernel" in stages:
             stage(results, "kernel_speed", lambda: isolated("kernel_speed"), needs=20)
     (OUT / "device_check.json").write_text(json.dumps(results, indent=2))

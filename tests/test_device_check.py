@@ -48,12 +48,12 @@ def test_a_stage_past_the_deadline_is_recorded_as_skipped(device_check, monkeypa
 
 def test_background_build_gives_the_engine_or_its_log(device_check, checkpoint_factory, tmp_path):
     engine, seconds = device_check.finish_build(
-        device_check.start_build(checkpoint_factory("gqa"), tmp_path / "e", "cpu", max_seq_len=64), tmp_path / "e"
+        device_check.start_build(checkpoint_factory("gqa"), tmp_path / "e", "cpu", max_seq_len=64)
     )
     assert (engine / "manifest.json").is_file() and seconds > 0
     broken = device_check.start_build(tmp_path / "missing", tmp_path / "f", "cpu")
     with pytest.raises(RuntimeError, match="the build failed"):
-        device_check.finish_build(broken, tmp_path / "f")
+        device_check.finish_build(broken)
 
 
 def test_an_isolated_stage_that_dies_is_a_result_with_its_traceback(device_check, tmp_path):
