@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -368,24 +369,56 @@ def crash_excerpt(log: str, size: int = 3000) -> str:
 
 
 # A one-Linear model through export, AOTInductor and the package loader, in a process that imports nothing of this
-# repository: whether the machine's torch and C++ compiler make packages that load at all.
+# repository: whether the machine's torch and C++ compiler make packages that load at all. Each step prints a line
+# first, so a crash says which step it was; `runner` loads the compiled library with the container runner instead of
+# the package loader (torch._export.aot_load), which tells a loader fault from one in the compiled code.
 AOTI_SMOKE = """
-import json, os, sys, tempfile, torch
-device = sys.argv[1]
+import json, os, sys, tempfile, zipfile, torch
+device, loader = sys.argv[1], sys.argv[2]
 model = torch.nn.Linear(8, 4).to(device)
 x = torch.randn(3, 8, device=device)
 program = torch.export.export(model, (x,))
-path = torch._inductor.aoti_compile_and_package(program, package_path=os.path.join(tempfile.mkdtemp(), "m.pt2"))
-print("compiled", flush=True)
-package = torch._inductor.aoti_load_package(path)
+print("exported", flush=True)
+if loader == "runner":
+    library = torch._inductor.aot_compile(program.module(), (x,))
+    print("compiled", library, flush=True)
+    os.system("ldd " + library)
+    loaded = torch._export.aot_load(library, device)
+else:
+    path = torch._inductor.aoti_compile_and_package(program, package_path=os.path.join(tempfile.mkdtemp(), "m.pt2"))
+    print("compiled", zipfile.ZipFile(path).namelist(), flush=True)
+    loaded = torch._inductor.aoti_load_package(path)
 print("loaded", flush=True)
-torch.testing.assert_close(package(x), model(x))
+torch.testing.assert_close(loaded(x), model(x))
 print(json.dumps({"ok": True}))
 """
 
 
+def machine_facts() -> dict:
+    """What a loader crash may depend on: the C++ ABI and compiler torch was built with, the libstdc++ this process
+    loaded, the OS, TMPDIR."""
+    import platform
+
+    maps = Path("/proc/self/maps").read_text() if Path("/proc/self/maps").exists() else ""
+    libstdcxx = sorted({line.split()[-1] for line in maps.splitlines() if "libstdc++" in line})
+    config = torch.__config__.show().splitlines()
+    os_release = Path("/etc/os-release").read_text() if Path("/etc/os-release").exists() else ""
+    return {
+        "cxx11_abi": torch.compiled_with_cxx11_abi(),
+        "torch_built_with": re.findall(r"CXX_COMPILER=([^,]*)", "\n".join(config))
+        + [line.strip() for line in config if "GCC" in line][:1],
+        "libstdcxx_loaded": libstdcxx,
+        "os": next((line for line in os_release.splitlines() if line.startswith("PRETTY_NAME")), platform.platform()),
+        "python": sys.version.split()[0],
+        "TMPDIR": os.environ.get("TMPDIR"),
+    }
+
+
 def aoti_smoke() -> dict:
-    """The AOTI smoke model on CPU and CUDA with each C++ compiler the machine has (CXX), run side by side."""
+    """The AOTI smoke model through the package loader on CPU and CUDA with each C++ compiler the machine has (CXX),
+    on CPU with a fresh TMPDIR and through the container runner, and once under gdb for a native backtrace, all
+    side by side. `working_env`: the first CUDA variant that loaded (its environment is then used for the rest of
+    the check), or None."""
     import shutil
 
     compilers = [name for name in ("g++", "clang++") if shutil.which(name)]
@@ -393,25 +426,51 @@ def aoti_smoke() -> dict:
         name: subprocess.run([name, "--version"], capture_output=True, text=True).stdout.splitlines()[0]
         for name in compilers
     }
+    results["facts"] = machine_facts()
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    variants = {
+        f"{device}_{compiler}": (device, "package", {"CXX": compiler}) for device in devices for compiler in compilers
+    }
+    for device in devices:
+        variants[f"{device}_fresh_tmpdir"] = (device, "package", {"TMPDIR": tempfile.mkdtemp()})
+        variants[f"{device}_runner"] = (device, "runner", {})
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    runs = {
-        f"{device}_{compiler}": subprocess.Popen(
-            [sys.executable, "-X", "faulthandler", "-c", AOTI_SMOKE, device],
+    smoke = [sys.executable, "-X", "faulthandler", "-c", AOTI_SMOKE]
+    gdb = ["gdb", "-q", "-batch", "-ex", "run", "-ex", "bt 40", "--args"] if shutil.which("gdb") else None
+
+    def start(command, overrides):
+        return subprocess.Popen(
+            command,
             cwd=tempfile.mkdtemp(),
-            env=env | {"CXX": compiler},
+            env=env | overrides,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
-        for device in devices
-        for compiler in compilers
-    }
+
+    runs = {name: start(smoke + [device, loader], overrides) for name, (device, loader, overrides) in variants.items()}
+    if gdb:
+        runs["cpu_under_gdb"] = start(gdb + smoke + ["cpu", "package"], {})
+    working = None
     for name, process in runs.items():
-        log = process.communicate(timeout=max(seconds_left(), 1))[0]
+        try:
+            log = process.communicate(timeout=max(seconds_left() - 60, 1))[0]
+        except subprocess.TimeoutExpired:
+            process.kill()
+            log = process.communicate()[0] + "\n(killed: still running)"
         keep_log(f"aoti_smoke_{name}", log)
         passed = process.returncode == 0 and '"ok": true' in log
+        if name == "cpu_under_gdb":  # the signal and the native backtrace after it
+            signal = log.find("received signal")
+            results[name] = (
+                log[max(signal - 300, 0) : signal + 4000] if signal >= 0 else ("ok" if passed else log[-2000:])
+            )
+            continue
         results[name] = "ok" if passed else {"exit": process.returncode, "log_tail": crash_excerpt(log, 1500)}
+        device, loader, overrides = variants[name]
+        if passed and device == "cuda" and loader == "package" and working is None:
+            working = overrides
+    results["working_env"] = working
     return results
 
 
@@ -468,6 +527,13 @@ def main() -> None:
         # kernel's tests run; every timing comes after all compiling is done.
         started = {}
         stage(results, "aoti_smoke", aoti_smoke, needs=30)
+        loads = results["aoti_smoke"].get("working_env")
+        if loads is not None:
+            os.environ.update(loads)  # the compiler (or TMPDIR) with which a package loaded, for every later stage
+        elif torch.cuda.is_available():
+            # no package loads on this machine: the stages that run one would only crash again
+            stages = [name for name in stages if name == "kernel"]
+            results["aoti_stages"] = {"skipped": "no AOTInductor package loads here (see aoti_smoke)"}
         if "1b" in stages:
             stage(results, "1b_checkpoint_and_builds_started", lambda: start_one_b(work, started))
         eager = False
