@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -84,7 +86,30 @@ def export_aoti_step_graph(model: LlamaForCausalLM, out_dir: Path, max_seq_len: 
         torch._inductor.aoti_compile_and_package(
             program, package_path=str(out_dir / PACKAGE_FILE), inductor_configs=_inductor_configs(device, quantized)
         )
+    check_package_loads(out_dir / PACKAGE_FILE)
     return GraphSpec(PACKAGE_FILE, _specs(input_names(num_layers), args, shapes), _output_specs(model, args))
+
+
+# Loads a package the way the runner does, in a process of its own: a package that crashes its loader fails the
+# build with the reason, instead of the runner later.
+LOAD_CHECK = "import sys, torch; torch._inductor.aoti_load_package(sys.argv[1], run_single_threaded=True)"
+
+
+def check_package_loads(package: Path) -> None:
+    """Refuse a package that does not load. Seen: packages compiled through a compiler wrapper (CXX pointing to a
+    script around g++, as on one CUDA image) crashed the loader with a segmentation fault, while the same compiler
+    called directly made packages that load and run."""
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    run = subprocess.run([sys.executable, "-c", LOAD_CHECK, str(package)], capture_output=True, text=True)
+    if run.returncode == 0:
+        return
+    compiler = get_cpp_compiler()
+    reason = f"signal {-run.returncode}" if run.returncode < 0 else (run.stderr.strip().splitlines() or ["?"])[-1]
+    raise RuntimeError(
+        f"the compiled package does not load ({reason}); it was compiled with {compiler} (CXX). A compiler wrapper "
+        "can make packages that crash when loaded: build again with CXX set to the compiler itself, e.g. CXX=g++"
+    )
 
 
 def _inductor_configs(device: str, quantized: bool) -> dict:

@@ -169,6 +169,7 @@ def tiny_parity(work: Path, device: str = "cuda", quants: tuple[str, ...] = ("no
             results["fp32_greedy_identical_to_transformers"] = ours == reference_greedy(reference, prompt, 32)
         else:
             results["int4_tokens"] = ours[:8]
+        results["cuda_graph_error"] = getattr(llm.engine.executor.backend, "cuda_graph_error", None)
     return results
 
 

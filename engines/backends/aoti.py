@@ -48,7 +48,11 @@ class AOTInductorBackend:
         for key in compiled:
             graph = manifest.graphs[key]
             try:
-                self.packages[key] = torch._inductor.aoti_load_package(str(artifact.path(graph.file)))
+                # single-threaded: the runner calls a package from one thread only, and the container's
+                # thread-synchronisation (an event query per run) is illegal inside a CUDA graph capture
+                self.packages[key] = torch._inductor.aoti_load_package(
+                    str(artifact.path(graph.file)), run_single_threaded=True
+                )
             except Exception as err:  # the loader raises RuntimeError subclasses of its own for damaged packages
                 raise ArtifactError(f"AOTInductor cannot load {graph.file}: {str(err).splitlines()[0]}") from None
             self.specs[key] = graph
