@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from builder import __version__, aoti, tensorrt
-from builder.export import export_draft_graph, export_sampler_graph, export_step_graph
+from builder import __version__, aoti, tensor_parallel, tensorrt
+from builder.export import GRAPH_FILE, export_draft_graph, export_sampler_graph, export_step_graph
 from builder.loaders import load_checkpoint
 from builder.loaders.checkpoint import TokenizerSpec
 from builder.loaders.default import DEFAULT_MODEL_NAME
@@ -27,6 +27,7 @@ from builder.speculation.draft_head import BeamSearchDrafter, load_draft_head
 from builder.weights import auto_quantization, kept_block_specs, linear_sources, load_model
 from engines.format import (
     BACKENDS,
+    COLLECTIVES,
     SCHEMA_VERSION,
     GPTQFacts,
     GraphSpec,
@@ -36,6 +37,7 @@ from engines.format import (
     QuantizationSpec,
     QuantMethod,
     SamplerSpec,
+    ShardSpec,
     SpeculationMethod,
     SpeculationSpec,
     TokenizerInfo,
@@ -117,6 +119,7 @@ class BuildOptions:
     native_quantized_matmul: bool = True
     backend: str = "onnxruntime"  # one of engines.format.BACKENDS
     device: str = "cpu"  # aoti: the device the package is compiled for ("cpu" or "cuda")
+    tensor_parallel: int = 1  # ranks: one step graph per rank, each with its share of the weights
 
     def __post_init__(self) -> None:
         if self.draft_len is None:
@@ -252,12 +255,16 @@ def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> B
     _log_checkpoint(checkpoint, log)
 
     _warn_if_speculation_is_inexact(options, log)
-    progress.step(2, f"loading weights as {_weights_description(options)}")
-    model, quantization = _load_weights(options, checkpoint, shapes, log)
-
     with _staging(out) as staging:
-        graphs, target = _emit_step_graph(options, checkpoint.config, model, shapes, staging, progress, log)
-        del model  # the float weights are in the graph's file now; the side graphs need far less
+        if options.tensor_parallel > 1:
+            graphs, shards, quantization = _emit_rank_graphs(options, checkpoint, shapes, staging, progress, log)
+            target = {}
+        else:
+            progress.step(2, f"loading weights as {_weights_description(options)}")
+            model, quantization = _load_weights(options, checkpoint, shapes, log)
+            graphs, target = _emit_step_graph(options, checkpoint.config, model, shapes, staging, progress, log)
+            shards = []
+            del model  # the float weights are in the graph's file now; the side graphs need far less
         graphs[SAMPLER_GRAPH] = export_sampler_graph(checkpoint.config.vocab_size, options.tree_depth, staging)
         if drafter is not None:
             progress.step(4, f"exporting the ReDrafter draft graph from {draft_head_path}")
@@ -267,8 +274,64 @@ def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> B
             draft_options = _draft_model_options(options, staging / DRAFT_ENGINE, shapes.max_seq_len)
             build_engine(draft_options, log=lambda line: log(f"      draft: {line}"))
         progress.step(progress.total, "writing tokenizer, manifest and checksums")
-        manifest = _write_manifest(staging, options, checkpoint, shapes, graphs, quantization, speculation, target)
+        manifest = _write_manifest(
+            staging, options, checkpoint, shapes, graphs, quantization, speculation, target, shards
+        )
     return BuildReport.of(out, manifest, progress.seconds())
+
+
+def _emit_rank_graphs(
+    options: BuildOptions,
+    checkpoint,
+    shapes: BuildShapes,
+    staging: Path,
+    progress: _Progress,
+    log: Callable[[str], None],
+) -> tuple[dict[str, GraphSpec], list[ShardSpec], QuantizationSpec]:
+    """One step graph per rank (builder/tensor_parallel.py), each traced from a model that holds only that rank's
+    share of the weights, streamed from the checkpoint once per rank; rank 0's is the manifest's step graph."""
+    config, ranks = checkpoint.config, options.tensor_parallel
+    kernels = _native_kernel_choice(options, log)
+    shards, quantization = [], None
+    for share in tensor_parallel.plan_shares(config, ranks):
+        rank = share.rank
+        progress.step(2, f"rank {rank}/{ranks}: loading its share of the weights as {_weights_description(options)}")
+        model, quantization = _load_weights(options, _rank_checkpoint(checkpoint, share), shapes, log, share)
+        tensor_parallel.add_collectives(model, share, config.vocab_size)
+        if kernels["QuantizedMatMul"]:
+            _minimums_into_int4_matmul(model)
+        progress.step(3, f"rank {rank}/{ranks}: tracing its step graph with torch.export and emitting ONNX")
+        file = GRAPH_FILE if rank == 0 else GRAPH_FILE.replace(".onnx", f".rank{rank}.onnx")
+        step = _native_kernels(kernels, export_step_graph(model, staging, shapes.max_seq_len, file), staging, log)
+        del model
+        if step.native_library is None:
+            step = replace(step, native_library=native_ops.compile_library(staging).name)
+        step = replace(step, native_ops=[*step.native_ops, "AllReduce", "AllGather"])
+        shards.append(ShardSpec(rank, step, *(list(bounds) for bounds in _share_bounds(share))))
+    return {STEP_GRAPH: shards[0].graph}, shards, quantization
+
+
+def _share_bounds(share: tensor_parallel.Share) -> tuple[tuple[int, int], ...]:
+    return share.kv_heads, share.heads, share.intermediate, share.vocab
+
+
+def _rank_checkpoint(checkpoint, share: tensor_parallel.Share):
+    """The checkpoint as one rank reads it: its config and its share of every tensor (a tied LM head is asked for
+    by the embedding's name)."""
+    config = checkpoint.config
+    tied = config.tie_word_embeddings
+
+    def read_tensors(keep=frozenset()):
+        wanted = {"model.embed_tokens.weight" if tied and name == "lm_head.weight" else name for name in keep}
+        return tensor_parallel.shard_tensors(checkpoint.read_tensors(frozenset(wanted)), config, share)
+
+    return replace(
+        checkpoint,
+        config=tensor_parallel.rank_config(config, share),
+        read_tensors=read_tensors,
+        block_formats=tensor_parallel.shard_names(checkpoint.block_formats, config),
+        weight_types=tensor_parallel.shard_names(checkpoint.weight_types, config),
+    )
 
 
 def _emit_step_graph(
@@ -328,12 +391,26 @@ def _check_options(options: BuildOptions) -> None:
         raise ValueError(reason)
     if options.backend == "onnxruntime" and options.device != "cpu":
         raise ValueError("--device is the torch backends' choice: an onnxruntime engine runs where onnxruntime does")
+    if options.tensor_parallel > 1:
+        _check_tensor_parallel(options)
     quant = None if options.quant == "auto" else options.quant_spec()  # auto: checked again once resolved
     smallest = blockwise_matmul.MIN_INT4_BLOCK
     if options.backend != "onnxruntime" and quant is not None and quant.bits == 4 and quant.block_size < smallest:
         raise ValueError(
             f"the {options.backend} backend's int4 kernel takes groups of {smallest} or more, not {quant.block_size}"
         )
+
+
+def _check_tensor_parallel(options: BuildOptions) -> None:
+    """What a sharded build does not do yet, refused before any work."""
+    if options.backend != "onnxruntime":
+        raise ValueError(f"--tp builds onnxruntime engines only, not {options.backend}")
+    if options.quant == "gptq":
+        raise ValueError("--tp with --quant gptq is not supported: GPTQ needs the whole float model")
+    if options.kv_cache_dtype != "auto":
+        raise ValueError("--tp with an int8 KV cache is not supported (its calibration runs the whole model)")
+    if reason := native_ops.unavailable_reason():
+        raise ValueError(f"--tp needs our kernel library for its collectives, which cannot be built here: {reason}")
 
 
 def _prepare_out(out: Path, overwrite: bool) -> None:
@@ -444,9 +521,17 @@ def _weights_description(options: BuildOptions) -> str:
     )
 
 
-def _load_weights(options: BuildOptions, checkpoint, shapes: BuildShapes, log: Callable[[str], None]):
+def _load_weights(
+    options: BuildOptions,
+    checkpoint,
+    shapes: BuildShapes,
+    log: Callable[[str], None],
+    share: tensor_parallel.Share | None = None,
+):
     """The model with its weights as the options ask (GGUF blocks kept where they map exactly, the rest quantized
-    from float, or GPTQ), the int8 KV cache's scales calibrated, and the manifest's quantization section."""
+    from float, or GPTQ), the int8 KV cache's scales calibrated, and the manifest's quantization section. `share`:
+    a tensor-parallel rank's (its LM head holds its share of the vocabulary)."""
+    head_rows = None if share is None else tensor_parallel.head_rows(share)
     config, quant, quantization = checkpoint.config, options.quant_spec(), options.quantization()
     # the attention kernel wants rotary table rows for every position a call spans, padding tokens included
     rotary_positions = shapes.max_seq_len + max(shapes.prefill_chunk, shapes.verify_tokens)
@@ -466,7 +551,7 @@ def _load_weights(options: BuildOptions, checkpoint, shapes: BuildShapes, log: C
         keep = frozenset(name for module in kept for name in sources[module])
         tensors = checkpoint.read_tensors(keep)
         model = load_model(
-            config, tensors, DTYPES[options.dtype], quant, options.quantize_lm_head, kept, rotary_positions
+            config, tensors, DTYPES[options.dtype], quant, options.quantize_lm_head, kept, rotary_positions, head_rows
         )
         if quant is not None:
             quantization = _kept_blocks(quantization, kept, sources, checkpoint, log)
@@ -520,6 +605,7 @@ def _write_manifest(
     quantization: QuantizationSpec,
     speculation: SpeculationSpec | None,
     target: dict[str, str],
+    shards: list[ShardSpec],
 ) -> Manifest:
     (staging / TOKENIZER_FILE).write_text(checkpoint.tokenizer.tokenizer_json)
     config, tokenizer = checkpoint.config, checkpoint.tokenizer
@@ -544,6 +630,9 @@ def _write_manifest(
         sampling_defaults=checkpoint.sampling_defaults,
         device=options.device,
         target=target,
+        tensor_parallel=options.tensor_parallel,
+        shards=shards,
+        collectives=COLLECTIVES if shards else {},
     )
     return write_manifest(staging, manifest)
 

@@ -173,6 +173,15 @@ def main() -> None:
     show_default=True,
     help="aoti: the device the package is compiled for (cuda: on this machine's GPU, int4 through a Triton kernel).",
 )
+@click.option(
+    "--tp",
+    "tensor_parallel",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Tensor-parallel ranks: one step graph per rank, each with its share of the heads, MLP and vocabulary; "
+    "the runner starts the ranks itself.",
+)
 def build(
     checkpoint,
     out,
@@ -204,6 +213,7 @@ def build(
     native_quantized_matmul,
     backend,
     device,
+    tensor_parallel,
 ) -> None:
     """Build an engine from CHECKPOINT: a Hugging Face directory, a .gguf file, or `default`."""
     with exit_on(ValueError):
@@ -241,6 +251,7 @@ def build(
         native_quantized_matmul=native_quantized_matmul,
         backend=backend,
         device=device,
+        tensor_parallel=tensor_parallel,
     )
     with exit_on(CheckpointError, FileExistsError, ValueError):
         report = build_engine(options, log=lambda line: click.echo(line, err=True))

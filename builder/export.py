@@ -24,7 +24,7 @@ from builder.sampler_graph import INPUT_NAMES as SAMPLER_INPUT_NAMES
 from builder.sampler_graph import OUTPUT_NAMES as SAMPLER_OUTPUT_NAMES
 from builder.speculation.draft_head import BeamSearchDrafter
 from engines.format import GraphSpec, TensorSpec
-from plugins import attention, norm, quant_linear
+from plugins import attention, collectives, norm, quant_linear
 
 GRAPH_FILE = "model.onnx"
 OPSET = 18
@@ -234,6 +234,7 @@ def _export(
                 **quant_linear.onnx_translations(),
                 **attention.onnx_translations(),
                 **norm.onnx_translations(),
+                **collectives.onnx_translations(),
             },
         )
     model = onnx.load(str(path), load_external_data=False)

@@ -192,7 +192,10 @@ class LlamaForCausalLM(nn.Module):
         quant: QuantSpec | None = None,
         quantize_lm_head: bool = False,
         max_positions: int | None = None,
+        head_rows: int | None = None,
     ) -> None:
+        """`head_rows`: the LM head's rows, where it computes only a share of the vocabulary (a tensor-parallel
+        rank's; builder/tensor_parallel.py); default all of it."""
         super().__init__()
         self.config = config
         self.dtype = dtype
@@ -200,7 +203,8 @@ class LlamaForCausalLM(nn.Module):
         # A quantized LM head is its own (quantized) copy even when tied: the embedding stays float for lookups.
         head_quant = quant if quantize_lm_head else None
         untied = not config.tie_word_embeddings or head_quant is not None
-        self.lm_head = make_linear(config.hidden_size, config.vocab_size, False, dtype, head_quant) if untied else None
+        rows = head_rows or config.vocab_size
+        self.lm_head = make_linear(config.hidden_size, rows, False, dtype, head_quant) if untied else None
         # a tied quantized head is also the embedding table (weights.load_model)
         self.embedding_from_head = False
         cos, sin = rotary_tables(config, max_positions or config.max_position_embeddings, dtype)

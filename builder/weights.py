@@ -108,14 +108,16 @@ def load_model(
     quantize_lm_head: bool = False,
     kept: Mapping[str, QuantSpec] | None = None,
     max_positions: int | None = None,
+    head_rows: int | None = None,
 ) -> LlamaForCausalLM:
     """Build the model on the meta device and give each parameter its checkpoint tensor as it streams by.
     Quantized projections quantize each tensor (or fused slice) on arrival: no float copy of them is kept.
     Linears in `kept` (see kept_block_specs) take their checkpoint blocks as they are; `tensors` must then yield
-    those weights as BlockQuantized. `max_positions`: rows of the rotary tables (every position a call may span)."""
+    those weights as BlockQuantized. `max_positions`: rows of the rotary tables (every position a call may span).
+    `head_rows`: the LM head's rows where it holds a share of the vocabulary (a tensor-parallel rank's)."""
     kept = kept or {}
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, dtype, quant, quantize_lm_head, max_positions)
+        model = LlamaForCausalLM(config, dtype, quant, quantize_lm_head, max_positions, head_rows)
         for name, spec in kept.items():
             old = model.get_submodule(name)
             model.set_submodule(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -205,6 +205,32 @@ class SpeculationSpec:
 
 
 @dataclass(frozen=True)
+class ShardSpec:
+    """One tensor-parallel rank's part of the engine (builder/tensor_parallel.py): its step graph, and [first, end)
+    of the KV heads, query heads, MLP inner width and vocabulary its weights cover. Its KV cache holds its KV heads
+    only."""
+
+    rank: int
+    graph: GraphSpec
+    kv_heads: list[int]
+    heads: list[int]
+    intermediate: list[int]
+    vocab: list[int]
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ShardSpec:
+        return cls(**{**data, "graph": _graph_spec(data["graph"])})
+
+
+# How a tensor-parallel engine's ranks meet, as the manifest records it.
+COLLECTIVES = {
+    "all_reduce": "AllReduce (fp32 sum, in rank order) after every o_proj and down_proj",
+    "all_gather": "AllGather of the vocabulary-parallel LM head's logits",
+    "transport": "shared memory between the rank processes of one host (plugins/collectives.c)",
+}
+
+
+@dataclass(frozen=True)
 class TokenizerInfo:
     file: str
     chat_template: str | None
@@ -236,6 +262,8 @@ class Manifest:
     quantization: QuantizationSpec = field(default_factory=QuantizationSpec)
     speculation: SpeculationSpec | None = None
     tensor_parallel: int = 1
+    shards: list[ShardSpec] = field(default_factory=list)  # one per rank where tensor_parallel > 1
+    collectives: dict[str, str] = field(default_factory=dict)
     files: dict[str, FileEntry] = field(default_factory=dict)
     # SamplingParams defaults the model's makers recommend (generation_config.json / GGUF general.sampling.*): the
     # runner's defaults for what a request leaves unset, unless it is told to use vLLM's own (--generation-config vllm)
@@ -247,18 +275,19 @@ class Manifest:
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
 
+    def for_rank(self, rank: int) -> Manifest:
+        """The manifest as one rank runs it: its step graph and its KV heads' cache (the same manifest for a
+        single-rank engine)."""
+        if self.tensor_parallel == 1:
+            return self
+        shard = self.shards[rank]
+        step = self.phases["decode"].graph
+        kv_cache = replace(self.kv_cache, num_kv_heads=shard.kv_heads[1] - shard.kv_heads[0])
+        return replace(self, graphs={**self.graphs, step: shard.graph}, kv_cache=kv_cache)
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Manifest:
-        graphs = {
-            key: GraphSpec(
-                file=g["file"],
-                inputs=[TensorSpec(**t) for t in g["inputs"]],
-                outputs=[TensorSpec(**t) for t in g["outputs"]],
-                native_library=g["native_library"],
-                native_ops=g["native_ops"],
-            )
-            for key, g in data["graphs"].items()
-        }
+        graphs = {key: _graph_spec(g) for key, g in data["graphs"].items()}
         return cls(
             schema_version=data["schema_version"],
             builder_version=data["builder_version"],
@@ -275,11 +304,23 @@ class Manifest:
             quantization=QuantizationSpec.from_dict(data["quantization"]),
             speculation=None if data["speculation"] is None else SpeculationSpec.from_dict(data["speculation"]),
             tensor_parallel=data["tensor_parallel"],
+            shards=[ShardSpec.from_dict(shard) for shard in data.get("shards", [])],
+            collectives=data.get("collectives", {}),
             files={name: FileEntry(**entry) for name, entry in data["files"].items()},
             sampling_defaults=data["sampling_defaults"],
             device=data["device"],
             target=data["target"],
         )
+
+
+def _graph_spec(data: dict[str, Any]) -> GraphSpec:
+    return GraphSpec(
+        file=data["file"],
+        inputs=[TensorSpec(**t) for t in data["inputs"]],
+        outputs=[TensorSpec(**t) for t in data["outputs"]],
+        native_library=data["native_library"],
+        native_ops=data["native_ops"],
+    )
 
 
 def file_sha256(path: Path) -> str:
@@ -343,8 +384,13 @@ def open_artifact(directory: str | Path, verify_checksums: bool = True) -> Artif
             raise ArtifactError(f"engine file {path} is truncated or altered: {size} bytes, expected {entry.size}")
         if verify_checksums and file_sha256(path) != entry.sha256:
             raise ArtifactError(f"engine file {path} is corrupt: checksum mismatch")
-    referenced = [g.file for g in manifest.graphs.values()] + [manifest.tokenizer.file]
-    referenced += [g.native_library for g in manifest.graphs.values() if g.native_library]
+    if manifest.tensor_parallel != max(len(manifest.shards), 1):
+        raise ArtifactError(
+            f"{manifest_path} is malformed: {manifest.tensor_parallel} ranks but {len(manifest.shards)} shards"
+        )
+    graphs = list(manifest.graphs.values()) + [shard.graph for shard in manifest.shards]
+    referenced = [g.file for g in graphs] + [manifest.tokenizer.file]
+    referenced += [g.native_library for g in graphs if g.native_library]
     for name in referenced:
         if name not in manifest.files:
             raise ArtifactError(f"{manifest_path} references {name}, which has no checksum entry")

@@ -54,6 +54,7 @@ def engine_factory(tmp_path_factory, checkpoint_factory):
         native_decode_attention: bool = True,
         native_quantized_matmul: bool = True,
         backend: str = "onnxruntime",
+        tensor_parallel: int = 1,
     ) -> Path:
         """An engine of a tiny checkpoint; a `draft_head` makes it a ReDrafter engine, a `draft_model` (a tiny
         checkpoint's name) a draft-model engine."""
@@ -78,6 +79,7 @@ def engine_factory(tmp_path_factory, checkpoint_factory):
             native_decode_attention,
             native_quantized_matmul,
             backend,
+            tensor_parallel,
         )
         if key not in built:
             out = tmp_path_factory.mktemp(f"engine_{name}") / "engine"
@@ -103,6 +105,7 @@ def engine_factory(tmp_path_factory, checkpoint_factory):
                 native_decode_attention=native_decode_attention,
                 native_quantized_matmul=native_quantized_matmul,
                 backend=backend,
+                tensor_parallel=tensor_parallel,
                 **speculation,
             )
             build_engine(options, log=lambda line: None)

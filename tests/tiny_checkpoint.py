@@ -18,6 +18,8 @@ CORPUS = (
 CONFIGS = {
     "gqa": {},
     "mha": {"num_key_value_heads": 4},
+    # 3 KV heads of 2 query heads each: split 2 + 1 over two ranks (the default model's 9 / 3 are split so)
+    "three_kv_heads": {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3},
     "mqa": {"num_key_value_heads": 1, "tie_word_embeddings": False},
     "untied_bias": {"tie_word_embeddings": False, "attention_bias": True},
     "rope_scaling": {

@@ -18,6 +18,7 @@ from runner.core.machine import cpu_flags, fp32_matmul_rows_per_pass
 from runner.core.request import FinishReason, Request
 from runner.core.sampler_graph import SampledRow, Sampler
 from runner.core.scheduler import Scheduler
+from runner.core.tensor_parallel import LeaderExecutor, RankGroup
 from runner.core.tokenizer import IncrementalDetokenizer, TextCodec
 from runner.sampling.bad_words import BadWords
 from runner.sampling.logprobs import TokenLogprob, token_logprobs
@@ -69,8 +70,14 @@ class LLMEngine:
         if args.chat_template is not None:
             tokenizer = replace(tokenizer, chat_template=args.chat_template)
         self.codec = TextCodec(self.artifact.path(manifest.tokenizer.file), tokenizer)
-        backend = open_backend(self.artifact, threads=args.threads, profile_prefix=args.profile_prefix)
-        self.executor = Executor(self.artifact, backend)
+        self.ranks = None  # a tensor-parallel engine's other ranks (runner/core/tensor_parallel.py)
+        if manifest.tensor_parallel > 1:
+            self.ranks = RankGroup(self.artifact, args.threads)
+            backend = open_backend(self.ranks.artifact, threads=self.ranks.threads, profile_prefix=args.profile_prefix)
+            self.executor = LeaderExecutor(self.ranks.artifact, backend, self.ranks)
+        else:
+            backend = open_backend(self.artifact, threads=args.threads, profile_prefix=args.profile_prefix)
+            self.executor = Executor(self.artifact, backend)
         rows = self.executor.max_rows if args.max_batch is None else args.max_batch
         if not 1 <= rows <= self.executor.max_rows:
             raise ValueError(

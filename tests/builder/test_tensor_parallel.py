@@ -1,0 +1,100 @@
+"""The sharding of a model over tensor-parallel ranks (builder/tensor_parallel.py): shares, cuts, and the sharded
+model's logits against transformers with the ranks' collectives run by torch.distributed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from builder.build import BuildOptions, build_engine
+from builder.loaders import load_checkpoint
+from builder.loaders.gguf_blocks import BlockQuantized
+from builder.tensor_parallel import add_collectives, head_rows, plan_shares, rank_config, shard_tensors, split
+from builder.weights import load_model
+from engines.model_config import ModelConfig
+from tests.reference import load_reference
+
+SMOLLM2 = ModelConfig(49152, 576, 1536, 30, 9, 3, 64, 1e-5, 100000.0, 8192, True)
+
+
+def test_the_default_models_heads_split_by_kv_group_two_plus_one():
+    shares = plan_shares(SMOLLM2, 2)
+    assert [(s.kv_heads, s.heads, s.intermediate, s.vocab) for s in shares] == [
+        ((0, 2), (0, 6), (0, 768), (0, 24576)),
+        ((2, 3), (6, 9), (768, 1536), (24576, 49152)),
+    ]
+    assert rank_config(SMOLLM2, shares[1]).num_heads == 3 and not rank_config(SMOLLM2, shares[1]).tie_word_embeddings
+
+
+def test_uneven_splits_give_the_first_ranks_more_in_whole_units():
+    assert split(10, 3) == [(0, 4), (4, 7), (7, 10)]
+    assert split(96, 2, 32) == [(0, 64), (64, 96)]
+
+
+def test_more_ranks_than_kv_heads_are_refused():
+    with pytest.raises(ValueError, match="3 KV heads"):
+        plan_shares(SMOLLM2, 4)
+
+
+def test_gguf_blocks_are_cut_at_block_boundaries_bit_for_bit():
+    gguf = pytest.importorskip("gguf")
+    weight = np.random.default_rng(0).standard_normal((128, 128)).astype(np.float32)
+    blocks = BlockQuantized("Q4_1", gguf.quants.quantize(weight, gguf.GGMLQuantizationType.Q4_1), 128)
+    share = plan_shares(ModelConfig(8, 128, 128, 1, 2, 2, 64, 1e-5, 1e4, 16, False), 2)[1]  # inner width 64..128
+    (_, cut), *_ = shard_tensors([("model.layers.0.mlp.down_proj.weight", blocks)], SMOLLM2, share)
+    assert isinstance(cut, BlockQuantized) and cut.shape == (128, 64)
+    assert torch.equal(cut.dequantize(), blocks.dequantize()[:, 64:])
+    (_, rows), *_ = shard_tensors([("model.layers.0.mlp.up_proj.weight", blocks)], SMOLLM2, share)
+    assert rows.shape == (64, 128) and torch.equal(rows.dequantize(), blocks.dequantize()[64:])
+
+
+def _rank_logits(rank: int, ranks: int, checkpoint: str, port: int, out: str) -> None:
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks)
+    source = load_checkpoint(checkpoint)
+    share = plan_shares(source.config, ranks)[rank]
+    tensors = shard_tensors(source.read_tensors(), source.config, share)
+    model = load_model(rank_config(source.config, share), tensors, torch.float32, head_rows=head_rows(share))
+    add_collectives(model, share, source.config.vocab_size)
+    ids = torch.tensor([[5, 9, 31, 7, 200, 11]])
+    config = model.config
+    cache = [torch.zeros(1, config.num_kv_heads, 16, config.head_dim) for _ in range(config.num_layers)]
+    steps = ids.shape[1]
+    with torch.no_grad():
+        logits = model(
+            ids,
+            torch.arange(steps)[None],
+            torch.tensor([0]),
+            torch.tensor([steps]),
+            torch.zeros(1, 1, steps, steps),
+            torch.arange(steps)[None],
+            cache,
+            [c.clone() for c in cache],
+        )[0]
+    if rank == 0:
+        torch.save(logits, out)
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", ["gqa", "three_kv_heads"])
+def test_sharded_models_logits_equal_transformers(checkpoint_factory, tmp_path, name):
+    from tests.runner.serving.test_server import free_port
+
+    checkpoint = checkpoint_factory(name)
+    out = tmp_path / "logits.pt"
+    torch.multiprocessing.spawn(_rank_logits, args=(2, str(checkpoint), free_port(), str(out)), nprocs=2)
+    reference = load_reference(checkpoint)
+    with torch.no_grad():
+        expected = reference(torch.tensor([[5, 9, 31, 7, 200, 11]])).logits
+    torch.testing.assert_close(torch.load(out), expected, rtol=0, atol=1e-4)
+
+
+def test_builds_a_sharded_build_does_not_make_are_refused_before_any_work(checkpoint_factory, tmp_path):
+    source = str(checkpoint_factory("gqa"))
+    for options, message in (
+        (dict(backend="aoti"), "onnxruntime engines only"),
+        (dict(quant="gptq"), "GPTQ"),
+        (dict(kv_cache_dtype="int8"), "int8 KV cache"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            build_engine(BuildOptions(source, tmp_path / "e", tensor_parallel=2, **options), log=lambda line: None)

@@ -1,0 +1,130 @@
+"""Tensor-parallel engines run by rank processes (runner/core/tensor_parallel.py): the same tokens as the single-rank
+engine of the same weights, the features of the runner on top, and a rank's failure an error, never a hang."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from engines.format import open_artifact
+from plugins import native_ops
+from runner import LLM, SamplingParams
+from runner.core.args import EngineArgs
+from runner.core.engine import LLMEngine
+from runner.core.tensor_parallel import RankFailure, threads_per_rank
+from runner.sampling.structured import StructuredOutputs
+
+pytestmark = pytest.mark.skipif(
+    native_ops.unavailable_reason() is not None,
+    reason="the collectives are in our kernel library, which cannot be built here",
+)
+GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+PROMPTS = ["The quick brown fox jumps over the lazy dog.", "hello hello hello world", "a b c d e f g"]
+
+
+def tokens(llm: LLM, prompts=PROMPTS, params=GREEDY) -> list[list[int]]:
+    ids = [llm.tokenizer.encode(p) for p in prompts]
+    return [out.token_ids for out in llm.generate(prompt_token_ids=ids, sampling_params=params)]
+
+
+@pytest.mark.parametrize("name", ["gqa", "three_kv_heads"])
+def test_two_ranks_give_the_single_rank_engines_greedy_tokens_alone_and_batched(engine_factory, name):
+    single, sharded = LLM(engine_factory(name)), LLM(engine_factory(name, tensor_parallel=2))
+    expected = tokens(single)
+    assert tokens(sharded) == expected  # batched: three rows in one call
+    assert [tokens(sharded, [p])[0] for p in PROMPTS] == expected  # alone
+
+
+def test_logits_match_the_single_rank_engine(engine_factory):
+    prompt = list(range(5, 35))  # within one prompt chunk
+    single = LLMEngine(EngineArgs(engine_factory("three_kv_heads")))
+    sharded = LLMEngine(EngineArgs(engine_factory("three_kv_heads", tensor_parallel=2)))
+    a, b = single.executor.prefill(0, prompt, 0), sharded.executor.prefill(0, prompt, 0)
+    # the row-parallel sums add the ranks' partial products in another order than one matmul does
+    np.testing.assert_allclose(b.logits, a.logits, rtol=0, atol=1e-4)
+    decoded_a = single.executor.decode([0], [7], [len(prompt)])
+    decoded_b = sharded.executor.decode([0], [7], [len(prompt)])
+    np.testing.assert_allclose(decoded_b.logits, decoded_a.logits, rtol=0, atol=1e-4)
+    assert decoded_b.argmax.tolist() == decoded_a.argmax.tolist()
+
+
+def test_the_manifest_lists_each_ranks_share_and_graph(engine_factory):
+    manifest = open_artifact(engine_factory("three_kv_heads", tensor_parallel=2)).manifest
+    assert manifest.tensor_parallel == 2 and [s.rank for s in manifest.shards] == [0, 1]
+    shares = [(s.kv_heads, s.heads, s.vocab) for s in manifest.shards]
+    assert shares == [([0, 2], [0, 4], [0, 160]), ([2, 3], [4, 6], [160, 320])]
+    assert manifest.shards[1].graph.file in manifest.files and "AllReduce" in manifest.shards[1].graph.native_ops
+    assert manifest.for_rank(1).kv_cache.num_kv_heads == 1 and manifest.for_rank(0).kv_cache.num_kv_heads == 2
+
+
+def test_prefix_caching_speculation_and_sampling_run_on_the_ranks(engine_factory):
+    prompt = "one two three four five six seven eight nine ten " * 3
+    seeded = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True)
+    results = []
+    for tp in (1, 2):
+        llm = LLM(engine_factory("gqa", speculative="prompt-lookup", tensor_parallel=tp), enable_prefix_caching=True)
+        first = tokens(llm, [prompt])
+        again = tokens(llm, [prompt + "ten"])  # starts after the cached prefix
+        results.append((first, again, tokens(llm, [prompt], seeded)))
+    assert results[1] == results[0]
+
+
+def test_structured_outputs_run_on_the_ranks(engine_factory):
+    pytest.importorskip("xgrammar")
+    choice = StructuredOutputs(choice=["yes", "no", "maybe"])
+    params = SamplingParams(max_tokens=8, temperature=0.0, structured_outputs=choice)
+    single, sharded = LLM(engine_factory("gqa")), LLM(engine_factory("gqa", tensor_parallel=2))
+    assert tokens(sharded, PROMPTS[:1], params) == tokens(single, PROMPTS[:1], params)
+
+
+def test_a_rank_that_dies_stops_the_engine_with_an_error_and_leaves_nothing_behind(engine_factory):
+    segments_before = set(glob.glob("/dev/shm/llm-engine-tp-*"))
+    llm = LLM(engine_factory("gqa", tensor_parallel=2))
+    tokens(llm, PROMPTS[:1])
+    ranks = llm.engine.ranks
+    assert set(glob.glob("/dev/shm/llm-engine-tp-*")) == segments_before  # unlinked once every rank attached
+    os.kill(ranks.pids[0], signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match="rank 1"):
+        tokens(llm, PROMPTS[:1])
+    assert time.monotonic() - start < 5
+    with pytest.raises(RankFailure):  # and every call after it
+        tokens(llm, PROMPTS[:1])
+
+
+def test_the_other_ranks_exit_when_rank_zero_is_gone(engine_factory, tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "leader.py"
+    script.write_text(
+        "import sys\nfrom runner import LLM\n"
+        f"llm = LLM({str(engine_factory('gqa', tensor_parallel=2))!r})\n"
+        "print(*llm.engine.ranks.pids, flush=True)\nsys.stdin.read()\n"
+    )
+    leader = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    pids = [int(pid) for pid in leader.stdout.readline().split()]
+    leader.kill()
+    leader.wait()
+    deadline = time.monotonic() + 5
+    while any(_alive(pid) for pid in pids):
+        assert time.monotonic() < deadline, "a rank outlived rank 0"
+        time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return not open(f"/proc/{pid}/stat").read().split(")")[1].split()[0] == "Z"
+
+
+def test_threads_are_shared_between_the_ranks():
+    assert threads_per_rank(2, 3) == 3
+    assert threads_per_rank(2, None) == max(1, len(os.sched_getaffinity(0)) // 2)
