@@ -296,7 +296,8 @@ def _emit_rank_graphs(
     for share in tensor_parallel.plan_shares(config, ranks):
         rank = share.rank
         progress.step(2, f"rank {rank}/{ranks}: loading its share of the weights as {_weights_description(options)}")
-        model, quantization = _load_weights(options, _rank_checkpoint(checkpoint, share), shapes, log, share)
+        rank_source = _rank_checkpoint(checkpoint, share, options.quant_spec() if options.quantize_lm_head else None)
+        model, quantization = _load_weights(options, rank_source, shapes, log, share)
         tensor_parallel.add_collectives(model, share, config.vocab_size)
         if kernels["QuantizedMatMul"]:
             _minimums_into_int4_matmul(model)
@@ -315,15 +316,15 @@ def _share_bounds(share: tensor_parallel.Share) -> tuple[tuple[int, int], ...]:
     return share.kv_heads, share.heads, share.intermediate, share.vocab
 
 
-def _rank_checkpoint(checkpoint, share: tensor_parallel.Share):
+def _rank_checkpoint(checkpoint, share: tensor_parallel.Share, head_quant: QuantSpec | None):
     """The checkpoint as one rank reads it: its config and its share of every tensor (a tied LM head is asked for
-    by the embedding's name)."""
+    by the embedding's name; `head_quant`: the head's quantization, see tensor_parallel.shard_tensors)."""
     config = checkpoint.config
     tied = config.tie_word_embeddings
 
     def read_tensors(keep=frozenset()):
         wanted = {"model.embed_tokens.weight" if tied and name == "lm_head.weight" else name for name in keep}
-        return tensor_parallel.shard_tensors(checkpoint.read_tensors(frozenset(wanted)), config, share)
+        return tensor_parallel.shard_tensors(checkpoint.read_tensors(frozenset(wanted)), config, share, head_quant)
 
     return replace(
         checkpoint,

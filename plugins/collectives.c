@@ -45,12 +45,14 @@ typedef struct {
 
 #define HEADER_BYTES ((sizeof(Header) + 4095) / 4096 * 4096)
 
-/* this process's rank in the segment it attached (one per process) */
+/* this process's rank in the segment it attached (one per process), and the time its collectives took */
 static struct {
   char *base;
   int rank;
-  uint64_t round; /* rounds this rank has run */
-} group = {NULL, -1, 0};
+  uint64_t round;        /* rounds this rank has run */
+  int64_t collective_ns; /* in AllReduce / AllGather calls, all of it */
+  int64_t waiting_ns;    /* of which waiting for the other ranks */
+} group = {NULL, -1, 0, 0, 0};
 
 size_t llm_tp_segment_bytes(int ranks) { return HEADER_BYTES + (size_t)ranks * 2 * SLOT; }
 
@@ -80,19 +82,34 @@ __attribute__((visibility("default"))) int llm_tp_attach(const char *path, int r
   return 0;
 }
 
+/* The nanoseconds this rank spent in collectives and, of those, waiting for the other ranks (benchmarks). */
+__attribute__((visibility("default"))) void llm_tp_times(int64_t out[2]) {
+  out[0] = group.collective_ns;
+  out[1] = group.waiting_ns;
+}
+
 /* Make every rank's waits fail (a rank failed or is shutting down). */
 __attribute__((visibility("default"))) void llm_tp_abort(void) {
   if (group.base) atomic_store(&header()->aborted, 1);
 }
 
-static int64_t now_ms(void) {
+static int64_t now_ns(void) {
   struct timespec t;
   clock_gettime(CLOCK_MONOTONIC, &t);
-  return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
+  return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 
 /* Publish `round` and wait until every rank has; NULL, or why not (the segment is then marked aborted). */
+static const char *wait_for_ranks(uint64_t round);
+
 static const char *arrive(uint64_t round) {
+  int64_t start = now_ns();
+  const char *why = wait_for_ranks(round);
+  group.waiting_ns += now_ns() - start;
+  return why;
+}
+
+static const char *wait_for_ranks(uint64_t round) {
   Header *h = header();
   atomic_store_explicit(&h->published[group.rank].round, round, memory_order_release);
   int64_t ranks = h->ranks, started = 0;
@@ -102,7 +119,7 @@ static const char *arrive(uint64_t round) {
       if (spins % 4096) continue;
       sched_yield(); /* where ranks outnumber the cores, the rank waited for may need this one */
       if (atomic_load(&h->aborted)) return "another rank failed or the group is shutting down";
-      int64_t now = now_ms();
+      int64_t now = now_ns() / 1000000;
       if (!started) started = now;
       if (kill((pid_t)h->pids[p], 0) != 0 && errno == ESRCH) {
         atomic_store(&h->aborted, 1);
@@ -192,9 +209,10 @@ static OrtStatus *compute(void *state, OrtKernelContext *context) {
   if (API(api, KernelContext_GetOutput, OrtStatus *(*)(OrtKernelContext *, size_t, const int64_t *, size_t, OrtValue **))(
           context, 0, out_dims, rank, &output) || !tensor(api, output, &y, ignored))
     return refuse(kernel, "cannot allocate its output");
-  if (!kernel->gather) return all_reduce(kernel, x, y, count);
-  int64_t size = dims[rank - 1];
-  return all_gather(kernel, x, y, size ? count / size : 0, size);
+  int64_t start = now_ns(), size = dims[rank - 1];
+  OrtStatus *status = kernel->gather ? all_gather(kernel, x, y, size ? count / size : 0, size) : all_reduce(kernel, x, y, count);
+  group.collective_ns += now_ns() - start;
+  return status;
 }
 
 static OrtStatus *create(int gather, OrtApiTable api, const OrtKernelInfo *info, void **out) {

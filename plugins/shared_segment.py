@@ -43,6 +43,12 @@ class SharedSegment:
     def unlink(self) -> None:
         self.path.unlink(missing_ok=True)
 
+    def times(self) -> tuple[float, float]:
+        """Seconds this process's rank spent in collectives, and of those waiting for the other ranks."""
+        times = (ctypes.c_int64 * 2)()
+        self.library.llm_tp_times(times)
+        return times[0] / 1e9, times[1] / 1e9
+
     def abort(self) -> None:
         """Every rank's current and future collective fails at once (a rank died, or the group shuts down)."""
         self.library.llm_tp_abort()

@@ -239,6 +239,12 @@ class LeaderExecutor(Executor):
         self.group.send(("executor", "_run", args))
         return self._checked(super()._run, args)
 
+    def pad_single_rows_if_they_round_differently(self) -> None:
+        """The probe runs on every rank (its calls are sent); its outcome, the fewest rows a call runs with, decides
+        call shapes, so the other ranks take it too."""
+        super().pad_single_rows_if_they_round_differently()
+        self.group.send(("set", "min_rows", self.min_rows))
+
     def decode_greedy(self, *args):
         self.group.send(("executor", "decode_greedy", args))
         return self._checked(super().decode_greedy, args)
@@ -279,7 +285,10 @@ def run_rank() -> None:
     while (message := pickle.loads(steps.recv())) is not None:
         target, name, args = message
         try:
-            getattr(executor.cache if target == "cache" else executor, name)(*args)
+            if target == "set":  # rank 0's executor state that decides call shapes (min_rows)
+                setattr(executor, name, args)
+            else:
+                getattr(executor.cache if target == "cache" else executor, name)(*args)
         except Exception as err:
             segment.abort()
             print(f"tensor-parallel rank {setup.rank}: {err}", file=sys.stderr)

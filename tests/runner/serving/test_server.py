@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 
+from plugins import native_ops
 from runner.core.args import EngineArgs
 from runner.core.async_engine import AsyncEngine, EngineOverloaded
 from runner.core.engine import LLMEngine
@@ -80,9 +81,12 @@ class LiveServer:
         self.thread.join(timeout=30)
 
 
-@pytest.fixture(scope="module")
-def server(engine_factory):
-    live = LiveServer(engine_factory("gqa"))
+@pytest.fixture(scope="module", params=[1, 2], ids=["one_rank", "two_ranks"])
+def server(engine_factory, request):
+    """The tiny engine served; also as a tensor-parallel engine of two ranks, where our kernels can be built."""
+    if request.param > 1 and native_ops.unavailable_reason():
+        pytest.skip(f"tensor-parallel engines need our kernel library: {native_ops.unavailable_reason()}")
+    live = LiveServer(engine_factory("gqa", tensor_parallel=request.param))
     yield live
     live.stop()
 
