@@ -438,23 +438,34 @@ def serve(
         int(max_body_mb * 2**20),
         parse_special_tokens_in_content,
     )
-    app = create_app(AsyncEngine(llm_engine, max_waiting=max_waiting), config)
+
+    def stop_serving(error: BaseException) -> None:  # the engine failed for good: uvicorn's own graceful stop
+        click.echo(f"runner serve: {error}; stopping the server", err=True)
+        server.should_exit = True
+
+    async_engine = AsyncEngine(llm_engine, max_waiting=max_waiting, on_fatal=stop_serving)
+    app = create_app(async_engine, config)
     scheme = "https" if ssl_certfile else "http"
     click.echo(
         f"serving {name!r} ({llm_engine.scheduler.max_rows} rows, max_seq_len {llm_engine.max_seq_len}, "
         f"num_scheduler_steps {llm_engine.num_scheduler_steps}) on {scheme}://{host}:{port}/v1",
         err=True,
     )
-    uvicorn.run(
-        app,
-        host=host,
-        port=port,
-        log_level=uvicorn_log_level,
-        timeout_graceful_shutdown=shutdown_grace,
-        root_path=root_path,
-        ssl_keyfile=ssl_keyfile,
-        ssl_certfile=ssl_certfile,
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level=uvicorn_log_level,
+            timeout_graceful_shutdown=shutdown_grace,
+            root_path=root_path,
+            ssl_keyfile=ssl_keyfile,
+            ssl_certfile=ssl_certfile,
+        )
     )
+    server.run()
+    if async_engine.fatal is not None:
+        raise click.ClickException(f"the engine failed: {async_engine.fatal}")
 
 
 @main.command("run-batch")

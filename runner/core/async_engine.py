@@ -12,12 +12,13 @@ import asyncio
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from runner.core.engine import LLMEngine, TokenEvent
 from runner.core.metrics import EngineMetrics
 from runner.core.request import FinishReason, Request
+from runner.core.tensor_parallel import RankFailure
 
 
 class EngineOverloaded(RuntimeError):
@@ -37,8 +38,18 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_waiting: int = 64, metrics: EngineMetrics | None = None) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        max_waiting: int = 64,
+        metrics: EngineMetrics | None = None,
+        on_fatal: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        """`on_fatal`: called (on the loop thread) when the engine fails for good (a tensor-parallel rank is gone):
+        every request has its error by then and no new one is taken; the server stops itself there."""
         self.engine = engine
+        self.fatal: BaseException | None = None  # the error the engine cannot go on after
+        self.on_fatal = on_fatal
         self.max_waiting = max_waiting
         self.metrics = metrics or EngineMetrics()
         self.metrics.track_cache(engine.executor.cache.resident_bytes)
@@ -61,7 +72,8 @@ class AsyncEngine:
         """Run `requests` (the n completions of one prompt) and yield their events until all are finished.
         Leaving the iteration early (client gone, error) aborts whatever is still running."""
         if not self._accepting:
-            raise EngineStopped("the server is shutting down")
+            why = f"the engine has stopped: {self.fatal}" if self.fatal else "the server is shutting down"
+            raise EngineStopped(why)
         with self._lock:
             if self.num_waiting() + len(requests) > self.max_waiting + self._free_rows():
                 self.metrics.rejected.inc()
@@ -129,6 +141,12 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             events = self.engine.step()
+        except RankFailure as err:  # the engine cannot go on: fail every request, take no more
+            self.fatal, self._accepting = err, False
+            self._abort_all(err)
+            if self.on_fatal is not None:
+                self.on_fatal(err)
+            return
         except Exception as err:  # a failing graph call must not kill the server: fail the requests it ran
             for request in list(self.engine.scheduler.running):
                 self._abort(request, err)
@@ -172,10 +190,10 @@ class AsyncEngine:
             payload = error if error is not None else TokenEvent(request, "", True)
             stream.loop.call_soon_threadsafe(stream.events.put_nowait, payload)
 
-    def _abort_all(self) -> None:
+    def _abort_all(self, error: BaseException | None = None) -> None:
         scheduler = self.engine.scheduler
         for request in list(scheduler.running) + list(scheduler.waiting):
-            self._abort(request)
+            self._abort(request, error)
         while True:  # requests still in the command queue never reached the scheduler
             try:
                 command, payload = self._commands.get_nowait()
@@ -183,4 +201,4 @@ class AsyncEngine:
                 return
             if command == "add":
                 for request in payload:
-                    self._abort(request)
+                    self._abort(request, error)

@@ -220,7 +220,8 @@ class MirroredCache:
             return value
 
         def mirrored(*args):
-            self._group.send(("cache", name, args))
+            if self._group.failure is None:  # (after a failure only rank 0's own bookkeeping is left to do)
+                self._group.send(("cache", name, args))
             return value(*args)
 
         return mirrored

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from typing import Literal
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 
 from runner.serving.protocol import ChatBody, CompletionBody, DetokenizeBody, ResponsesBody, TokenizeBody
@@ -60,7 +60,11 @@ service = APIRouter()  # health, metrics, version: probes and scrapers
 
 
 @service.get("/health")
-async def health() -> dict:
+async def health(http: Request):
+    """200 while the engine serves; 503 with the reason once it has failed for good (a tensor-parallel rank gone)."""
+    fatal = http.app.state.engine.fatal
+    if fatal is not None:
+        return JSONResponse({"status": "error", "error": str(fatal)}, status_code=503)
     return {"status": "ok"}
 
 
