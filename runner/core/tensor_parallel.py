@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import platform
 import subprocess
 import sys
 import threading
@@ -85,8 +86,14 @@ class RankGroup:
     """Rank 0's side of the group: the other ranks' processes, a socket to each, and the shared segment."""
 
     def __init__(self, artifact: Artifact, threads: int | None) -> None:
+        """Under an MPI launcher (`mpirun -n N runner serve E`) every process builds this: ranks 1..N-1 then serve
+        rank 0's calls and exit when it closes (they never return from here); otherwise rank 0 starts them."""
         manifest = artifact.manifest
         self.ranks = manifest.tensor_parallel
+        world = _launched_world(self.ranks)
+        if world is not None and world.Get_rank() > 0:
+            serve_rank(world.bcast(None, root=0)[world.Get_rank() - 1])
+            sys.exit(0)
         self.threads = threads_per_rank(self.ranks, threads)
         self.artifact = rank_artifact(artifact, 0)
         library = artifact.path(self.artifact.manifest.graphs[manifest.phases["decode"].graph].native_library)
@@ -100,11 +107,11 @@ class RankGroup:
         report_port = reports.bind_to_random_port("tcp://127.0.0.1")
         segment = SharedSegment.create(library, self.ranks)
         self.failure: RankFailure | None = None
-        self.processes = []
+        self.processes = []  # the other ranks' processes where this one started them (not under mpirun)
         try:
             self.segment = SharedSegment(library, segment, 0, self.ranks)
-            for rank, port in enumerate(ports, start=1):
-                setup = RankSetup(
+            setups = [
+                RankSetup(
                     str(artifact.directory),
                     rank,
                     self.ranks,
@@ -114,9 +121,15 @@ class RankGroup:
                     f"tcp://127.0.0.1:{port}",
                     f"tcp://127.0.0.1:{report_port}",
                 )
-                start = f"from {__name__} import run_rank; run_rank()"
-                command = [sys.executable, "-c", start, json.dumps(asdict(setup))]
-                self.processes.append(subprocess.Popen(command, stdin=subprocess.DEVNULL))
+                for rank, port in enumerate(ports, start=1)
+            ]
+            if world is not None:
+                world.bcast(setups, root=0)
+            else:
+                for setup in setups:
+                    start = f"from {__name__} import run_rank; run_rank()"
+                    command = [sys.executable, "-c", start, json.dumps(asdict(setup))]
+                    self.processes.append(subprocess.Popen(command, stdin=subprocess.DEVNULL))
             self.pids = self._wait_for_ranks(zmq, reports)
         except BaseException:
             self._stop(self.processes, self.sockets, self.context, tell=False)
@@ -164,12 +177,18 @@ class RankGroup:
             raise self.failure
 
     def _find_failure(self) -> None:
-        for rank, process in enumerate(self.processes, start=1):
-            if process.poll() is not None:
-                how = f"signal {-process.returncode}" if process.returncode < 0 else f"status {process.returncode}"
-                self.failure = RankFailure(f"tensor-parallel rank {rank} exited ({how}): the engine cannot go on")
-                self.segment.abort()
-                return
+        for rank, pid in enumerate(self.pids, start=1):
+            process = self.processes[rank - 1] if self.processes else None
+            if process is not None and process.poll() is not None:
+                code = process.returncode
+                how = f"exited ({f'signal {-code}' if code < 0 else f'status {code}'})"
+            elif process is None and not _alive(pid):
+                how = "is gone"
+            else:
+                continue
+            self.failure = RankFailure(f"tensor-parallel rank {rank} {how}: the engine cannot go on")
+            self.segment.abort()
+            return
 
     def _watch_ranks(self) -> None:
         """Every 50 ms: a rank gone makes every collective fail at once, and every call after it raise."""
@@ -195,6 +214,27 @@ class RankGroup:
         for socket in sockets:
             socket.close()
         context.term()
+
+
+def _launched_world(ranks: int):
+    """MPI's world communicator where an MPI launcher started this process among others (mpirun, mpiexec), else
+    None. Its ranks must be the engine's, on one host (the collectives go through shared memory)."""
+    if not any(key in os.environ for key in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")):
+        return None
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise ArtifactError("launched by an MPI launcher: the ranks meet through mpi4py (pip install mpi4py)") from None
+    world = MPI.COMM_WORLD
+    if world.Get_size() == 1:
+        return None
+    if world.Get_size() != ranks:
+        raise ArtifactError(f"this engine has {ranks} tensor-parallel ranks; it was launched with {world.Get_size()}")
+    if len(set(world.allgather(platform.node()))) > 1:
+        raise ArtifactError(
+            "a tensor-parallel engine's ranks must run on one host (their collectives use shared memory)"
+        )
+    return world
 
 
 def _alive(pid: int) -> bool:
@@ -259,12 +299,15 @@ class LeaderExecutor(Executor):
 
 
 def run_rank() -> None:
-    """A rank other than 0 (started by RankGroup; its RankSetup is the last command-line argument): open its shard,
-    report, then make each call rank 0 sends until it sends None."""
+    """A rank RankGroup started: its RankSetup is the last command-line argument."""
+    serve_rank(RankSetup(**json.loads(sys.argv[-1])))
+
+
+def serve_rank(setup: RankSetup) -> None:
+    """A rank other than 0: open its shard, report, then make each call rank 0 sends until it sends None."""
     from engines.backends.onnxruntime import OnnxRuntimeBackend
     from engines.format import open_artifact
 
-    setup = RankSetup(**json.loads(sys.argv[-1]))
     zmq = _zmq()
     context = zmq.Context()
     steps, reports = context.socket(zmq.PULL), context.socket(zmq.PUSH)

@@ -4,9 +4,11 @@ engine of the same weights, the features of the runner on top, and a rank's fail
 from __future__ import annotations
 
 import glob
+import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -238,3 +240,44 @@ def test_the_default_model_on_two_ranks(default_engine, default_gguf_engine, tmp
         a = LLMEngine(EngineArgs(default_gguf_engine)).executor.prefill(0, prompt, 0)
         b = LLMEngine(EngineArgs(engines["gguf"])).executor.prefill(0, prompt, 0)
         assert np.abs(a.logits - b.logits).max() < 1.5
+
+
+@pytest.mark.parametrize("processes", [2, 3])
+def test_mpirun_starts_the_ranks_and_a_wrong_count_is_refused(engine_factory, tmp_path, processes):
+    import shutil
+    import subprocess
+    import sys
+
+    pytest.importorskip("mpi4py")
+    mpiexec = shutil.which("mpiexec")
+    if mpiexec is None:
+        pytest.skip("no mpiexec here (pip install mpich)")
+    engine = engine_factory("gqa", tensor_parallel=2)
+    script = tmp_path / "generate.py"
+    script.write_text(
+        "import json\nfrom runner import LLM, SamplingParams\n"
+        f"llm = LLM({str(engine)!r})\n"  # ranks 1.. serve rank 0 from here and exit when it is done
+        f"ids = llm.tokenizer.encode({PROMPTS[0]!r})\n"
+        "params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)\n"
+        "print(json.dumps(llm.generate(prompt_token_ids=[ids], sampling_params=params)[0].token_ids))\n"
+    )
+    root = str(Path(__file__).resolve().parents[3])  # this checkout, whatever the environment has installed
+    run = subprocess.run(
+        [mpiexec, "-n", str(processes), sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "PYTHONPATH": root},
+    )
+    if processes == 3:
+        assert run.returncode != 0 and "this engine has 2 tensor-parallel ranks; it was launched with 3" in run.stderr
+        return
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert [json.loads(line) for line in run.stdout.splitlines()] == tokens(LLM(engine_factory("gqa")), PROMPTS[:1])
+
+
+def test_a_redrafter_engine_drafts_on_rank_zero_and_verifies_on_every_rank(engine_factory, tiny_draft_head):
+    single = LLM(engine_factory("gqa", draft_head=tiny_draft_head[0]))
+    sharded = LLM(engine_factory("gqa", draft_head=tiny_draft_head[0], tensor_parallel=2))
+    assert tokens(sharded) == tokens(single)
+    assert sharded.engine.speculation_stats.verify_steps > 0
