@@ -26,6 +26,11 @@ def describe(artifact: Artifact) -> list[str]:
         f"sampler: trees up to {manifest.sampler.max_depth} accepted drafts, top {manifest.sampler.top_logprobs} "
         "logprobs",
         f"kernels: {_kernels(manifest)}",
+        *(
+            f"  rank {shard.rank}: {shard.graph.file}, KV heads {_span(shard.kv_heads)}, heads {_span(shard.heads)}, "
+            f"MLP {_span(shard.intermediate)}, vocabulary {_span(shard.vocab)}"
+            for shard in manifest.shards
+        ),
         "phases:",
         *(f"  {phase.name}: {phase.describe()}" for phase in manifest.phases.values()),
         f"files: {len(manifest.files)}, {sum(f.size for f in manifest.files.values()) / 2**20:.1f} MiB",
@@ -43,10 +48,17 @@ def _kernels(manifest) -> str:
     ours = {"DecodeAttention": "GroupQueryAttention"}
     if manifest.quantization.bits == 4:
         ours["Int4MatMul"] = "MatMulNBits"
-    return "; ".join(
+    kernels = [
         f"our {op} ({step.native_library})" if op in step.native_ops else f"onnxruntime's {theirs}"
         for op, theirs in ours.items()
-    )
+    ]
+    if manifest.shards:
+        kernels.append(f"our AllReduce / AllGather between the {manifest.tensor_parallel} ranks")
+    return "; ".join(kernels)
+
+
+def _span(bounds: list[int]) -> str:
+    return f"{bounds[0]}..{bounds[1] - 1}"
 
 
 def _settings(settings: dict) -> str:

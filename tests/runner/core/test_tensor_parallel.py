@@ -20,6 +20,7 @@ from runner.core.args import EngineArgs
 from runner.core.engine import LLMEngine
 from runner.core.tensor_parallel import RankFailure, threads_per_rank
 from runner.sampling.structured import StructuredOutputs
+from runner.tools.info import describe
 
 pytestmark = pytest.mark.skipif(
     native_ops.unavailable_reason() is not None,
@@ -70,6 +71,8 @@ def test_the_manifest_lists_each_ranks_share_and_graph(engine_factory):
     assert shares == [([0, 2], [0, 4], [0, 160]), ([2, 3], [4, 6], [160, 320])]
     assert manifest.shards[1].graph.file in manifest.files and "AllReduce" in manifest.shards[1].graph.native_ops
     assert manifest.for_rank(1).kv_cache.num_kv_heads == 1 and manifest.for_rank(0).kv_cache.num_kv_heads == 2
+    described = "\n".join(describe(open_artifact(engine_factory("three_kv_heads", tensor_parallel=2))))
+    assert "rank 1: model.rank1.onnx, KV heads 2..2, heads 4..5, MLP 64..95, vocabulary 160..319" in described
 
 
 def test_prefix_caching_speculation_and_sampling_run_on_the_ranks(engine_factory):
