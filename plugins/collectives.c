@@ -1,5 +1,5 @@
 /* The tensor-parallel collectives of a sharded step graph, between the rank processes of one host, through one
- * shared-memory segment (plugins/shared_segment.py: the runner creates it and hands it to this library with
+ * shared-memory segment (runner/core/shared_segment.py: the runner creates it and hands it to this library with
  * llm_tp_attach before any session runs; each process is one rank).
  *
  * AllReduce: the elementwise fp32 sum of every rank's tensor. AllGather: every rank's [rows, size_r] slice of the

@@ -2,7 +2,7 @@
 row-parallel linear) and AllGather (the vocabulary-parallel LM head's logits, concatenated in rank order).
 
 In the graph they are our ops (plugins/collectives.c in the kernel library): between the rank processes of one
-host through a shared-memory segment, which the runner creates (plugins/shared_segment.py) and hands to the
+host through a shared-memory segment, which the runner creates (runner/core/shared_segment.py) and hands to the
 library of each rank's process before its session runs. In torch they are custom ops whose eager form runs over
 torch.distributed (for tests of a sharded model in torch), and which the exporter lowers to our nodes.
 """

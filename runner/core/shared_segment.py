@@ -1,6 +1,5 @@
 """The shared memory through which the ranks of a tensor-parallel engine on one host exchange their collectives'
-data (plugins/collectives.c), and its handing to the kernel library of a rank's process. No torch: the runner
-uses it."""
+data (plugins/collectives.c), and its handing to the engine's kernel library in a rank's process."""
 
 from __future__ import annotations
 
