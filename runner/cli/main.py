@@ -463,7 +463,10 @@ def serve(
             ssl_certfile=ssl_certfile,
         )
     )
-    server.run()
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn raises the Ctrl-C it caught again once it has shut down gracefully
+        pass
     if async_engine.fatal is not None:
         raise click.ClickException(f"the engine failed: {async_engine.fatal}")
 
