@@ -306,7 +306,7 @@ def _emit_rank_graphs(
         step = _native_kernels(kernels, export_step_graph(model, staging, shapes.max_seq_len, file), staging, log)
         del model
         if step.native_library is None:
-            step = replace(step, native_library=native_ops.compile_library(staging).name)
+            step = replace(step, native_library=_kernel_library(staging).name)
         step = replace(step, native_ops=[*step.native_ops, "AllReduce", "AllGather"])
         shards.append(ShardSpec(rank, step, *(list(bounds) for bounds in _share_bounds(share))))
     return {STEP_GRAPH: shards[0].graph}, shards, quantization
@@ -685,8 +685,13 @@ def _native_kernels(wanted: dict[str, bool], step: GraphSpec, staging: Path, log
         log(f"      {op}: our kernel in {counts[op]} nodes")
     if not used:
         return step
-    library = native_ops.compile_library(staging)
-    return replace(step, native_library=library.name, native_ops=used)
+    return replace(step, native_library=_kernel_library(staging).name, native_ops=used)
+
+
+def _kernel_library(staging: Path) -> Path:
+    """Our kernel library in the artifact, compiled once per build (every rank's step graph uses the same one)."""
+    library = staging / native_ops.LIBRARY_NAME
+    return library if library.is_file() else native_ops.compile_library(staging)
 
 
 def _numpy_dtype(dtype: str) -> str:
