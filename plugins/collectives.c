@@ -88,6 +88,9 @@ __attribute__((visibility("default"))) void llm_tp_times(int64_t out[2]) {
   out[1] = group.waiting_ns;
 }
 
+/* Whether the segment is marked aborted: a rank failed, or a wait gave up on a rank that did not arrive. */
+__attribute__((visibility("default"))) int llm_tp_aborted(void) { return group.base && atomic_load(&header()->aborted); }
+
 /* Make every rank's waits fail (a rank failed or is shutting down). */
 __attribute__((visibility("default"))) void llm_tp_abort(void) {
   if (group.base) atomic_store(&header()->aborted, 1);

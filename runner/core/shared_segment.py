@@ -48,6 +48,10 @@ class SharedSegment:
         self.library.llm_tp_times(times)
         return times[0] / 1e9, times[1] / 1e9
 
+    def aborted(self) -> bool:
+        """Whether a collective gave up (a rank gone or hung) or a rank marked the group failed."""
+        return bool(self.library.llm_tp_aborted())
+
     def abort(self) -> None:
         """Every rank's current and future collective fails at once (a rank died, or the group shuts down)."""
         self.library.llm_tp_abort()

@@ -2,7 +2,7 @@
 
 Rank 0 is the process that opened the engine: it owns the scheduler, the sampler, the API and the server, like a
 single-rank engine, and its executor (`LeaderExecutor`) sends every step-graph call and every KV cache change to
-the other ranks before it makes the same one itself. The other ranks (`follow`) only make those calls, on their
+the other ranks before it makes the same one itself. The other ranks (`serve_rank`) only make those calls, on their
 own shards and their own KV caches (their KV heads'). Inside each step graph the ranks meet at the collectives
 (plugins/collectives.c, through a shared-memory segment), and every rank gets the same logits.
 
@@ -13,8 +13,8 @@ MPICH was tried first, and its process manager kills every process of the job, r
 
 Faults: a rank whose process ends makes the collectives of the others fail at once (they watch each other's
 process ids), and rank 0 raises RankFailure from then on; the other ranks exit when rank 0's process is gone.
-A hung rank makes the others' collectives fail after runner.core.shared_segment.DEFAULT_TIMEOUT_S. The shared segment's
-name is removed as soon as every rank has attached, so nothing is left behind.
+A hung rank makes the others' collectives fail after runner.core.shared_segment.DEFAULT_TIMEOUT_S, and rank 0 raise
+RankFailure. The shared segment's name is removed as soon as every rank has attached, so nothing is left behind.
 """
 
 from __future__ import annotations
@@ -170,9 +170,13 @@ class RankGroup:
                 raise RankFailure(f"tensor-parallel rank {rank} takes no more calls") from None
 
     def check(self) -> None:
-        """Raise RankFailure if a rank has failed (after a call whose collectives gave up)."""
+        """Raise RankFailure if a rank has failed, or a collective gave up on one (hung)."""
         if self.failure is None:
             self._find_failure()
+        if self.failure is None and self.segment.aborted():
+            self.failure = RankFailure(
+                "a tensor-parallel rank did not reach a collective in time: the engine cannot go on"
+            )
         if self.failure is not None:
             raise self.failure
 
@@ -293,9 +297,9 @@ class LeaderExecutor(Executor):
     def _checked(self, call, args):
         try:
             return call(*args)
-        except Exception as err:  # a collective that gave up fails the graph call with onnxruntime's error
+        except Exception:  # where a collective gave up, the group's failure (RankFailure) is the error to report
             self.group.check()
-            raise RankFailure(f"a tensor-parallel step failed: {str(err).splitlines()[0]}") from err
+            raise
 
 
 def run_rank() -> None:

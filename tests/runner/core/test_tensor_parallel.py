@@ -18,6 +18,7 @@ from plugins import native_ops
 from runner import LLM, SamplingParams
 from runner.core.args import EngineArgs
 from runner.core.engine import LLMEngine
+from runner.core.shared_segment import DEFAULT_TIMEOUT_S
 from runner.core.tensor_parallel import RankFailure, threads_per_rank
 from runner.sampling.structured import StructuredOutputs
 from runner.tools.info import describe
@@ -108,6 +109,34 @@ def test_a_rank_that_dies_stops_the_engine_with_an_error_and_leaves_nothing_behi
     assert time.monotonic() - start < 5
     with pytest.raises(RankFailure):  # and every call after it
         tokens(llm, PROMPTS[:1])
+
+
+def test_a_rank_that_hangs_stops_the_engine_with_an_error_after_the_collectives_timeout(engine_factory):
+    llm = LLM(engine_factory("gqa", tensor_parallel=2))
+    tokens(llm, PROMPTS[:1])
+    rank = llm.engine.ranks.pids[0]
+    os.kill(rank, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        with pytest.raises(RankFailure, match="did not reach a collective in time"):
+            tokens(llm, PROMPTS[:1])
+        assert time.monotonic() - start < DEFAULT_TIMEOUT_S + 5
+    finally:
+        os.kill(rank, signal.SIGCONT)
+
+
+def test_an_error_of_rank_zeros_own_call_is_reported_as_it_is(engine_factory, monkeypatch):
+    from runner.core.executor import Executor
+
+    engine = LLMEngine(EngineArgs(engine_factory("gqa", tensor_parallel=2)))
+
+    def failing_run(self, *args):
+        raise RuntimeError("rank 0's own call failed")
+
+    monkeypatch.setattr(Executor, "_run", failing_run)  # in this process only: rank 0's
+    with pytest.raises(RuntimeError, match="rank 0's own call failed") as raised:
+        engine.executor.prefill(0, [5, 6, 7], 0)
+    assert not isinstance(raised.value, RankFailure) and engine.ranks.failure is None
 
 
 def test_the_other_ranks_exit_when_rank_zero_is_gone(engine_factory, tmp_path):
