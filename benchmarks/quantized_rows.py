@@ -25,7 +25,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from plugins import native_ops  # noqa: E402
+from plugins import int4_matmul, native_ops  # noqa: E402
 from runner.core.machine import cpu_model  # noqa: E402
 
 # (name, N, K) of the default model: the fused q/k/v, the MLP's gate+up and down, the LM head
@@ -41,16 +41,20 @@ def session(library: Path, kind: str, n: int, k: int, threads: int):
     rng = np.random.default_rng(0)
     bits = 8 if kind == "Q8_0" else 4
     weights = rng.integers(0, 256, (n, k // 32, 32 * bits // 8), dtype=np.uint8)
-    constants = [
-        numpy_helper.from_array(weights, "w"),
-        numpy_helper.from_array(rng.random(n * k // 32, np.float32).astype(np.float16), "s"),
+    scales = rng.random(n * k // 32, np.float32).astype(np.float16)
+    constants = [  # in the kernels' column tiles, as a build stores them
+        numpy_helper.from_array(int4_matmul.tile_weights(weights, bits), "w"),
+        numpy_helper.from_array(int4_matmul.tile_per_block(scales, n), "s"),
     ]
     inputs = ["a", "w", "s"]
     if kind == "Q4_1":
-        constants.append(numpy_helper.from_array((-rng.random((n, k // 32))).astype(np.float16), "m"))
+        minimums = (-rng.random((n, k // 32))).astype(np.float16)
+        constants.append(numpy_helper.from_array(int4_matmul.tile_per_block(minimums, n), "m"))
         inputs.append("m")
     op = "Int8MatMul" if bits == 8 else "Int4MatMul"
-    node = helper.make_node(op, inputs, ["y"], domain=native_ops.DOMAIN, K=k, N=n, block_size=32)
+    node = helper.make_node(
+        op, inputs, ["y"], domain=native_ops.DOMAIN, K=k, N=n, block_size=32, column_tile=int4_matmul.COLUMN_TILE
+    )
     graph = helper.make_graph(
         [node],
         "one",

@@ -16,6 +16,7 @@ from typing import Any
 
 from engines.model_config import ModelConfig
 
+# 7: our quantized matmuls' weights, scales and minimums in column tiles (plugins/int4_matmul.c);
 # 6: the backend's device and the target facts a compiled graph must find again (AOTInductor packages,
 # TensorRT engines); 5: typed quantization and speculation sections (GPTQ's facts and the int8 KV cache's
 # nested), every graph names the native ops it runs, and every engine has the score phase, the sampler's
@@ -24,7 +25,7 @@ from engines.model_config import ModelConfig
 # 3: a sampler graph chooses every token (sampling and speculative acceptance in the engine);
 # 2: attention is one fused node per layer writing the cache in place (present_* bound to past_*), K stored
 # [B, kv_heads, L, head_dim] like V, attention_bias replaces tree_mask; 1: new K/V were graph outputs.
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 # onnxruntime: ONNX graphs with onnxruntime's and our own kernels; aoti: the step graph compiled by AOTInductor (its
 # side graphs stay ONNX); tensorrt: a TensorRT engine built from the step graph's ONNX (builder/tensorrt.py)
 BACKENDS = ("onnxruntime", "aoti", "tensorrt")

@@ -1,20 +1,21 @@
 """Int4 weight-only matmuls: our own onnxruntime CPU kernel (int4_matmul.c), a custom op `Int4MatMul` that takes
-com.microsoft::MatMulNBits's place in the step graph for int4 weights with int8 activations (accuracy_level 4), on
-the same nibble layout (plugins/quant_linear.py), its scales stored as float16 (`half_scales`), and the MLP's
-activation folded into the gate / up projection's node (`fuse_swiglu`).
+com.microsoft::MatMulNBits's place in the step graph for int4 weights with int8 activations (accuracy_level 4), its
+weights, scales and minimums reordered into the kernel's column tiles (`tile_weights`, `tile_per_block`: 16 columns
+side by side per 32 values of K, so one vector load feeds 16 columns), its scales stored as float16 (`half_scales`),
+and the MLP's activation folded into the gate / up projection's node (`fuse_swiglu`).
 
 Why: its result for a row does not depend on the other rows of the call (batch invariance), where onnxruntime's
 kernel rounds one row differently from several, so an engine had to pad one-row decode calls to two rows to keep a
-request's greedy tokens the same alone and in a batch (`Executor.pad_single_rows_if_they_round_differently`). Opened
-for one stream (nothing to pad) the two decode alike: both stream the weights as fast as memory serves them
-(docs/measurements.md). Results match onnxruntime's int8 path to float rounding (the same per-32 activation
-quantization).
+request's greedy tokens the same alone and in a batch (`Executor.pad_single_rows_if_they_round_differently`). And a
+call's rows share the weight stream: the column tiles are unpacked once for 4 rows at a time, and the per-column
+work is one fma per 32 values (docs/quantization.md has the times per number of rows). Results match onnxruntime's
+int8 path to float rounding (the same per-32 activation quantization).
 
-Covered: bits 4, accuracy_level 4, blocks of a power of 2 from 32 that divides K; other nodes (int8 weights, fp32
-compute, blocks of 16) keep MatMulNBits. Int4 blocks with minimums (GGUF Q4_1: w = scale * q + minimum, float16
-minimums as the file holds them) are exported as Int4MatMul nodes with a fourth input already
-(plugins/quant_linear.py), which MatMulNBits cannot express exactly. The kernel needs AVX2, FMA and F16C at run
-time.
+Covered: bits 4 (`Int4MatMul`) and 8 (`Int8MatMul`, which holds GGUF Q8_0 blocks), accuracy_level 4, blocks of a
+power of 2 from 32 that divides K; other nodes (fp32 compute, blocks of 16) keep MatMulNBits. Int4 blocks with
+minimums (GGUF Q4_1: w = scale * q + minimum, float16 minimums as the file holds them) are exported as Int4MatMul
+nodes with a fourth input already (plugins/quant_linear.py), which MatMulNBits cannot express exactly. The kernel
+needs AVX2, FMA and F16C at run time.
 """
 
 from __future__ import annotations
@@ -55,45 +56,160 @@ def kernel_for(attributes: dict, input_count: int) -> str | None:
     return OPS.get(attributes.get("bits")) if covered else None
 
 
+COLUMN_TILE = 16  # columns per tile of the kernels' weight layout (int4_matmul.c), their nodes' column_tile
+
+
 def use_in_graph(graph_file: Path) -> dict[str, int]:
-    """Replace every MatMulNBits node of `graph_file` our kernels cover by Int4MatMul / Int8MatMul, store the
-    scales of every int4 node (those and the ones exported as such) as float16 (`half_scales`; int8 nodes' only
-    where float16 holds them exactly, as GGUF Q8_0's), and fold the MLP activation into the gate / up node
-    (`fuse_swiglu`); returns how many nodes run each op."""
+    """Replace every MatMulNBits node of `graph_file` our kernels cover by Int4MatMul / Int8MatMul, store their
+    weights, scales and minimums in the kernels' column tiles (`tile_weights`, `tile_per_block`; a Gather that reads
+    one, the embedding from a tied head's blocks, is rewritten to read the tiles), the scales of int4 nodes as
+    float16 (`half_scales`; int8 nodes' only where float16 holds them exactly, as GGUF Q8_0's), and fold the MLP
+    activation into the gate / up node (`fuse_swiglu`); returns how many nodes run each op."""
     from onnx import helper
 
-    scales = {op: set() for op in OPS.values()}
-    read_by_others = set()
     counts = dict.fromkeys(OPS.values(), 0)
+    tiled: dict[str, tuple] = {}  # initializer -> (role, N, bits) of the node that reads it
 
     def replace(node):
-        if node.op_type in counts and node.domain == DOMAIN:  # exported as ours (int4 blocks with minimums)
-            scales[node.op_type].add(node.input[2])
-            counts[node.op_type] += 1
-            return None
         attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        op = kernel_for(attributes, len(node.input)) if node.op_type == "MatMulNBits" else None
-        if op is None or node.domain != "com.microsoft":
-            read_by_others.update(node.input)
+        if node.op_type in counts and node.domain == DOMAIN:  # exported as ours (int4 blocks with minimums)
+            op = node.op_type
+        elif node.op_type == "MatMulNBits" and node.domain == "com.microsoft":
+            op = kernel_for(attributes, len(node.input))
+        else:
             return None
-        scales[op].add(node.input[2])
+        if op is None:
+            return None
+        bits = 8 if op == "Int8MatMul" else 4
+        for role, name in zip(("weights", "scales", "minimums"), node.input[1:]):
+            tiled[name] = (role, attributes["N"], bits)
         counts[op] += 1
+        kept = {key: attributes[key] for key in ("K", "N", "block_size", "swiglu") if key in attributes}
         return helper.make_node(
-            op,
-            list(node.input),
-            list(node.output),
-            name=node.name,
-            domain=DOMAIN,
-            K=attributes["K"],
-            N=attributes["N"],
-            block_size=attributes["block_size"],
+            op, list(node.input), list(node.output), name=node.name, domain=DOMAIN, **kept, column_tile=COLUMN_TILE
         )
 
     rewrite_nodes(graph_file, replace)
-    rewrite_initializers(graph_file, scales["Int4MatMul"] - read_by_others, half_scales)
-    rewrite_initializers(graph_file, scales["Int8MatMul"] - read_by_others, exact_half_scales)
+    gathered = _gathers_read_tiles(graph_file, {name: n for name, (_, n, _) in tiled.items()})
+
+    def convert(role: str, n: int, bits: int, name: str):
+        if role == "weights":
+            return lambda packed: tile_weights(packed, bits)
+        narrow = half_scales if bits == 4 else exact_half_scales
+        if role == "scales" and name not in gathered:  # a Gather's reader expects the dtype it had
+            return lambda scales: tile_per_block(_or_as_is(narrow(scales), scales), n)
+        return lambda values: tile_per_block(values, n)
+
+    rewrite_initializers(graph_file, {name: convert(*spec, name) for name, spec in tiled.items()})
     fuse_swiglu(graph_file)
     return counts
+
+
+def tile_weights(packed: np.ndarray, bits: int) -> np.ndarray:
+    """MatMulNBits's weights [N, K / block, block * bits / 8] in the kernels' column tiles: per tile of COLUMN_TILE
+    columns (N padded with zero columns to whole tiles), per 32 values of K, `bits` vectors whose lane j holds 4
+    bytes of column j; returned as [N' * K / 32 * bits, 4], one row a lane (a Gather of the embedding reads rows)."""
+    n = packed.shape[0]
+    words = _pad_columns(packed.reshape(n, -1, bits, 4))  # [N', chunks, vectors, 4]
+    tiles = words.reshape(-1, COLUMN_TILE, *words.shape[1:])  # [tiles, columns, chunks, vectors, 4]
+    return np.ascontiguousarray(tiles.transpose(0, 2, 3, 1, 4)).reshape(-1, 4)
+
+
+def tile_per_block(values: np.ndarray, n: int) -> np.ndarray:
+    """Scales or minimums, one per column and block ([N * blocks] or [N, blocks]), in the same column tiles: per
+    tile, per block, the tile's COLUMN_TILE columns; [N' * blocks]."""
+    per_column = _pad_columns(values.reshape(n, -1))
+    return np.ascontiguousarray(per_column.reshape(-1, COLUMN_TILE, per_column.shape[1]).transpose(0, 2, 1)).reshape(-1)
+
+
+def _pad_columns(per_column: np.ndarray) -> np.ndarray:
+    missing = -len(per_column) % COLUMN_TILE
+    return np.concatenate([per_column, np.zeros((missing, *per_column.shape[1:]), per_column.dtype)])
+
+
+def _or_as_is(narrowed: np.ndarray | None, values: np.ndarray) -> np.ndarray:
+    return values if narrowed is None else narrowed
+
+
+def _gathers_read_tiles(graph_file: Path, columns: dict[str, int]) -> set[str]:
+    """Rewrite each Gather that reads one of the initializers about to be tiled (`columns`: name -> N) to read the
+    tiles instead (`_tiled_gather`); any other reader is an error. Returns the initializers read so."""
+    import onnx
+    from onnx import helper
+
+    model = onnx.load(str(graph_file), load_external_data=False)
+    shapes = {t.name: list(t.dims) for t in model.graph.initializer if t.name in columns}
+    nodes, read = [], set()
+    for node in model.graph.node:
+        if node.domain == DOMAIN or not set(node.input) & set(columns):
+            nodes.append(node)
+            continue
+        data = node.input[0]
+        axis = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "axis"), 0)
+        if node.op_type != "Gather" or data not in columns or axis != 0 or node.input[1] in columns:
+            raise ValueError(f"{node.op_type} node {node.name!r} reads {data!r}, which the quantized matmuls tile")
+        read.add(data)
+        nodes.extend(_tiled_gather(node, shapes[data], columns[data]))
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    onnx.save(model, str(graph_file))
+    return read
+
+
+def _tiled_gather(gather, shape: list[int], n: int) -> list:
+    """The nodes that do what `gather` did to an initializer of `shape` in column order ([N, ...]: by column, the
+    embedding's lookup of a token's row; [N * R]: by flat index n R + i) on its column tiles, where column n's i-th
+    lane (weights: 4 bytes) or value lies at base(n) + 16 i, base(n) = (n // 16) 16 R + n % 16, R lanes or values a
+    column."""
+    from onnx import TensorProto, helper
+
+    by_column = shape[0] == n
+    per_column = int(np.prod(shape)) // n // (4 if len(shape) == 3 else 1)  # R: weights [N, blocks, bytes] in lanes
+    data, index, out = gather.input[0], gather.input[1], list(gather.output)
+    name = lambda key: f"{gather.name}/tiled/{key}"  # noqa: E731
+
+    def node(op: str, inputs: list[str], key: str, **attributes):
+        return helper.make_node(op, [name(i) for i in inputs], [name(key)], **attributes)
+
+    def constant(key: str, values: list[int]):
+        return helper.make_node(
+            "Constant", [], [name(key)], value=helper.make_tensor(name(key), TensorProto.INT64, [len(values)], values)
+        )
+
+    nodes = [
+        constant("tile", [COLUMN_TILE]),
+        constant("tile_span", [COLUMN_TILE * per_column]),
+        constant("per_column", [per_column]),
+        helper.make_node("Cast", [index], [name("index")], to=TensorProto.INT64),
+    ]
+    column = "index"
+    if not by_column:
+        nodes.append(node("Div", ["index", "per_column"], "column"))
+        column = "column"
+    nodes += [
+        node("Div", [column, "tile"], "tile_of"),
+        node("Mul", ["tile_of", "tile_span"], "tile_start"),
+        node("Mod", [column, "tile"], "lane"),
+        node("Add", ["tile_start", "lane"], "base"),
+    ]
+    if not by_column:
+        return nodes + [
+            node("Mod", ["index", "per_column"], "value"),
+            node("Mul", ["value", "tile"], "offset"),
+            node("Add", ["base", "offset"], "tiled"),
+            helper.make_node("Gather", [data, name("tiled")], out, name=gather.name, axis=0),
+        ]
+    return nodes + [
+        constant("lanes", [COLUMN_TILE * i for i in range(per_column)]),
+        constant("last", [-1]),
+        constant("row_shape", shape[1:]),
+        node("Unsqueeze", ["base", "last"], "first"),
+        node("Add", ["first", "lanes"], "tiled"),
+        helper.make_node("Gather", [data, name("tiled")], [name("rows")], axis=0),
+        node("Shape", ["index"], "index_shape"),
+        node("Concat", ["index_shape", "row_shape"], "shape", axis=0),
+        helper.make_node("Reshape", [name("rows"), name("shape")], out, name=gather.name),
+    ]
 
 
 def fuse_swiglu(graph_file: Path) -> int:

@@ -70,12 +70,10 @@ def rewrite_nodes(graph_file: Path, replace) -> int:
     return replaced
 
 
-def rewrite_initializers(
-    graph_file: Path, names: set[str], convert: Callable[[np.ndarray], np.ndarray | None]
-) -> set[str]:
-    """Store the initializers `names` of `graph_file` as `convert(array)` returns them (another dtype or shape; None
-    keeps one as it is). The weights files the graph points to are written anew one tensor at a time, so no more
-    than the largest converted tensor is ever in memory. Returns the names converted."""
+def rewrite_initializers(graph_file: Path, converts: dict[str, Callable[[np.ndarray], np.ndarray | None]]) -> set[str]:
+    """Store each initializer named in `converts` of `graph_file` as its function returns it (another dtype or
+    shape; None keeps one as it is). The weights files the graph points to are written anew one tensor at a time, so
+    no more than the largest converted tensor is ever in memory. Returns the names converted."""
     import onnx
     from onnx import helper, numpy_helper
 
@@ -85,7 +83,7 @@ def rewrite_initializers(
     for tensor in model.graph.initializer:
         if tensor.data_location == onnx.TensorProto.EXTERNAL:
             files.setdefault(_external(tensor)["location"], []).append(tensor)
-        elif tensor.name in names and (new := convert(numpy_helper.to_array(tensor))) is not None:
+        elif tensor.name in converts and (new := converts[tensor.name](numpy_helper.to_array(tensor))) is not None:
             tensor.CopyFrom(numpy_helper.from_array(new, tensor.name))
             converted.add(tensor.name)
     for location, tensors in files.items():
@@ -97,9 +95,9 @@ def rewrite_initializers(
                 old.seek(int(entries.get("offset", 0)))
                 length = int(entries["length"])
                 new = None
-                if tensor.name in names:
+                if tensor.name in converts:
                     array = np.frombuffer(old.read(length), helper.tensor_dtype_to_np_dtype(tensor.data_type))
-                    new = convert(array.reshape(tuple(tensor.dims)))
+                    new = converts[tensor.name](array.reshape(tuple(tensor.dims)))
                     if new is None:
                         old.seek(-length, os.SEEK_CUR)
                 offset = new_file.tell()

@@ -97,6 +97,16 @@ def test_int4_engine_of_a_q4_1_gguf_is_that_gguf(tiny_gguf, tmp_path):
     assert np.abs(teacher_forced_logits(requantized, prompt, forced) - reference).max() > 1e-2 * np.abs(reference).max()
 
 
+def untiled(tiled: np.ndarray, n: int, bits: int | None = None) -> np.ndarray:
+    """An initializer of our quantized matmul back in column order: tiles of 16 columns (padded), per 32 values of K
+    (weights: `bits` vectors of 16 lanes x 4 bytes) or per block (scales, minimums) the tile's 16 columns."""
+    padded = -(-n // 16) * 16
+    if bits is None:
+        return tiled.reshape(padded // 16, -1, 16).transpose(0, 2, 1).reshape(padded, -1)[:n]
+    lanes = tiled.reshape(padded // 16, -1, bits, 16, 4)  # tiles, chunks, vectors, columns, bytes
+    return lanes.transpose(0, 3, 1, 2, 4).reshape(padded, -1)[:n]
+
+
 def test_auto_builds_a_gguf_at_its_own_blocks_in_our_fused_kernels(tiny_gguf, tmp_path):
     """The default (--quant auto) keeps the file's Q4_1 / Q8_0 blocks: each linear one Int4MatMul (minimums inside)
     or Int8MatMul node holding the file's codes, float16 scales and minimums bit for bit; no MatMulNBits, no
@@ -118,12 +128,13 @@ def test_auto_builds_a_gguf_at_its_own_blocks_in_our_fused_kernels(tiny_gguf, tm
     (o_proj,) = [n for n in model.graph.node if n.op_type == "Int4MatMul" and "layers.1.self_attn.o_proj" in n.input[1]]
     assert len(o_proj.input) == 4
     raw = next(t for t in gguf.GGUFReader(str(tiny_gguf)).tensors if t.name == "blk.1.attn_output.weight")
-    blocks = np.asarray(raw.data).reshape(constants[o_proj.input[1]].shape[0], -1, 20)
-    scales, minimums = constants[o_proj.input[2]], constants[o_proj.input[3]]
+    n = next(a.i for a in o_proj.attribute if a.name == "N")
+    blocks = np.asarray(raw.data).reshape(n, -1, 20)
+    scales, minimums = (untiled(constants[name], n) for name in o_proj.input[2:])
     assert scales.dtype == minimums.dtype == np.float16
     assert np.array_equal(scales.reshape(-1), blocks[..., 0:2].copy().view(np.float16).reshape(-1))
     assert np.array_equal(minimums.reshape(blocks.shape[:2]), blocks[..., 2:4].copy().view(np.float16)[..., 0])
-    nibbles = constants[o_proj.input[1]]
+    nibbles = untiled(constants[o_proj.input[1]], n, bits=4)
     values = np.stack([nibbles & 15, nibbles >> 4], axis=-1).reshape(*blocks.shape[:2], 32)
     assert np.array_equal(values, np.concatenate((blocks[..., 4:] & 15, blocks[..., 4:] >> 4), axis=-1))
     # the tied LM head's Q8_0 blocks are the embedding table too: read by a Gather, no float copy of the table

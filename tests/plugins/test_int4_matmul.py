@@ -50,17 +50,27 @@ def session(
     rank: int = 2,
     swiglu: int = 0,
     minimums: np.ndarray | None = None,
+    tile: bool = True,
 ):
+    """A session of one node. Our ops take their inputs in column tiles, as the build stores them (tile=False: the
+    arrays go in as they are given)."""
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
     constants = [numpy_helper.from_array(packed, "w"), numpy_helper.from_array(scales, "s")]
     if op in ("Int4MatMul", "Int8MatMul"):
+        if tile:
+            packed = int4_matmul.tile_weights(packed, 8 if op == "Int8MatMul" else 4)
+            scales = int4_matmul.tile_per_block(scales, n)
+            minimums = None if minimums is None else int4_matmul.tile_per_block(minimums, n)
+        constants = [numpy_helper.from_array(packed, "w"), numpy_helper.from_array(scales, "s")]
         extra = {"swiglu": swiglu} if swiglu else {}
         inputs = ["a", "w", "s"] + ([] if minimums is None else ["m"])
         if minimums is not None:
             constants.append(numpy_helper.from_array(minimums, "m"))
-        node = helper.make_node(op, inputs, ["y"], domain=DOMAIN, K=k, N=n, block_size=block, **extra)
+        node = helper.make_node(
+            op, inputs, ["y"], domain=DOMAIN, K=k, N=n, block_size=block, column_tile=int4_matmul.COLUMN_TILE, **extra
+        )
     else:
         node = helper.make_node(
             op, ["a", "w", "s"], ["y"], domain="com.microsoft", K=k, N=n, bits=4, block_size=block, accuracy_level=4
@@ -210,7 +220,7 @@ MINIMUM_SHAPES = {"the default model's MLP": (96, 576), "odd 32-blocks, odd N": 
 
 def vnni() -> bool:
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    return "avx512_vnni" in flags and "avx512vl" in flags
+    return all(flag in flags.split() for flag in ("avx512f", "avx512bw", "avx512_vnni"))
 
 
 # the kernels' tiles: the CPU's best (AVX-512 VNNI where it has it) and the AVX2 ones every x86-64 CPU we support runs
@@ -259,11 +269,13 @@ def test_minimums_of_the_wrong_size_type_or_block_are_refused(library):
 
     n, k = 37, 96
     packed, scales, minimums = q4_1_blocks(n, k)
+    tiled = int4_matmul.tile_weights(packed, 4), int4_matmul.tile_per_block(scales, n)
+    good = int4_matmul.tile_per_block(minimums, n)
     a = np.ones((1, k), np.float32)
-    for bad in (minimums[:-1], minimums.astype(np.float32)):
+    for bad in (good[:-1], good.astype(np.float32), minimums):  # short, float, not padded to whole tiles
         state = ort.capi.onnxruntime_pybind11_state
         with pytest.raises((state.Fail, state.InvalidGraph)):
-            session(library, "Int4MatMul", packed, scales, k, n, 32, minimums=bad).run(None, {"a": a})
+            session(library, "Int4MatMul", *tiled, k, n, 32, minimums=bad, tile=False).run(None, {"a": a})
     packed, scales, minimums = q4_1_blocks(n, 128)  # as blocks of 64: minimums are for blocks of 32 only
     wide = packed.reshape(n, 2, 32)
     with pytest.raises(ort.capi.onnxruntime_pybind11_state.Fail, match="blocks of 32"):
@@ -277,10 +289,35 @@ def test_scales_of_the_wrong_size_or_type_are_refused(library):
 
     n, k, block = SHAPES["default model's MLP"]
     packed, scales = weights(n, k, block)
+    tiled = int4_matmul.tile_per_block(scales, n)
     a = np.ones((1, k), np.float32)
-    for bad in (scales[:-1], scales.astype(np.float64)):
+    for bad in (tiled[:-1], tiled.astype(np.float64)):
         with pytest.raises(ort.capi.onnxruntime_pybind11_state.Fail, match="scales must be N"):
-            session(library, "Int4MatMul", packed, bad, k, n, block).run(None, {"a": a})
+            session(library, "Int4MatMul", int4_matmul.tile_weights(packed, 4), bad, k, n, block, tile=False).run(
+                None, {"a": a}
+            )
+
+
+def test_a_node_without_column_tiles_is_refused_with_a_rebuild_hint(library):
+    """An engine from a builder that stored MatMulNBits's order (no column_tile attribute) must not run on it."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    n, k, block = SHAPES["default model's MLP"]
+    packed, scales = weights(n, k, block)
+    node = helper.make_node("Int4MatMul", ["a", "w", "s"], ["y"], domain=DOMAIN, K=k, N=n, block_size=block)
+    graph = helper.make_graph(
+        [node],
+        "untiled",
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["rows", k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["rows", n])],
+        [numpy_helper.from_array(packed, "w"), numpy_helper.from_array(scales, "s")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)])
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(str(library))
+    with pytest.raises(ort.capi.onnxruntime_pybind11_state.RuntimeException, match="column tiles of 16.*rebuild it"):
+        ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
 def test_half_scales_keeps_float_where_float16_would_overflow():

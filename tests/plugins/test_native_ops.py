@@ -38,7 +38,8 @@ def test_named_initializers_are_stored_as_converted_and_the_rest_as_they_were(tm
     arrays = graph_with_external_data(path)
     size = (tmp_path / "model.onnx.data").stat().st_size
     converted = rewrite_initializers(
-        path, {"scales", "inline", "last"}, lambda a: None if a.dtype == np.int64 else a.astype(np.float16)
+        path,
+        dict.fromkeys(("scales", "inline", "last"), lambda a: None if a.dtype == np.int64 else a.astype(np.float16)),
     )
     assert converted == {"scales", "inline"}
     loaded = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(path)).graph.initializer}

@@ -99,4 +99,8 @@ def test_the_engine_of_the_files_own_blocks_scores_within_1_percent_of_fp32(llm,
     ids = llm.tokenizer.encode(text)[:1536]
     fp32, ours = (perplexity(e.engine, ids, 512, 256).perplexity for e in (llm, exact))
     assert abs(ours / fp32 - 1) < 0.01, (ours, fp32)
-    assert "Paris" in exact.chat(CHATS[0], SamplingParams(max_tokens=32, temperature=0.0))[0].text
+    # the README's question, whose first token is clear for fp32 (log-probabilities -0.6 against -2.1). The int8
+    # activations' rounding moves log-probabilities by a few tenths, so a near tie (CHATS[0]: "The" -1.88 against
+    # "L'" -1.96) may go either way, and does between kernels that differ only in float summation order.
+    readme = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+    assert "Paris" in exact.chat(readme, SamplingParams(max_tokens=32, temperature=0.0))[0].text
