@@ -62,8 +62,9 @@ COLUMN_TILE = 16  # columns per tile of the kernels' weight layout (int4_matmul.
 def use_in_graph(graph_file: Path) -> dict[str, int]:
     """Replace every MatMulNBits node of `graph_file` our kernels cover by Int4MatMul / Int8MatMul, store their
     weights, scales and minimums in the kernels' column tiles (`tile_weights`, `tile_per_block`; a Gather that reads
-    one, the embedding from a tied head's blocks, is rewritten to read the tiles), the scales of int4 nodes as
-    float16 (`half_scales`; int8 nodes' only where float16 holds them exactly, as GGUF Q8_0's), and fold the MLP
+    one, the embedding from a tied head's blocks, is rewritten to read the tiles and cast the scales back), the
+    scales of int4 nodes as float16 (`half_scales`; int8 nodes' only where float16 holds them exactly, as GGUF
+    Q8_0's), and fold the MLP
     activation into the gate / up node (`fuse_swiglu`); returns how many nodes run each op."""
     from onnx import helper
 
@@ -90,17 +91,17 @@ def use_in_graph(graph_file: Path) -> dict[str, int]:
         )
 
     rewrite_nodes(graph_file, replace)
-    gathered = _gathers_read_tiles(graph_file, {name: n for name, (_, n, _) in tiled.items()})
+    _gathers_read_tiles(graph_file, {name: n for name, (_, n, _) in tiled.items()})
 
-    def convert(role: str, n: int, bits: int, name: str):
+    def convert(role: str, n: int, bits: int):
         if role == "weights":
             return lambda packed: tile_weights(packed, bits)
-        narrow = half_scales if bits == 4 else exact_half_scales
-        if role == "scales" and name not in gathered:  # a Gather's reader expects the dtype it had
+        if role == "scales":
+            narrow = half_scales if bits == 4 else exact_half_scales
             return lambda scales: tile_per_block(_or_as_is(narrow(scales), scales), n)
         return lambda values: tile_per_block(values, n)
 
-    rewrite_initializers(graph_file, {name: convert(*spec, name) for name, spec in tiled.items()})
+    rewrite_initializers(graph_file, {name: convert(*spec) for name, spec in tiled.items()})
     fuse_swiglu(graph_file)
     return counts
 
@@ -131,15 +132,15 @@ def _or_as_is(narrowed: np.ndarray | None, values: np.ndarray) -> np.ndarray:
     return values if narrowed is None else narrowed
 
 
-def _gathers_read_tiles(graph_file: Path, columns: dict[str, int]) -> set[str]:
+def _gathers_read_tiles(graph_file: Path, columns: dict[str, int]) -> None:
     """Rewrite each Gather that reads one of the initializers about to be tiled (`columns`: name -> N) to read the
-    tiles instead (`_tiled_gather`); any other reader is an error. Returns the initializers read so."""
+    tiles instead (`_tiled_gather`); any other reader is an error."""
     import onnx
     from onnx import helper
 
     model = onnx.load(str(graph_file), load_external_data=False)
-    shapes = {t.name: list(t.dims) for t in model.graph.initializer if t.name in columns}
-    nodes, read = [], set()
+    tensors = {t.name: t for t in model.graph.initializer if t.name in columns}
+    nodes = []
     for node in model.graph.node:
         if node.domain == DOMAIN or not set(node.input) & set(columns):
             nodes.append(node)
@@ -148,25 +149,26 @@ def _gathers_read_tiles(graph_file: Path, columns: dict[str, int]) -> set[str]:
         axis = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "axis"), 0)
         if node.op_type != "Gather" or data not in columns or axis != 0 or node.input[1] in columns:
             raise ValueError(f"{node.op_type} node {node.name!r} reads {data!r}, which the quantized matmuls tile")
-        read.add(data)
-        nodes.extend(_tiled_gather(node, shapes[data], columns[data]))
+        nodes.extend(_tiled_gather(node, list(tensors[data].dims), tensors[data].data_type, columns[data]))
     del model.graph.node[:]
     model.graph.node.extend(nodes)
     onnx.save(model, str(graph_file))
-    return read
 
 
-def _tiled_gather(gather, shape: list[int], n: int) -> list:
+def _tiled_gather(gather, shape: list[int], data_type: int, n: int) -> list:
     """The nodes that do what `gather` did to an initializer of `shape` in column order ([N, ...]: by column, the
     embedding's lookup of a token's row; [N * R]: by flat index n R + i) on its column tiles, where column n's i-th
     lane (weights: 4 bytes) or value lies at base(n) + 16 i, base(n) = (n // 16) 16 R + n % 16, R lanes or values a
-    column."""
+    column. Floats (scales) are cast back to `data_type`, which they keep only if the build does not store them as
+    float16 (onnxruntime drops a Cast to the type its input has)."""
     from onnx import TensorProto, helper
 
     by_column = shape[0] == n
     per_column = int(np.prod(shape)) // n // (4 if len(shape) == 3 else 1)  # R: weights [N, blocks, bytes] in lanes
     data, index, out = gather.input[0], gather.input[1], list(gather.output)
     name = lambda key: f"{gather.name}/tiled/{key}"  # noqa: E731
+    floats = data_type in (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
+    result = [name("gathered")] if floats else out
 
     def node(op: str, inputs: list[str], key: str, **attributes):
         return helper.make_node(op, [name(i) for i in inputs], [name(key)], **attributes)
@@ -193,23 +195,25 @@ def _tiled_gather(gather, shape: list[int], n: int) -> list:
         node("Add", ["tile_start", "lane"], "base"),
     ]
     if not by_column:
-        return nodes + [
+        nodes += [
             node("Mod", ["index", "per_column"], "value"),
             node("Mul", ["value", "tile"], "offset"),
             node("Add", ["base", "offset"], "tiled"),
-            helper.make_node("Gather", [data, name("tiled")], out, name=gather.name, axis=0),
+            helper.make_node("Gather", [data, name("tiled")], result, name=gather.name, axis=0),
         ]
-    return nodes + [
-        constant("lanes", [COLUMN_TILE * i for i in range(per_column)]),
-        constant("last", [-1]),
-        constant("row_shape", shape[1:]),
-        node("Unsqueeze", ["base", "last"], "first"),
-        node("Add", ["first", "lanes"], "tiled"),
-        helper.make_node("Gather", [data, name("tiled")], [name("rows")], axis=0),
-        node("Shape", ["index"], "index_shape"),
-        node("Concat", ["index_shape", "row_shape"], "shape", axis=0),
-        helper.make_node("Reshape", [name("rows"), name("shape")], out, name=gather.name),
-    ]
+    else:
+        nodes += [
+            constant("lanes", [COLUMN_TILE * i for i in range(per_column)]),
+            constant("last", [-1]),
+            constant("row_shape", shape[1:]),
+            node("Unsqueeze", ["base", "last"], "first"),
+            node("Add", ["first", "lanes"], "tiled"),
+            helper.make_node("Gather", [data, name("tiled")], [name("rows")], axis=0),
+            node("Shape", ["index"], "index_shape"),
+            node("Concat", ["index_shape", "row_shape"], "shape", axis=0),
+            helper.make_node("Reshape", [name("rows"), name("shape")], result, name=gather.name),
+        ]
+    return nodes + ([helper.make_node("Cast", result, out, name=name("cast"), to=data_type)] if floats else [])
 
 
 def fuse_swiglu(graph_file: Path) -> int:

@@ -394,9 +394,11 @@ def test_an_int4_engine_runs_it_in_every_matmul_and_pads_no_lone_row(engine_fact
     graph = onnx.load(str(llm.engine.artifact.path(step.file)), load_external_data=False)
     scales = {node.input[2] for node in graph.graph.node if node.op_type == "Int4MatMul"}
     types = {t.name: t.data_type for t in graph.graph.initializer if t.name in scales}
-    # float16, but for the tied head's, which the embedding's Gather reads too and which stay float
-    assert types.pop("lm_head.scales") == onnx.TensorProto.FLOAT
-    assert types and set(types.values()) == {onnx.TensorProto.FLOAT16}
+    # float16, the tied head's too: the embedding's Gather reads them and casts what it read back to float
+    assert "lm_head.scales" in types and set(types.values()) == {onnx.TensorProto.FLOAT16}
+    (lookup,) = [node for node in graph.graph.node if node.op_type == "Gather" and node.input[0] == "lm_head.scales"]
+    (cast,) = [node for node in graph.graph.node if lookup.output[0] in node.input]
+    assert cast.op_type == "Cast" and cast.attribute[0].i == onnx.TensorProto.FLOAT
     prompts = [[5, 6, 7, 8, 9], [11, 3, 4], [1, 2]]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     alone = [llm.generate(prompt_token_ids=[p], sampling_params=params)[0].token_ids for p in prompts]
