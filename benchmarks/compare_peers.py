@@ -313,38 +313,28 @@ def ort_genai_models(work: Path, threads: int) -> dict[str, Path]:
         state = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
         save_file(state, str(hf / "model.safetensors"), metadata={"format": "pt"})
         transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(hf)
-    models = {}
-    for precision in ("fp32", "int4"):
-        out = work / f"ort-genai-{precision}"
-        if not (out / "genai_config.json").is_file():
-            subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "onnxruntime_genai.models.builder",
-                    "-i",
-                    str(hf),
-                    "-o",
-                    str(out),
-                    "-p",
-                    precision,
-                    "-e",
-                    "cpu",
-                    "-c",
-                    str(work / "cache"),
-                    "--extra_options",
-                    "int4_accuracy_level=4",
-                ],
-                check=True,
-                capture_output=True,
-                text=True,
-            )
-        config_path = out / "genai_config.json"
-        config = json.loads(config_path.read_text())
-        config["model"]["decoder"].setdefault("session_options", {})["intra_op_num_threads"] = threads
-        config_path.write_text(json.dumps(config, indent=4))
-        models[precision] = out
-    return models
+    return {
+        precision: ort_genai_model(hf, work / f"ort-genai-{precision}", precision, work, threads)
+        for precision in ("fp32", "int4")
+    }
+
+
+def ort_genai_model(hf: Path, out: Path, precision: str, work: Path, threads: int) -> Path:
+    """onnxruntime-genai's model builder's CPU model of the checkpoint `hf` in `out` (made once; int4: RTN blocks of
+    32, accuracy level 4), its session set to `threads` threads in genai_config.json."""
+    if not (out / "genai_config.json").is_file():
+        subprocess.run(
+            [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(out)]
+            + ["-p", precision, "-e", "cpu", "-c", str(work / "cache"), "--extra_options", "int4_accuracy_level=4"],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+    config_path = out / "genai_config.json"
+    config = json.loads(config_path.read_text())
+    config["model"]["decoder"].setdefault("session_options", {})["intra_op_num_threads"] = threads
+    config_path.write_text(json.dumps(config, indent=4))
+    return out
 
 
 def write_perplexity_text(engine: str, path: Path) -> None:

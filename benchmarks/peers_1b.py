@@ -30,7 +30,7 @@ import click
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.compare_peers import PEER_PACKAGES, ensure_package  # noqa: E402
+from benchmarks.compare_peers import PEER_PACKAGES, ensure_package, ort_genai_model  # noqa: E402
 from benchmarks.compare_transformers import write_prompts  # noqa: E402
 from benchmarks.interleave import interleaved_runs, paired_ratio  # noqa: E402
 from runner.core.machine import cpu_model, memory_bandwidth_gbs  # noqa: E402
@@ -116,22 +116,6 @@ def build_ours(source: Path, out: Path, *options: str) -> None:
     )
 
 
-def ort_genai_int4(checkpoint: Path, work: Path, threads: int) -> Path:
-    out = work / "ort-genai-int4"
-    if not (out / "genai_config.json").is_file():
-        subprocess.run(
-            [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(checkpoint), "-o", str(out)]
-            + ["-p", "int4", "-e", "cpu", "-c", str(work / "cache"), "--extra_options", "int4_accuracy_level=4"],
-            check=True,
-            capture_output=True,
-        )
-    config_path = out / "genai_config.json"
-    config = json.loads(config_path.read_text())
-    config["model"]["decoder"].setdefault("session_options", {})["intra_op_num_threads"] = threads
-    config_path.write_text(json.dumps(config, indent=4))
-    return out
-
-
 def size_bytes(target: Path) -> int:
     return (
         target.stat().st_size if target.is_file() else sum(f.stat().st_size for f in target.rglob("*") if f.is_file())
@@ -191,7 +175,9 @@ def main(work: Path, peers: str, threads: int, new_tokens: int, runs: int, name:
     if "llama.cpp" in wanted:
         engines.append(("llama.cpp Q4_0", "llama.cpp", gguf))
     if "ort-genai" in wanted:
-        engines.append(("ort-genai int4", "ort-genai", ort_genai_int4(checkpoint, work, threads)))
+        engines.append(
+            ("ort-genai int4", "ort-genai", ort_genai_model(checkpoint, work / "ort-genai-int4", "int4", work, threads))
+        )
     prompts_file = work / "prompts.json"
     prompts = write_prompts(str(ours["ours int4 RTN g32"]), prompts_file)
 
