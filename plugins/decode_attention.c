@@ -1,11 +1,12 @@
 /* DecodeAttention: attention over the runner's KV cache as an onnxruntime CPU custom op, in the place of
  * com.microsoft::GroupQueryAttention under plugins/attention.py's contract (rotary embedding, grouped-query
- * attention, the new K/V written into the cache in place). A call where every row adds one token (every decode
- * step) runs this file's kernel: each cached K and V row is read once for all the query heads that share it, the
- * positions are split into chunks over the session's threads (flash-decoding), and the rows are prefetched ahead of
- * use (after a step's weights have streamed through the caches, the cache rows come from memory). Any other call
- * (prompt chunks, verify trees) runs onnxruntime's own GroupQueryAttention on the same inputs and outputs
- * (InvokeOp). docs/measurements.md has what it gains over onnxruntime's kernel.
+ * attention, the new K/V written into the cache in place). A call of up to MAX_STEPS tokens a row (every decode
+ * step, speculative verify trees, short prompt chunks) runs this file's kernel: each cached K and V row is read once
+ * for all the query heads that share it and all the row's new tokens, the positions are split into chunks over the
+ * session's threads (flash-decoding), and the rows are prefetched ahead of use (after a step's weights have streamed
+ * through the caches, the cache rows come from memory). Longer prompt chunks run onnxruntime's own
+ * GroupQueryAttention on the same inputs and outputs (InvokeOp). docs/measurements.md has what it gains over
+ * onnxruntime's kernel.
  *
  * Inputs (GroupQueryAttention's that an fp32 cache with rotary embedding uses): qkv [B, T, (H + 2 KVH) D] f32,
  * past_key / past_value [B, KVH, L, D] f32, seqlens_k [B] i32 (P_b + Q_b - 1), total_sequence_length [] i32,
@@ -13,7 +14,8 @@
  * query_lens [B] i32 (Q_b; 0 for a row that takes no part). Outputs: out [B, T, H D] f32, present_key /
  * present_value [B, KVH, L, D]: the past buffers with the new K/V written (the runner binds present to past, so
  * only those positions are written; otherwise the past is copied first). Attributes: num_heads, kv_num_heads,
- * scale. With T = 1 a row that takes no part gets a zero output.
+ * scale. Real token t of row b (t < Q_b) is written at P_b + t and attends to positions 0 .. P_b + t plus the bias; a
+ * padding token (t >= Q_b) or a row that takes no part (Q_b = 0) gets a zero output.
  *
  * onnxruntime's C ABI is reached as ort_abi.h declares; native_ops.c registers the op.
  */
@@ -33,11 +35,19 @@ typedef struct Kernel {
 } Kernel;
 
 /* The work is split into units of (row, kv head, chunk of CHUNK cached positions); each unit scores its positions for
- * all the query heads that share that kv head (reading each K and V row once), and leaves per head the maximum
- * score, the sum of exp(score - maximum) and the exp-weighted sum of V rows; `combine` then merges a row's chunks
- * (flash-decoding's split of the positions, so that one long row still keeps every thread busy). */
+ * all the queries that read that kv head, the row's new tokens times the query heads that share it (reading each K
+ * and V row once), and leaves per query the maximum score, the sum of exp(score - maximum) and the exp-weighted sum
+ * of V rows; `combine` then merges a row's chunks (flash-decoding's split of the positions, so that one long row
+ * still keeps every thread busy). */
 #define CHUNK 128
-#define MAX_GROUP 16 /* query heads per kv head */
+#define MAX_STEPS 16   /* new tokens a row for this kernel; longer chunks run onnxruntime's */
+#define MAX_QUERIES 64 /* new tokens x query heads per kv head */
+#define MAX_HEAD_DIM 256
+#define QUERY_BLOCK 8 /* queries a unit computes together, a vector lane each */
+#define WIDE_BLOCK 4  /* from this many queries in a block the lanes hold queries; below, each query alone */
+/* a bias at or below this masks a position (the runner's is float's lowest): its weight is exactly zero, as in a
+ * decode step of the same token, where the position is not in the cache at all */
+#define MASKED_BIAS -1e30f
 #define DOT_LANES 16 /* head_dim is a multiple of 16 (plugins/attention.py checks it at build time) */
 /* The cache rows come from memory: the weights streamed through the caches since the layer's last step. The
  * hardware prefetcher alone left this loop waiting on them; 32 rows ahead measured best (docs/measurements.md) */
@@ -45,12 +55,12 @@ typedef struct Kernel {
 #define LINE_FLOATS 16 /* floats per 64-byte cache line */
 
 typedef struct Work {
-  const float *q_scaled; /* [B, H, D]: rotated, times the softmax scale */
+  const float *q_scaled; /* [B, KVH, T, group, D]: rotated, times the softmax scale */
   const float *keys, *values; /* the present cache [B, KVH, L, D] */
-  const float *bias; /* [B, W] */
+  const float *bias; /* [B, T, W] */
   const int32_t *seqlens_k, *query_lens;
-  float *partials; /* [B, KVH, chunks, group, 2 + D]: maximum, sum, weighted V */
-  int64_t kv_heads, group, head_dim, length, bias_width, chunks;
+  float *partials; /* [B, KVH, chunks, T x group, 2 + D]: maximum, sum, weighted V */
+  int64_t kv_heads, group, steps, head_dim, length, bias_width, chunks, query_blocks;
 } Work;
 
 /* e^x for x <= 0, within ~2 float ulps: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series to r^6, 2^n
@@ -64,76 +74,131 @@ static inline float exp_nonpositive(float x) {
   return p * scale.value;
 }
 
+typedef float floats8 __attribute__((vector_size(32)));
+
+/* Units of (row, kv head, chunk of positions, block of QUERY_BLOCK queries): the queries of a block are the lanes of
+ * 8-float vectors. Every query's arithmetic is the same sequence of operations whatever the call around it, its lane
+ * or its block: its scores are DOT_LANES partial sums over the head dimension added up in order; its softmax and
+ * weighted V run over the chunk's positions in order, a position it does not see (after its own token, or masked by
+ * the bias: a tree's other branch) weighing exactly 0 (x + 0 x v = x). So a verify step's token computes bit for bit
+ * what a decode step of that token computes on the same cache, and speculation keeps the plain engine's greedy
+ * tokens. */
+/* query i's score at position `at` of its row: the dot product plus the bias, or -infinity where it does not see
+ * the position (after its own token, or masked by the bias) */
+static inline float masked_or(float dot, const Work *w, int64_t row, int64_t i, int64_t at, int unseen) {
+  const float bias = unseen ? 0.0f : w->bias[(row * w->steps + i / w->group) * w->bias_width + at];
+  return unseen || bias <= MASKED_BIAS ? -INFINITY : dot + bias;
+}
+
 __attribute__((target_clones("arch=x86-64-v3", "default")))
 static void attend_chunk(void *data, size_t unit) {
   const Work *w = data;
-  const int64_t d_count = w->head_dim, group = w->group;
-  const int64_t chunk = (int64_t)unit % w->chunks, kv = (int64_t)unit / w->chunks, row = kv / w->kv_heads;
-  float *partial = w->partials + unit * group * (2 + d_count);
-  const int64_t first = chunk * CHUNK, positions = (int64_t)w->seqlens_k[row] + 1;
-  const int64_t count = w->query_lens[row] == 0 || first >= positions ? 0
-                      : (positions - first < CHUNK ? positions - first : CHUNK);
-  if (count == 0) { /* nothing here: a zero sum marks it for `combine` */
-    for (int64_t h = 0; h < group; h++) partial[h * (2 + d_count) + 1] = 0.0f;
-    return;
+  const int64_t d_count = w->head_dim, group = w->group, queries = w->steps * group, stride = 2 + d_count;
+  const int64_t query_block = (int64_t)unit % w->query_blocks, rest = (int64_t)unit / w->query_blocks;
+  const int64_t chunk = rest % w->chunks, kv = rest / w->chunks, row = kv / w->kv_heads;
+  const int64_t i0 = query_block * QUERY_BLOCK, real = w->query_lens[row];
+  float *partial = w->partials + ((kv * w->chunks + chunk) * queries + i0) * stride;
+  const int64_t block = real * group - i0 < QUERY_BLOCK ? real * group - i0 : QUERY_BLOCK; /* real queries here */
+  for (int64_t b = 0; b < QUERY_BLOCK && i0 + b < queries; b++) partial[b * stride + 1] = 0.0f; /* empty: a zero sum */
+  const int64_t first = chunk * CHUNK, positions = (int64_t)w->seqlens_k[row] + 1, past = positions - real;
+  if (block <= 0 || first >= positions) return;
+  int64_t seen[QUERY_BLOCK] = {0}; /* positions of this chunk each query sees: up to its own token's, past + t */
+  for (int64_t b = 0; b < block; b++) {
+    const int64_t visible = past + (i0 + b) / group + 1 - first;
+    seen[b] = visible <= 0 ? 0 : visible < CHUNK ? visible : CHUNK;
   }
+  const int64_t count = seen[block - 1]; /* the block's last query belongs to its latest token */
+  if (count == 0) return;
   const float *keys = w->keys + (kv * w->length + first) * d_count;
   const float *values = w->values + (kv * w->length + first) * d_count;
-  const float *bias = w->bias + row * w->bias_width + first;
-  const float *q = w->q_scaled + kv * group * d_count; /* the group's query heads are consecutive */
-  float scores[MAX_GROUP][CHUNK];
+  const float *q = w->q_scaled + (kv * queries + i0) * d_count;
   for (int64_t j = 0; j < (count < PREFETCH_ROWS ? count : PREFETCH_ROWS) * d_count; j += LINE_FLOATS) {
     __builtin_prefetch(keys + j); /* the rows the loops' own prefetches do not reach */
     __builtin_prefetch(values + j);
   }
-  for (int64_t j = 0; j < count; j++) {
-    const float *k = keys + j * d_count;
-    for (int64_t d = 0; d < d_count; d += LINE_FLOATS) __builtin_prefetch(k + PREFETCH_ROWS * d_count + d);
-    for (int64_t h = 0; h < group; h++) {
-      float lanes[DOT_LANES] = {0.0f}; /* independent partial sums: no serial chain of adds */
-      for (int64_t d = 0; d < d_count; d += DOT_LANES)
-        for (int l = 0; l < DOT_LANES; l++) lanes[l] += q[h * d_count + d + l] * k[d + l];
-      float dot = 0.0f;
-      for (int l = 0; l < DOT_LANES; l++) dot += lanes[l];
-      scores[h][j] = dot + bias[j];
-    }
-  }
-  for (int64_t h = 0; h < group; h++) {
-    float *out = partial + h * (2 + d_count);
-    float maximum = scores[h][0], sum = 0.0f;
-    for (int64_t j = 1; j < count; j++) maximum = scores[h][j] > maximum ? scores[h][j] : maximum;
+  float scores[QUERY_BLOCK][CHUNK];
+  if (block < WIDE_BLOCK) { /* a few queries (a decode step): each score on its own, the partial sums in lanes */
     for (int64_t j = 0; j < count; j++) {
-      scores[h][j] = exp_nonpositive(scores[h][j] - maximum);
-      sum += scores[h][j];
+      const float *k = keys + j * d_count;
+      for (int64_t d = 0; d < d_count; d += LINE_FLOATS) __builtin_prefetch(k + PREFETCH_ROWS * d_count + d);
+      for (int64_t b = 0; b < block; b++) {
+        float lanes[DOT_LANES] = {0.0f};
+        for (int64_t d = 0; d < d_count; d += DOT_LANES)
+          for (int l = 0; l < DOT_LANES; l++) lanes[l] += q[b * d_count + d + l] * k[d + l];
+        float dot = 0.0f;
+        for (int l = 0; l < DOT_LANES; l++) dot += lanes[l];
+        scores[b][j] = masked_or(dot, w, row, i0 + b, first + j, j >= seen[b]);
+      }
     }
-    out[0] = maximum;
-    out[1] = sum;
-    memset(out + 2, 0, sizeof(float) * d_count);
+  } else { /* several: the block's queries side by side in the lanes, each K row read once for all of them */
+    floats8 transposed[MAX_HEAD_DIM]; /* lane b of element d: query i0 + b's d-th value */
+    for (int64_t d = 0; d < d_count; d++)
+      for (int64_t b = 0; b < QUERY_BLOCK; b++) transposed[d][b] = b < block ? q[b * d_count + d] : 0.0f;
+    for (int64_t j = 0; j < count; j++) {
+      const float *k = keys + j * d_count;
+      for (int64_t d = 0; d < d_count; d += LINE_FLOATS) __builtin_prefetch(k + PREFETCH_ROWS * d_count + d);
+      floats8 lanes[DOT_LANES] = {{0.0f}};
+      for (int64_t d = 0; d < d_count; d += DOT_LANES)
+        for (int l = 0; l < DOT_LANES; l++) lanes[l] += transposed[d + l] * k[d + l];
+      floats8 dot = {0.0f};
+      for (int l = 0; l < DOT_LANES; l++) dot += lanes[l];
+      for (int64_t b = 0; b < block; b++) scores[b][j] = masked_or(dot[b], w, row, i0 + b, first + j, j >= seen[b]);
+    }
   }
-  for (int64_t j = 0; j < count; j++) {
-    const float *v = values + j * d_count;
-    for (int64_t d = 0; d < d_count; d += LINE_FLOATS) __builtin_prefetch(v + PREFETCH_ROWS * d_count + d);
-    for (int64_t h = 0; h < group; h++) {
-      float *acc = partial + h * (2 + d_count) + 2;
-      const float weight = scores[h][j];
-      for (int64_t d = 0; d < d_count; d++) acc[d] += weight * v[d];
+  for (int64_t b = 0; b < block; b++) {
+    float *s = scores[b], maximum = -INFINITY, sum = 0.0f;
+    for (int64_t j = 0; j < count; j++) maximum = s[j] > maximum ? s[j] : maximum;
+    if (maximum == -INFINITY) { /* its token sees nothing here: no weight anywhere, it stays empty */
+      for (int64_t j = 0; j < count; j++) s[j] = 0.0f;
+      continue;
     }
+    for (int64_t j = 0; j < count; j++) s[j] = s[j] == -INFINITY ? 0.0f : exp_nonpositive(s[j] - maximum);
+    for (int64_t j = 0; j < count; j++) sum += s[j];
+    partial[b * stride] = maximum;
+    partial[b * stride + 1] = sum;
+  }
+  if (block < WIDE_BLOCK) {
+    for (int64_t b = 0; b < block; b++) {
+      float *acc = partial + b * stride + 2;
+      memset(acc, 0, sizeof(float) * d_count);
+      for (int64_t j = 0; j < count; j++) {
+        const float *v = values + j * d_count, weight = scores[b][j];
+        if (b == 0)
+          for (int64_t d = 0; d < d_count; d += LINE_FLOATS) __builtin_prefetch(v + PREFETCH_ROWS * d_count + d);
+        for (int64_t d = 0; d < d_count; d++) acc[d] += weight * v[d];
+      }
+    }
+    return;
+  }
+  for (int64_t b = block; b < QUERY_BLOCK; b++)
+    for (int64_t j = 0; j < count; j++) scores[b][j] = 0.0f;
+  for (int64_t d = 0; d < d_count; d += 8) { /* 8 values of every query's weighted V at a time, in registers */
+    floats8 acc[QUERY_BLOCK] = {{0.0f}};
+    for (int64_t j = 0; j < count; j++) {
+      floats8 v;
+      memcpy(&v, values + j * d_count + d, sizeof(v));
+      if (d == 0)
+        for (int64_t e = 0; e < d_count; e += LINE_FLOATS) __builtin_prefetch(values + (j + PREFETCH_ROWS) * d_count + e);
+      for (int b = 0; b < QUERY_BLOCK; b++) acc[b] += scores[b][j] * v;
+    }
+    for (int64_t b = 0; b < block; b++) memcpy(partial + b * stride + 2 + d, &acc[b], sizeof(floats8));
   }
 }
 
-/* a row's chunks into its attention output [H, D] (zeros for a row that takes no part) */
+/* a row's chunks into its attention output [T, H, D] (zeros for padding tokens and a row that takes no part) */
 static void combine(const Work *w, int64_t row, float *out) {
-  const int64_t d_count = w->head_dim, group = w->group, stride = 2 + d_count;
+  const int64_t d_count = w->head_dim, group = w->group, queries = w->steps * group, stride = 2 + d_count;
   for (int64_t g = 0; g < w->kv_heads; g++)
-    for (int64_t h = 0; h < group; h++) {
-      const float *first = w->partials + ((row * w->kv_heads + g) * w->chunks * group + h) * stride;
-      float *o = out + (g * group + h) * d_count;
+    for (int64_t i = 0; i < queries; i++) {
+      const float *first = w->partials + ((row * w->kv_heads + g) * w->chunks * queries + i) * stride;
+      float *o = out + ((i / group) * w->kv_heads * group + g * group + i % group) * d_count;
       float maximum = -INFINITY, total = 0.0f;
       for (int64_t c = 0; c < w->chunks; c++)
-        if (first[c * group * stride + 1] > 0.0f && first[c * group * stride] > maximum) maximum = first[c * group * stride];
+        if (first[c * queries * stride + 1] > 0.0f && first[c * queries * stride] > maximum)
+          maximum = first[c * queries * stride];
       memset(o, 0, sizeof(float) * d_count);
       for (int64_t c = 0; c < w->chunks; c++) {
-        const float *p = first + c * group * stride;
+        const float *p = first + c * queries * stride;
         if (p[1] == 0.0f) continue;
         const float weight = expf(p[0] - maximum);
         total += weight * p[1];
@@ -184,19 +249,27 @@ static OrtStatus *compute(Kernel *kernel, OrtKernelContext *context) {
   const int64_t batch = dims[IN_QKV][0], steps = dims[IN_QKV][1], heads = kernel->num_heads, kv_heads = kernel->kv_heads;
   const int64_t head_dim = dims[IN_PAST_KEY][3], length = dims[IN_PAST_KEY][2], half = head_dim / 2;
   const int64_t bias_width = dims[IN_BIAS][3];
-  if (steps != 1) return invoke_onnxruntime(kernel, context, inputs, batch, steps, dims[IN_PAST_KEY]);
+  const int64_t group = heads / kv_heads;
+  if (steps > MAX_STEPS || steps * group > MAX_QUERIES || head_dim > MAX_HEAD_DIM)
+    return invoke_onnxruntime(kernel, context, inputs, batch, steps, dims[IN_PAST_KEY]);
   if (dims[IN_QKV][2] != (heads + 2 * kv_heads) * head_dim || dims[IN_PAST_KEY][1] != kv_heads ||
-      dims[IN_COS][1] != half || heads / kv_heads > MAX_GROUP || head_dim % DOT_LANES)
+      dims[IN_COS][1] != half || head_dim % DOT_LANES || dims[IN_BIAS][2] != steps)
     return fail(api, "DecodeAttention: input shapes do not match num_heads / kv_num_heads / the cache");
   const float *qkv = data[IN_QKV], *cos_cache = data[IN_COS], *sin_cache = data[IN_SIN];
   const int32_t *seqlens_k = data[IN_SEQLENS_K], *query_lens = data[IN_QUERY_LENS];
   const int64_t *position_ids = data[IN_POSITIONS];
-  for (int64_t b = 0; b < batch; b++)
-    if (query_lens[b] && (seqlens_k[b] < 0 || seqlens_k[b] >= length || seqlens_k[b] >= bias_width ||
-                          position_ids[b] < 0 || position_ids[b] >= dims[IN_COS][0]))
-      return fail(api, "DecodeAttention: a row's position is outside the cache, the bias or the rotary tables");
+  for (int64_t b = 0; b < batch; b++) {
+    if (query_lens[b] < 0 || query_lens[b] > steps)
+      return fail(api, "DecodeAttention: a row's query length is outside 0 .. its tokens");
+    if (!query_lens[b]) continue;
+    if (seqlens_k[b] + 1 < query_lens[b] || seqlens_k[b] >= length || seqlens_k[b] >= bias_width)
+      return fail(api, "DecodeAttention: a row's position is outside the cache or the bias");
+    for (int64_t s = 0; s < query_lens[b]; s++)
+      if (position_ids[b * steps + s] < 0 || position_ids[b * steps + s] >= dims[IN_COS][0])
+        return fail(api, "DecodeAttention: a token's position is outside the rotary tables");
+  }
 
-  int64_t out_dims[3] = {batch, 1, heads * head_dim};
+  int64_t out_dims[3] = {batch, steps, heads * head_dim};
   OrtValue *out_value = NULL, *present[2] = {NULL, NULL};
   void *out_data = NULL, *present_data[2];
   int64_t ignored[4];
@@ -213,36 +286,40 @@ static OrtStatus *compute(Kernel *kernel, OrtKernelContext *context) {
   int64_t longest = 1;
   for (int64_t b = 0; b < batch; b++)
     if (query_lens[b] && seqlens_k[b] + 1 > longest) longest = seqlens_k[b] + 1;
-  const int64_t chunks = (longest + CHUNK - 1) / CHUNK, group = heads / kv_heads;
-  float *q_scaled = malloc(sizeof(float) * batch * heads * head_dim);
-  float *partials = malloc(sizeof(float) * batch * kv_heads * chunks * group * (2 + head_dim));
+  const int64_t chunks = (longest + CHUNK - 1) / CHUNK;
+  float *q_scaled = malloc(sizeof(float) * batch * steps * heads * head_dim);
+  float *partials = malloc(sizeof(float) * batch * kv_heads * chunks * steps * group * (2 + head_dim));
   if (!q_scaled || !partials) {
     free(q_scaled);
     free(partials);
     return fail(api, "DecodeAttention: out of memory");
   }
   for (int64_t b = 0; b < batch; b++) {
-    if (!query_lens[b]) continue;
-    const float *x = qkv + b * (heads + 2 * kv_heads) * head_dim;
-    const float *cos = cos_cache + position_ids[b] * half, *sin = sin_cache + position_ids[b] * half;
-    for (int64_t h = 0; h < heads; h++) {
-      float *q = q_scaled + (b * heads + h) * head_dim;
-      rotate(x + h * head_dim, cos, sin, half, q);
-      for (int64_t d = 0; d < head_dim; d++) q[d] *= kernel->scale; /* once here, not on every score */
-    }
-    for (int64_t g = 0; g < kv_heads; g++) {
-      const int64_t slot = ((b * kv_heads + g) * length + seqlens_k[b]) * head_dim;
-      rotate(x + (heads + g) * head_dim, cos, sin, half, keys + slot);
-      memcpy(values + slot, x + (heads + kv_heads + g) * head_dim, sizeof(float) * head_dim);
+    const int64_t past = (int64_t)seqlens_k[b] + 1 - query_lens[b];
+    for (int64_t s = 0; s < query_lens[b]; s++) { /* real tokens only: padding stays out of the cache */
+      const float *x = qkv + (b * steps + s) * (heads + 2 * kv_heads) * head_dim;
+      const int64_t position = position_ids[b * steps + s];
+      const float *cos = cos_cache + position * half, *sin = sin_cache + position * half;
+      for (int64_t h = 0; h < heads; h++) {
+        float *q = q_scaled + (((b * kv_heads + h / group) * steps + s) * group + h % group) * head_dim;
+        rotate(x + h * head_dim, cos, sin, half, q);
+        for (int64_t d = 0; d < head_dim; d++) q[d] *= kernel->scale; /* once here, not on every score */
+      }
+      for (int64_t g = 0; g < kv_heads; g++) {
+        const int64_t slot = ((b * kv_heads + g) * length + past + s) * head_dim;
+        rotate(x + (heads + g) * head_dim, cos, sin, half, keys + slot);
+        memcpy(values + slot, x + (heads + kv_heads + g) * head_dim, sizeof(float) * head_dim);
+      }
     }
   }
-  Work work = {q_scaled, keys, values, data[IN_BIAS], seqlens_k, query_lens, partials, kv_heads, group, head_dim, length,
-               bias_width, chunks};
+  const int64_t query_blocks = (steps * group + QUERY_BLOCK - 1) / QUERY_BLOCK;
+  Work work = {q_scaled, keys, values, data[IN_BIAS], seqlens_k, query_lens, partials, kv_heads, group, steps, head_dim,
+               length, bias_width, chunks, query_blocks};
   OrtStatus *status = API(api, KernelContext_ParallelFor,
                           OrtStatus *(*)(const OrtKernelContext *, void (*)(void *, size_t), size_t, size_t, void *))(
-      context, attend_chunk, (size_t)(batch * kv_heads * chunks), 0, &work);
+      context, attend_chunk, (size_t)(batch * kv_heads * chunks * query_blocks), 0, &work);
   if (!status)
-    for (int64_t b = 0; b < batch; b++) combine(&work, b, (float *)out_data + b * heads * head_dim);
+    for (int64_t b = 0; b < batch; b++) combine(&work, b, (float *)out_data + b * steps * heads * head_dim);
   free(q_scaled);
   free(partials);
   return status;

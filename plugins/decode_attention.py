@@ -1,14 +1,17 @@
-"""Decode steps' attention: our own onnxruntime CPU kernel (decode_attention.c), a custom op `DecodeAttention` that
-takes GroupQueryAttention's place in the step graph under the same contract (plugins/attention.py).
+"""Decode and verify steps' attention: our own onnxruntime CPU kernel (decode_attention.c), a custom op
+`DecodeAttention` that takes GroupQueryAttention's place in the step graph under the same contract
+(plugins/attention.py).
 
 Why: in the int4 default model's decode call onnxruntime's kernel took a sixth of the call at 100 cached tokens and
 two fifths at 714 (docs/measurements.md). It runs each query head as its own small matrix product, so each kv head's
 cache is read once per query head that shares it.
-For a call where every row adds one token, DecodeAttention reads each cached row once per kv head, splits the
-positions into chunks over the session's threads and prefetches rows ahead of use (they come from memory: the
-step's weights have streamed through the caches); any other call (prompt chunks, verify trees) it hands to
-onnxruntime's own GroupQueryAttention (InvokeOp), so one graph and one session serve every phase and the weights are
-packed once. What it gains, call by call and end to end: docs/measurements.md.
+For a call where every row adds up to 16 tokens (decode steps, verify trees, short prompt chunks), DecodeAttention
+reads each cached row once per kv head for all the row's new tokens and query heads, splits the positions into
+chunks over the session's threads and prefetches rows ahead of use (they come from memory: the step's weights have
+streamed through the caches). Each query is computed exactly as a decode step of its token would compute it, so a
+verify step agrees with plain decoding bit for bit (what speculation on int8-activation engines needs to keep the
+greedy tokens). Longer prompt chunks it hands to onnxruntime's own GroupQueryAttention (InvokeOp), so one graph and
+one session serve every phase and the weights are packed once. What it gains: docs/measurements.md.
 
 How it gets into an engine: plugins/native_ops.py builds it into our kernel library; `use_in_graph` rewrites the
 step graph's attention nodes. For an int8 KV cache (not implemented in the kernel) the build keeps

@@ -1,6 +1,7 @@
-"""DecodeAttention, our onnxruntime CPU kernel for decode steps: the onnxruntime ABI positions it relies on, the
-kernel against the attention plugin's torch reference (cache bound in place as the engine binds it, and not), and an
-engine whose decode phase runs it against transformers."""
+"""DecodeAttention, our onnxruntime CPU kernel for decode steps, verify trees and short prompt chunks: the onnxruntime
+ABI positions it relies on, the kernel against the attention plugin's torch reference (cache bound in place as the
+engine binds it, and not), a verify tree's tokens against decode steps of them bit for bit, and an engine whose
+decode phase runs it against transformers."""
 
 from __future__ import annotations
 
@@ -167,18 +168,60 @@ def test_the_kernel_computes_what_the_reference_computes(tmp_path, library, name
         assert np.array_equal(inputs["past_key"], case(**DECODE_CASES[name])["past_key"])
 
 
+SEVERAL_TOKENS = {
+    **{name: value for name, value in CASES.items() if value["steps"] > 1},
+    # verify trees of several rows over several chunks of 128 positions, one row idle, one padded
+    "verify trees over several chunks": dict(past=[150, 0, 260], query=[6, 0, 3], steps=6, length=272),
+}
+
+
 @needs_compiler
-@pytest.mark.parametrize(
-    "name", sorted(set(CASES) - {"decode, three rows, one idle", "decode, idle row with an empty cache"})
-)
-def test_calls_of_several_tokens_per_row_go_to_onnxruntimes_kernel(tmp_path, library, name):
-    """Prompt chunks and verify trees: the node hands them to onnxruntime's GroupQueryAttention (InvokeOp)."""
-    inputs = case(**CASES[name])
-    out, keys, values = run_kernel(tmp_path, library, inputs, in_place=True)
+@pytest.mark.parametrize("in_place", [True, False], ids=["cache bound in place", "cache copied"])
+@pytest.mark.parametrize("name", sorted(SEVERAL_TOKENS))
+def test_calls_of_several_tokens_per_row_compute_what_the_reference_computes(tmp_path, library, name, in_place):
+    """Verify trees and short prompt chunks run the kernel too: each row's real tokens written at its positions,
+    attending causally plus the bias (the trees' masks); padding tokens and idle rows get zeros."""
+    inputs = case(**SEVERAL_TOKENS[name])
+    out, keys, values = run_kernel(tmp_path, library, inputs, in_place)
     ref_out, ref_keys, ref_values = (t.numpy() for t in OneAttention()(*(torch.from_numpy(v) for v in inputs.values())))
     np.testing.assert_allclose(keys, ref_keys, rtol=0, atol=1e-6)
     np.testing.assert_allclose(values, ref_values, rtol=0, atol=1e-6)
-    for row, q in enumerate(CASES[name]["query"]):
+    for row, q in enumerate(SEVERAL_TOKENS[name]["query"]):
+        np.testing.assert_allclose(out[row, :q], ref_out[row, :q], rtol=0, atol=2e-5)
+        assert not out[row, q:].any()
+
+
+@needs_compiler
+def test_a_verify_trees_tokens_compute_bit_for_bit_what_decode_steps_of_them_compute(tmp_path, library):
+    """Speculation keeps the plain engine's greedy tokens only if a tree node's attention is exactly what a decode
+    step of that token computes once its ancestors are in the cache (at consecutive positions): the same sums in the
+    same order, the other branches weighing exactly nothing."""
+    tree = np.array([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 0, 1, 1, 0], [1, 1, 0, 0, 1]], bool)
+    past = 21
+    verify = case(past=[past], query=[5], steps=5, trees={0: tree})
+    out, keys, values = run_kernel(tmp_path, library, verify, in_place=True)
+    for node, path in enumerate(tree):
+        ancestors = np.flatnonzero(path)  # in slot order, the node itself last
+        decode = case(past=[past + len(ancestors) - 1], query=[1], steps=1, length=verify["past_key"].shape[2])
+        for name, written in (("past_key", keys), ("past_value", values)):
+            decode[name][0, :, :past] = verify[name][0, :, :past]
+            decode[name][0, :, past : past + len(ancestors) - 1] = written[0][:, past + ancestors[:-1]]
+        decode["qkv"] = verify["qkv"][:, node : node + 1].copy()
+        decode["position_ids"] = verify["position_ids"][:, node : node + 1].copy()
+        assert decode["position_ids"][0, 0] == past + len(ancestors) - 1
+        alone, alone_keys, _ = run_kernel(tmp_path, library, decode, in_place=True)
+        assert np.array_equal(alone[0, 0], out[0, node]), node
+        assert np.array_equal(alone_keys[0, :, past + len(ancestors) - 1], keys[0, :, past + node])
+
+
+@needs_compiler
+def test_chunks_longer_than_the_kernel_takes_go_to_onnxruntimes_kernel(tmp_path, library):
+    """A prompt chunk of more than 16 tokens a row: the node hands it to onnxruntime's GroupQueryAttention."""
+    inputs = case(past=[7, 40], query=[30, 19], steps=32, length=80)
+    out, keys, values = run_kernel(tmp_path, library, inputs, in_place=True)
+    ref_out, ref_keys, ref_values = (t.numpy() for t in OneAttention()(*(torch.from_numpy(v) for v in inputs.values())))
+    np.testing.assert_allclose(keys, ref_keys, rtol=0, atol=1e-6)
+    for row, q in enumerate([30, 19]):
         np.testing.assert_allclose(out[row, :q], ref_out[row, :q], rtol=0, atol=2e-5)
 
 
