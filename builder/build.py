@@ -499,13 +499,29 @@ def _log_checkpoint(checkpoint, log: Callable[[str], None]) -> None:
 
 
 def _warn_if_speculation_is_inexact(options: BuildOptions, log: Callable[[str], None]) -> None:
+    """Our kernels compute a verify call's tokens bit for bit as decode steps would; where the step graph keeps
+    onnxruntime's attention or quantized matmul and the target quantizes activations, their rounding differences grow
+    into whole logits and greedy answers can part from the plain engine's."""
     quant = options.quant_spec()
-    if quant is not None and quant.accuracy_level == 4 and options.speculative != "none":
+    if quant is None or quant.accuracy_level != 4 or options.speculative == "none":
+        return
+    unbuildable, unrunnable = native_ops.unavailable_reason(), int4_matmul.unavailable_reason()
+    reasons = [
+        reason
+        for reason, applies in (
+            ("--onnxruntime-decode-attention keeps onnxruntime's attention", not options.native_decode_attention),
+            ("--onnxruntime-quantized-matmul keeps onnxruntime's matmul", not options.native_quantized_matmul),
+            ("an int8 KV cache runs onnxruntime's attention", options.kv_cache_dtype == "int8"),
+            (f"our kernels cannot be built here ({unbuildable})", unbuildable),
+            (f"our matmul kernel cannot run here ({unrunnable})", unrunnable),
+        )
+        if applies
+    ]
+    if reasons:
         log(
-            "warning: this target quantizes activations to int8, so speculation is exact only up to rounding: a verify "
-            "call's attention over several tokens rounds differently from a one-token decode step, int8 activations "
-            "grow that into whole logits, and greedy answers can part from the plain engine's "
-            "(docs/speculative-decoding.md)"
+            f"warning: this target quantizes activations to int8 and {'; '.join(reasons)}: a verify call's tokens then "
+            "round differently from decode steps of them, int8 activations grow that into whole logits, and greedy "
+            "answers can part from the plain engine's (docs/speculative-decoding.md)"
         )
 
 

@@ -76,18 +76,23 @@ static inline float exp_nonpositive(float x) {
 
 typedef float floats8 __attribute__((vector_size(32)));
 
-/* Units of (row, kv head, chunk of positions, block of QUERY_BLOCK queries): the queries of a block are the lanes of
- * 8-float vectors. Every query's arithmetic is the same sequence of operations whatever the call around it, its lane
- * or its block: its scores are DOT_LANES partial sums over the head dimension added up in order; its softmax and
- * weighted V run over the chunk's positions in order, a position it does not see (after its own token, or masked by
- * the bias: a tree's other branch) weighing exactly 0 (x + 0 x v = x). So a verify step's token computes bit for bit
- * what a decode step of that token computes on the same cache, and speculation keeps the plain engine's greedy
- * tokens. */
-/* query i's score at position `at` of its row: the dot product plus the bias, or -infinity where it does not see
- * the position (after its own token, or masked by the bias) */
-static inline float masked_or(float dot, const Work *w, int64_t row, int64_t i, int64_t at, int unseen) {
-  const float bias = unseen ? 0.0f : w->bias[(row * w->steps + i / w->group) * w->bias_width + at];
-  return unseen || bias <= MASKED_BIAS ? -INFINITY : dot + bias;
+/* Units of (row, kv head, chunk, block of QUERY_BLOCK queries). Every query's arithmetic is the same sequence of
+ * operations whatever the call around it, its lane or its block: a decode step of its token on a cache that holds
+ * its ancestors at consecutive positions would do exactly these. A query sees the row's cached positions, then the
+ * new tokens it may see (itself, and in a verify tree its ancestors: the bias masks the other branches), ranked in
+ * that order; chunk c holds its ranks 128c .. 128c + 127, as a decode step's chunk holds those positions. Its scores
+ * are DOT_LANES partial sums over the head dimension added up in order, its softmax and weighted V run over its ranks
+ * in order. So a verify step's token computes bit for bit what a decode step of that token computes, and speculation
+ * keeps the plain engine's greedy tokens. */
+
+/* query b's score: the dot product of its values and a K row, as DOT_LANES partial sums added up in order */
+static inline float score(const float *q, const float *k, int64_t d_count) {
+  float lanes[DOT_LANES] = {0.0f}; /* independent partial sums: no serial chain of adds */
+  for (int64_t d = 0; d < d_count; d += DOT_LANES)
+    for (int l = 0; l < DOT_LANES; l++) lanes[l] += q[d + l] * k[d + l];
+  float dot = 0.0f;
+  for (int l = 0; l < DOT_LANES; l++) dot += lanes[l];
+  return dot;
 }
 
 __attribute__((target_clones("arch=x86-64-v3", "default")))
@@ -100,60 +105,67 @@ static void attend_chunk(void *data, size_t unit) {
   float *partial = w->partials + ((kv * w->chunks + chunk) * queries + i0) * stride;
   const int64_t block = real * group - i0 < QUERY_BLOCK ? real * group - i0 : QUERY_BLOCK; /* real queries here */
   for (int64_t b = 0; b < QUERY_BLOCK && i0 + b < queries; b++) partial[b * stride + 1] = 0.0f; /* empty: a zero sum */
-  const int64_t first = chunk * CHUNK, positions = (int64_t)w->seqlens_k[row] + 1, past = positions - real;
-  if (block <= 0 || first >= positions) return;
-  int64_t seen[QUERY_BLOCK] = {0}; /* positions of this chunk each query sees: up to its own token's, past + t */
+  if (block <= 0) return;
+  const int64_t first = chunk * CHUNK, past = (int64_t)w->seqlens_k[row] + 1 - real;
+  const int64_t cached = past - first <= 0 ? 0 : past - first < CHUNK ? past - first : CHUNK; /* shared by all */
+  const float *keys = w->keys + kv * w->length * d_count, *values = w->values + kv * w->length * d_count;
+  /* per query, the new tokens it sees whose ranks fall in this chunk (slots after `past`, in order) */
+  int64_t fresh[QUERY_BLOCK][MAX_STEPS], fresh_count[QUERY_BLOCK], count[QUERY_BLOCK], most = cached;
   for (int64_t b = 0; b < block; b++) {
-    const int64_t visible = past + (i0 + b) / group + 1 - first;
-    seen[b] = visible <= 0 ? 0 : visible < CHUNK ? visible : CHUNK;
+    const int64_t token = (i0 + b) / group;
+    const float *bias = w->bias + (row * w->steps + token) * w->bias_width;
+    int64_t rank = past;
+    fresh_count[b] = 0;
+    for (int64_t s = 0; s <= token; s++) {
+      if (bias[past + s] <= MASKED_BIAS) continue; /* another branch of the tree */
+      if (rank >= first && rank < first + CHUNK) fresh[b][fresh_count[b]++] = past + s;
+      rank++;
+    }
+    count[b] = cached + fresh_count[b];
+    most = count[b] > most ? count[b] : most;
   }
-  const int64_t count = seen[block - 1]; /* the block's last query belongs to its latest token */
-  if (count == 0) return;
-  const float *keys = w->keys + (kv * w->length + first) * d_count;
-  const float *values = w->values + (kv * w->length + first) * d_count;
+  if (most == 0) return;
   const float *q = w->q_scaled + (kv * queries + i0) * d_count;
-  for (int64_t j = 0; j < (count < PREFETCH_ROWS ? count : PREFETCH_ROWS) * d_count; j += LINE_FLOATS) {
-    __builtin_prefetch(keys + j); /* the rows the loops' own prefetches do not reach */
-    __builtin_prefetch(values + j);
+  for (int64_t j = 0; j < (cached < PREFETCH_ROWS ? cached : PREFETCH_ROWS) * d_count; j += LINE_FLOATS) {
+    __builtin_prefetch(keys + first * d_count + j); /* the rows the loops' own prefetches do not reach */
+    __builtin_prefetch(values + first * d_count + j);
   }
   float scores[QUERY_BLOCK][CHUNK];
-  if (block < WIDE_BLOCK) { /* a few queries (a decode step): each score on its own, the partial sums in lanes */
-    for (int64_t j = 0; j < count; j++) {
-      const float *k = keys + j * d_count;
+  if (block < WIDE_BLOCK) { /* a few queries (a decode step): each score on its own */
+    for (int64_t j = 0; j < cached; j++) {
+      const float *k = keys + (first + j) * d_count;
       for (int64_t d = 0; d < d_count; d += LINE_FLOATS) __builtin_prefetch(k + PREFETCH_ROWS * d_count + d);
-      for (int64_t b = 0; b < block; b++) {
-        float lanes[DOT_LANES] = {0.0f};
-        for (int64_t d = 0; d < d_count; d += DOT_LANES)
-          for (int l = 0; l < DOT_LANES; l++) lanes[l] += q[b * d_count + d + l] * k[d + l];
-        float dot = 0.0f;
-        for (int l = 0; l < DOT_LANES; l++) dot += lanes[l];
-        scores[b][j] = masked_or(dot, w, row, i0 + b, first + j, j >= seen[b]);
-      }
+      for (int64_t b = 0; b < block; b++) scores[b][j] = score(q + b * d_count, k, d_count);
     }
   } else { /* several: the block's queries side by side in the lanes, each K row read once for all of them */
     floats8 transposed[MAX_HEAD_DIM]; /* lane b of element d: query i0 + b's d-th value */
     for (int64_t d = 0; d < d_count; d++)
       for (int64_t b = 0; b < QUERY_BLOCK; b++) transposed[d][b] = b < block ? q[b * d_count + d] : 0.0f;
-    for (int64_t j = 0; j < count; j++) {
-      const float *k = keys + j * d_count;
+    for (int64_t j = 0; j < cached; j++) {
+      const float *k = keys + (first + j) * d_count;
       for (int64_t d = 0; d < d_count; d += LINE_FLOATS) __builtin_prefetch(k + PREFETCH_ROWS * d_count + d);
       floats8 lanes[DOT_LANES] = {{0.0f}};
       for (int64_t d = 0; d < d_count; d += DOT_LANES)
         for (int l = 0; l < DOT_LANES; l++) lanes[l] += transposed[d + l] * k[d + l];
       floats8 dot = {0.0f};
       for (int l = 0; l < DOT_LANES; l++) dot += lanes[l];
-      for (int64_t b = 0; b < block; b++) scores[b][j] = masked_or(dot[b], w, row, i0 + b, first + j, j >= seen[b]);
+      for (int64_t b = 0; b < block; b++) scores[b][j] = dot[b];
     }
   }
-  for (int64_t b = 0; b < block; b++) {
+  for (int64_t b = 0; b < block; b++) { /* the bias, the new tokens' scores, then the softmax over the ranks */
+    const float *bias = w->bias + (row * w->steps + (i0 + b) / group) * w->bias_width;
     float *s = scores[b], maximum = -INFINITY, sum = 0.0f;
-    for (int64_t j = 0; j < count; j++) maximum = s[j] > maximum ? s[j] : maximum;
-    if (maximum == -INFINITY) { /* its token sees nothing here: no weight anywhere, it stays empty */
-      for (int64_t j = 0; j < count; j++) s[j] = 0.0f;
+    for (int64_t j = 0; j < cached; j++) s[j] = bias[first + j] <= MASKED_BIAS ? -INFINITY : s[j] + bias[first + j];
+    for (int64_t f = 0; f < fresh_count[b]; f++)
+      s[cached + f] = score(q + b * d_count, keys + fresh[b][f] * d_count, d_count) + bias[fresh[b][f]];
+    for (int64_t j = 0; j < count[b]; j++) maximum = s[j] > maximum ? s[j] : maximum;
+    if (maximum == -INFINITY) { /* it sees nothing here: no weight anywhere, it stays empty */
+      for (int64_t j = 0; j < cached; j++) s[j] = 0.0f;
+      count[b] = cached;
       continue;
     }
-    for (int64_t j = 0; j < count; j++) s[j] = s[j] == -INFINITY ? 0.0f : exp_nonpositive(s[j] - maximum);
-    for (int64_t j = 0; j < count; j++) sum += s[j];
+    for (int64_t j = 0; j < count[b]; j++) s[j] = s[j] == -INFINITY ? 0.0f : exp_nonpositive(s[j] - maximum);
+    for (int64_t j = 0; j < count[b]; j++) sum += s[j];
     partial[b * stride] = maximum;
     partial[b * stride + 1] = sum;
   }
@@ -161,8 +173,8 @@ static void attend_chunk(void *data, size_t unit) {
     for (int64_t b = 0; b < block; b++) {
       float *acc = partial + b * stride + 2;
       memset(acc, 0, sizeof(float) * d_count);
-      for (int64_t j = 0; j < count; j++) {
-        const float *v = values + j * d_count, weight = scores[b][j];
+      for (int64_t j = 0; j < count[b]; j++) {
+        const float *v = values + (j < cached ? first + j : fresh[b][j - cached]) * d_count, weight = scores[b][j];
         if (b == 0)
           for (int64_t d = 0; d < d_count; d += LINE_FLOATS) __builtin_prefetch(v + PREFETCH_ROWS * d_count + d);
         for (int64_t d = 0; d < d_count; d++) acc[d] += weight * v[d];
@@ -171,17 +183,25 @@ static void attend_chunk(void *data, size_t unit) {
     return;
   }
   for (int64_t b = block; b < QUERY_BLOCK; b++)
-    for (int64_t j = 0; j < count; j++) scores[b][j] = 0.0f;
+    for (int64_t j = 0; j < cached; j++) scores[b][j] = 0.0f;
   for (int64_t d = 0; d < d_count; d += 8) { /* 8 values of every query's weighted V at a time, in registers */
     floats8 acc[QUERY_BLOCK] = {{0.0f}};
-    for (int64_t j = 0; j < count; j++) {
+    for (int64_t j = 0; j < cached; j++) {
       floats8 v;
-      memcpy(&v, values + j * d_count + d, sizeof(v));
+      memcpy(&v, values + (first + j) * d_count + d, sizeof(v));
       if (d == 0)
-        for (int64_t e = 0; e < d_count; e += LINE_FLOATS) __builtin_prefetch(values + (j + PREFETCH_ROWS) * d_count + e);
+        for (int64_t e = 0; e < d_count; e += LINE_FLOATS)
+          __builtin_prefetch(values + (first + j + PREFETCH_ROWS) * d_count + e);
       for (int b = 0; b < QUERY_BLOCK; b++) acc[b] += scores[b][j] * v;
     }
-    for (int64_t b = 0; b < block; b++) memcpy(partial + b * stride + 2 + d, &acc[b], sizeof(floats8));
+    for (int64_t b = 0; b < block; b++) {
+      for (int64_t j = cached; j < count[b]; j++) {
+        floats8 v;
+        memcpy(&v, values + fresh[b][j - cached] * d_count + d, sizeof(v));
+        acc[b] += scores[b][j] * v;
+      }
+      memcpy(partial + b * stride + 2 + d, &acc[b], sizeof(floats8));
+    }
   }
 }
 
