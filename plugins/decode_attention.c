@@ -34,11 +34,11 @@ typedef struct Kernel {
   OrtOp *gqa; /* onnxruntime's own kernel, for calls with more than one token per row (prompt chunks, verify) */
 } Kernel;
 
-/* The work is split into units of (row, kv head, chunk of CHUNK cached positions); each unit scores its positions for
- * all the queries that read that kv head, the row's new tokens times the query heads that share it (reading each K
- * and V row once), and leaves per query the maximum score, the sum of exp(score - maximum) and the exp-weighted sum
- * of V rows; `combine` then merges a row's chunks (flash-decoding's split of the positions, so that one long row
- * still keeps every thread busy). */
+/* The work is split into units of (row, kv head, chunk of CHUNK positions, block of QUERY_BLOCK queries: the row's
+ * new tokens times the query heads that share the kv head); each unit scores its positions for its queries (reading
+ * each K and V row once for all of them), and leaves per query the maximum score, the sum of exp(score - maximum) and
+ * the exp-weighted sum of V rows; `combine` then merges a row's chunks (flash-decoding's split of the positions, so
+ * that one long row still keeps every thread busy). */
 #define CHUNK 128
 #define MAX_STEPS 16   /* new tokens a row for this kernel; longer chunks run onnxruntime's */
 #define MAX_QUERIES 64 /* new tokens x query heads per kv head */
@@ -76,14 +76,13 @@ static inline float exp_nonpositive(float x) {
 
 typedef float floats8 __attribute__((vector_size(32)));
 
-/* Units of (row, kv head, chunk, block of QUERY_BLOCK queries). Every query's arithmetic is the same sequence of
- * operations whatever the call around it, its lane or its block: a decode step of its token on a cache that holds
- * its ancestors at consecutive positions would do exactly these. A query sees the row's cached positions, then the
- * new tokens it may see (itself, and in a verify tree its ancestors: the bias masks the other branches), ranked in
- * that order; chunk c holds its ranks 128c .. 128c + 127, as a decode step's chunk holds those positions. Its scores
- * are DOT_LANES partial sums over the head dimension added up in order, its softmax and weighted V run over its ranks
- * in order. So a verify step's token computes bit for bit what a decode step of that token computes, and speculation
- * keeps the plain engine's greedy tokens. */
+/* Every query's arithmetic is the same sequence of operations whatever the call around it, its lane or its block: a
+ * decode step of its token on a cache that holds its ancestors at consecutive positions would do exactly these. A
+ * query sees the row's cached positions, then the new tokens it may see (itself, and in a verify tree its ancestors:
+ * the bias masks the other branches), ranked in that order; chunk c holds its ranks 128c .. 128c + 127, as a decode
+ * step's chunk holds those positions. Its scores are DOT_LANES partial sums over the head dimension added up in
+ * order, its softmax and weighted V run over its ranks in order. So a verify step's token computes bit for bit what a
+ * decode step of that token computes, and speculation keeps the plain engine's greedy tokens. */
 
 /* query b's score: the dot product of its values and a K row, as DOT_LANES partial sums added up in order */
 static inline float score(const float *q, const float *k, int64_t d_count) {

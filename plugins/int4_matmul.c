@@ -172,6 +172,12 @@ INLINE_AVX2 void store_columns_256(float *y, __m256 v, int64_t count) {
   }
 }
 
+/* where tile t's 16 scales of the block holding chunk c start, and its 16 minimums of chunk c */
+static inline int64_t scales_at(const Work *w, int64_t t, int64_t c) {
+  return (t * (w->chunks >> w->shift) + (c >> w->shift)) * TILE_COLUMNS;
+}
+static inline int64_t minimums_at(const Work *w, int64_t t, int64_t c) { return (t * w->chunks + c) * TILE_COLUMNS; }
+
 /* Rows [r, r + ROWS) against tile t, 512-bit: vector s of a chunk meets int32 s of the activations (int4: its low
  * nibbles int32 2s, its high ones 2s + 1), two chains of vpdpbusd to keep the adder busy. BITS 4 or 8; MIN: the
  * chunks carry minimums; F16: the scales are float16. */
@@ -194,10 +200,10 @@ INLINE_VNNI void tile_512(const Work *w, int64_t r, int64_t t, const int ROWS, c
     } else {
       for (int s = 0; s < 8; s++) u[s] = _mm512_loadu_si512(p + 64 * s);
     }
-    const int64_t block = (t * (chunks >> w->shift) + (c >> w->shift)) * 16;
+    const int64_t block = scales_at(w, t, c);
     const __m512 ws = F16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w->wscale + block)))
                           : _mm512_loadu_ps((const float *)w->wscale + block);
-    const __m512 wmin = MIN ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->minimums + (t * chunks + c) * 16)))
+    const __m512 wmin = MIN ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->minimums + minimums_at(w, t, c))))
                             : _mm512_setzero_ps();
     for (int i = 0; i < ROWS; i++) {
       const int64_t at = (r + i) * chunks + c;
@@ -244,10 +250,10 @@ INLINE_AVX2 void tile_256(const Work *w, int64_t r, int64_t t, const int ROWS, c
           magnitude[s] = _mm256_abs_epi8(u[s]);
         }
       }
-      const int64_t block = (t * (chunks >> w->shift) + (c >> w->shift)) * 16 + 8 * half;
+      const int64_t block = scales_at(w, t, c) + 8 * half;
       const __m256 ws = F16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)w->wscale + block)))
                             : _mm256_loadu_ps((const float *)w->wscale + block);
-      const __m256 wmin = MIN ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->minimums + (t * chunks + c) * 16 + 8 * half)))
+      const __m256 wmin = MIN ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->minimums + minimums_at(w, t, c) + 8 * half)))
                               : _mm256_setzero_ps();
       for (int i = 0; i < ROWS; i++) {
         const int64_t at = (r + i) * chunks + c;

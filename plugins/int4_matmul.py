@@ -64,8 +64,8 @@ def use_in_graph(graph_file: Path) -> dict[str, int]:
     weights, scales and minimums in the kernels' column tiles (`tile_weights`, `tile_per_block`; a Gather that reads
     one, the embedding from a tied head's blocks, is rewritten to read the tiles and cast the scales back), the
     scales of int4 nodes as float16 (`half_scales`; int8 nodes' only where float16 holds them exactly, as GGUF
-    Q8_0's), and fold the MLP
-    activation into the gate / up node (`fuse_swiglu`); returns how many nodes run each op."""
+    Q8_0's), and fold the MLP activation into the gate / up node (`fuse_swiglu`); returns how many nodes run each
+    op."""
     from onnx import helper
 
     counts = dict.fromkeys(OPS.values(), 0)
@@ -91,7 +91,7 @@ def use_in_graph(graph_file: Path) -> dict[str, int]:
         )
 
     rewrite_nodes(graph_file, replace)
-    _gathers_read_tiles(graph_file, {name: n for name, (_, n, _) in tiled.items()})
+    _gathers_read_tiles(graph_file, {name: (role, n) for name, (role, n, _) in tiled.items()})
 
     def convert(role: str, n: int, bits: int):
         if role == "weights":
@@ -132,9 +132,9 @@ def _or_as_is(narrowed: np.ndarray | None, values: np.ndarray) -> np.ndarray:
     return values if narrowed is None else narrowed
 
 
-def _gathers_read_tiles(graph_file: Path, columns: dict[str, int]) -> None:
-    """Rewrite each Gather that reads one of the initializers about to be tiled (`columns`: name -> N) to read the
-    tiles instead (`_tiled_gather`); any other reader is an error."""
+def _gathers_read_tiles(graph_file: Path, columns: dict[str, tuple[str, int]]) -> None:
+    """Rewrite each Gather that reads one of the initializers about to be tiled (`columns`: name -> its role and N)
+    to read the tiles instead (`_tiled_gather`); any other reader is an error."""
     import onnx
     from onnx import helper
 
@@ -149,13 +149,13 @@ def _gathers_read_tiles(graph_file: Path, columns: dict[str, int]) -> None:
         axis = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "axis"), 0)
         if node.op_type != "Gather" or data not in columns or axis != 0 or node.input[1] in columns:
             raise ValueError(f"{node.op_type} node {node.name!r} reads {data!r}, which the quantized matmuls tile")
-        nodes.extend(_tiled_gather(node, list(tensors[data].dims), tensors[data].data_type, columns[data]))
+        nodes.extend(_tiled_gather(node, list(tensors[data].dims), tensors[data].data_type, *columns[data]))
     del model.graph.node[:]
     model.graph.node.extend(nodes)
     onnx.save(model, str(graph_file))
 
 
-def _tiled_gather(gather, shape: list[int], data_type: int, n: int) -> list:
+def _tiled_gather(gather, shape: list[int], data_type: int, role: str, n: int) -> list:
     """The nodes that do what `gather` did to an initializer of `shape` in column order ([N, ...]: by column, the
     embedding's lookup of a token's row; [N * R]: by flat index n R + i) on its column tiles, where column n's i-th
     lane (weights: 4 bytes) or value lies at base(n) + 16 i, base(n) = (n // 16) 16 R + n % 16, R lanes or values a
@@ -164,7 +164,7 @@ def _tiled_gather(gather, shape: list[int], data_type: int, n: int) -> list:
     from onnx import TensorProto, helper
 
     by_column = shape[0] == n
-    per_column = int(np.prod(shape)) // n // (4 if len(shape) == 3 else 1)  # R: weights [N, blocks, bytes] in lanes
+    per_column = int(np.prod(shape)) // n // (4 if role == "weights" else 1)  # R: weights in lanes of 4 bytes
     data, index, out = gather.input[0], gather.input[1], list(gather.output)
     name = lambda key: f"{gather.name}/tiled/{key}"  # noqa: E731
     floats = data_type in (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)

@@ -13,7 +13,7 @@ MPICH was tried first, and its process manager kills every process of the job, r
 
 Faults: a rank whose process ends makes the collectives of the others fail at once (they watch each other's
 process ids), and rank 0 raises RankFailure from then on; the other ranks exit when rank 0's process is gone.
-A hung rank makes the others' collectives fail after runner.core.shared_segment.DEFAULT_TIMEOUT_S, and rank 0 raise
+A hung rank makes the others' collectives fail after runner.core.shared_segment.DEFAULT_TIMEOUT_S, and rank 0 raises
 RankFailure. The shared segment's name is removed as soon as every rank has attached, so nothing is left behind.
 """
 
