@@ -42,8 +42,17 @@ from training.drafter import DrafterTrainingOptions, train_drafter
     "--traces",
     type=click.Path(path_type=Path),
     default=None,
-    help="Cache of the target's answers and hidden states: read if it exists, else written.",
+    help="Directory keeping the target's answers and hidden states, a file per shard of prompts: shards present are "
+    "read, the rest generated and written (a stopped run resumes there).",
 )
+@click.option(
+    "--score-engine",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Engine of the same model whose hidden states the head learns from (e.g. fp32 for a quantized target; "
+    "default: ENGINE).",
+)
+@click.option("--shard-size", type=int, default=256, show_default=True, help="Prompts per traces shard.")
 @click.option("--threads", type=int, default=None, help="CPU threads for the target engine.")
 @click.option(
     "--checkpoint", default=None, help="Where the target's embeddings are read (default: the engine's source)."
@@ -68,6 +77,8 @@ def train_drafter_command(
     dropout,
     distill,
     traces,
+    score_engine,
+    shard_size,
     threads,
     checkpoint,
     bf16,
@@ -88,6 +99,8 @@ def train_drafter_command(
             dropout=dropout,
             distill=distill,
             traces=traces,
+            score_engine=score_engine,
+            shard_size=shard_size,
             threads=threads,
             checkpoint=checkpoint,
             bf16=bf16,

@@ -1,7 +1,10 @@
 """`builder train-drafter`: distil a ReDrafter draft head from a built target engine's own greedy answers.
 
-1. The target engine answers the shipped chat prompts (builder/speculation/drafter_prompts.py) greedily, batched.
-2. The engine's `score` phase gives the target's final hidden state at every position of prompt + answer.
+1. The target engine answers the shipped chat prompts (builder/speculation/drafter_prompts.py) greedily, batched
+   through the runner's inflight batching, a shard of prompts at a time.
+2. A `score` phase gives the target's final hidden state at every position of prompt + answer: the target's own, or
+   that of a scoring engine of the same weights (an fp32 engine where the target quantizes, so the distillation
+   targets carry no rounding while the quantized target generates fast).
 3. At every answer position t, the head sees (h_t, the target's next token x_{t+1}) and learns to predict
    x_{t+2} .. x_{t+1+horizon} (teacher forcing, dropout on its input), over a draft vocabulary of the target's most
    frequent output tokens, starting from the target's own embeddings. The loss mixes cross-entropy on the target's
@@ -11,8 +14,9 @@
    the greedy acceptance the engine would see: beam search from (h_t, x_{t+1}), the longest beam prefix equal to
    the target's continuation, plus the target's own token; the best epoch's head is kept.
 
-Answers and hidden states can be kept in a trace file (`traces`), so trying other training settings does not
-regenerate them.
+Answers and hidden states can be kept in a traces directory (`traces`), one file per shard of prompts: a stopped
+collection resumes at its first missing shard, a larger prompt set reuses the shards of a smaller one, and other
+training settings reuse them all.
 
 This tool sits above both halves of the project: it runs the target through the runner (the engine is the
 target) and writes a head the builder folds into a speculative engine.
@@ -27,6 +31,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -60,7 +65,9 @@ class DrafterTrainingOptions:
     seed: int = 0
     threads: int | None = None
     checkpoint: str | None = None  # where the target's embeddings come from (default: the engine's source)
-    traces: Path | None = None  # answers + hidden states: read if the file exists, else written there
+    traces: Path | None = None  # directory of answer + hidden-state shards: those present are read, the rest written
+    shard_size: int = 256  # prompts per shard (the unit a killed collection resumes from)
+    score_engine: Path | None = None  # engine of the same model that gives the hidden states (default: `engine`)
     bf16: bool | None = None  # train the head's matmuls in bfloat16 autocast (None: where the CPU has native bf16)
 
     def __post_init__(self) -> None:
@@ -77,50 +84,147 @@ class Trace:
     hidden: np.ndarray  # [n, hidden] float32
 
 
-def collect_traces(
-    engine_dir: Path, prompts: list[str], max_new_tokens: int, threads: int | None, log: Callable[[str], None]
-) -> list[Trace]:
-    from runner.llm import LLM
-    from runner.sampling.params import SamplingParams
+class TraceStore:
+    """Answers and hidden states kept on disk, one file per shard of prompts, so a long collection resumes where it
+    stopped and a larger prompt set reuses the shards it shares with a smaller one.
 
-    llm = LLM(engine_dir, threads=threads)
-    texts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
-    start = time.perf_counter()
-    outputs = llm.generate(texts, SamplingParams(max_tokens=max_new_tokens, temperature=0.0))
-    generated = sum(len(o.token_ids) for o in outputs)
-    log(f"      target answered {len(prompts)} prompts: {generated} tokens in {time.perf_counter() - start:.0f} s")
-    executor = llm.engine.executor
-    traces = []
-    for output in outputs:
-        tokens = output.prompt_token_ids + output.token_ids
-        hidden = np.concatenate([scored.hidden for scored in executor.score_chunks(tokens)])
-        first = len(output.prompt_token_ids) - 1
-        traces.append(Trace(np.asarray(tokens[first:], np.int64), hidden[first:].astype(np.float32)))
-    executor.cache.release()
-    return traces
+    `key` names the target engine, the scoring engine and the answer length; each shard also records a digest of its
+    own prompt texts, so an edited prompt set is never trained on answers to the old one."""
 
+    def __init__(self, directory: Path, key: str) -> None:
+        self.directory = Path(directory)
+        if self.directory.is_file():
+            raise ValueError(f"{directory} is a file; --traces takes a directory (a trace file from an older version)")
+        self.directory.mkdir(parents=True, exist_ok=True)
+        meta = self.directory / "traces.json"
+        if meta.is_file():
+            stored = json.loads(meta.read_text())["key"]
+            if stored != key:
+                raise ValueError(
+                    f"{directory} holds traces of another engine or answer length ({stored}); "
+                    "delete it or pass another --traces"
+                )
+        else:
+            meta.write_text(json.dumps({"key": key}) + "\n")
 
-def save_traces(path: Path, key: str, groups: dict[str, list[Trace]]) -> None:
-    arrays = {"key": np.array(key)}
-    for name, traces in groups.items():
-        arrays[f"{name}_lengths"] = np.array([len(t.tokens) for t in traces])
-        arrays[f"{name}_tokens"] = np.concatenate([t.tokens for t in traces])
-        arrays[f"{name}_hidden"] = np.concatenate([t.hidden for t in traces]).astype(np.float16)
-    np.savez(path, **arrays)
+    def _path(self, group: str, index: int) -> Path:
+        return self.directory / f"{group}-{index:05d}.npz"
 
+    def read(self, group: str, index: int, prompts: list[str]) -> list[Trace] | None:
+        path = self._path(group, index)
+        if not path.is_file():
+            return None
+        data = np.load(path)
+        if str(data["prompts"]) != _digest(prompts):
+            raise ValueError(
+                f"{path} holds answers to other prompts (the prompt set changed); delete {self.directory} or pass "
+                "another --traces"
+            )
+        bounds = np.cumsum(np.concatenate(([0], data["lengths"])))
+        tokens, hidden = data["tokens"], data["hidden"]
+        return [Trace(tokens[a:b], hidden[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
 
-def load_traces(path: Path, key: str) -> dict[str, list[Trace]]:
-    data = np.load(path)
-    if str(data["key"]) != key:
-        raise ValueError(
-            f"{path} holds traces of another engine or prompt set ({data['key']}); delete it or pass another --traces"
+    def write(self, group: str, index: int, prompts: list[str], traces: list[Trace]) -> None:
+        path = self._path(group, index)
+        partial = path.with_name(path.stem + ".partial.npz")  # renamed whole, so a killed run leaves no half shard
+        np.savez(
+            partial,
+            prompts=np.array(_digest(prompts)),
+            lengths=np.array([len(t.tokens) for t in traces]),
+            tokens=np.concatenate([t.tokens for t in traces]),
+            hidden=np.concatenate([t.hidden for t in traces]).astype(np.float16),
         )
-    groups = {}
-    for name in ("train", "validation"):
-        bounds = np.cumsum(np.concatenate(([0], data[f"{name}_lengths"])))
-        tokens, hidden = data[f"{name}_tokens"], data[f"{name}_hidden"].astype(np.float32)
-        groups[name] = [Trace(tokens[a:b], hidden[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
-    return groups
+        partial.replace(path)
+
+
+def _digest(texts: list[str]) -> str:
+    return hashlib.sha256(json.dumps(texts).encode()).hexdigest()[:16]
+
+
+class TargetAnswers:
+    """The target engine answering prompts greedily (batched through the runner's inflight batching), and the
+    engine that scores the answers: the target's hidden state at every position of prompt + answer, the head's
+    inputs and, through the LM head, its distillation targets. The scorer defaults to the target itself; an fp32
+    engine of the same weights gives unrounded states while a quantized target generates fast."""
+
+    def __init__(self, engine: Path, score_engine: Path | None, threads: int | None) -> None:
+        self.engine, self.score_engine, self.threads = engine, score_engine, threads
+
+    @cached_property
+    def engines(self):
+        """(target LLM, scoring LLM), loaded when the first answer is needed (a run that reads every shard back
+        loads neither)."""
+        from runner.llm import LLM
+
+        target = LLM(self.engine, threads=self.threads)
+        scorer = target if self.score_engine is None else LLM(self.score_engine, threads=self.threads)
+        if scorer.engine.manifest.model != target.engine.manifest.model:
+            raise ValueError(f"{self.score_engine} is another model than {self.engine}: it cannot score its answers")
+        return target, scorer
+
+    def traces(self, prompts: list[str], max_new_tokens: int) -> tuple[list[Trace], int]:
+        """-> (one Trace per prompt, answer tokens generated)."""
+        from runner.sampling.params import SamplingParams
+
+        target, scorer = self.engines
+        texts = [target.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+        outputs = target.generate(texts, SamplingParams(max_tokens=max_new_tokens, temperature=0.0))
+        executor = scorer.engine.executor
+        traces = []
+        for output in outputs:
+            tokens = output.prompt_token_ids + output.token_ids
+            hidden = np.concatenate([scored.hidden for scored in executor.score_chunks(tokens)])
+            first = len(output.prompt_token_ids) - 1
+            traces.append(Trace(np.asarray(tokens[first:], np.int64), hidden[first:].astype(np.float32)))
+        executor.cache.release()
+        return traces, sum(len(o.token_ids) for o in outputs)
+
+
+def progress_line(done: int, total: int, tokens_per_second: float, eta_seconds: float, width: int = 24) -> str:
+    """`[#########---------------]  37%  3,072/8,300 answers, 412 tok/s, ETA 21 min`."""
+    filled = min(width, round(width * done / total)) if total else width
+    return (
+        f"[{'#' * filled}{'-' * (width - filled)}] {done / max(total, 1):4.0%}  {done:,}/{total:,} answers, "
+        f"{tokens_per_second:,.0f} tok/s, ETA {eta_seconds / 60:.0f} min"
+    )
+
+
+def collect_traces(
+    answers: TargetAnswers,
+    groups: dict[str, list[str]],
+    max_new_tokens: int,
+    shard_size: int,
+    store: TraceStore | None,
+    log: Callable[[str], None],
+) -> dict[str, list[Trace]]:
+    """Every group's traces, shard by shard: read from `store` where it has them, else generated (and written there),
+    with a progress line and an ETA after each shard."""
+    total = sum(len(prompts) for prompts in groups.values())
+    done = generated = 0
+    seconds = 0.0
+    remaining = total
+    collected = {}
+    for group, prompts in groups.items():
+        collected[group] = []
+        for index, start in enumerate(range(0, len(prompts), shard_size)):
+            shard = prompts[start : start + shard_size]
+            traces = None if store is None else store.read(group, index, shard)
+            if traces is None:
+                begin = time.perf_counter()
+                traces, tokens = answers.traces(shard, max_new_tokens)
+                seconds += time.perf_counter() - begin
+                generated += len(shard)
+                if store is not None:
+                    store.write(group, index, shard, traces)
+                # the ETA extrapolates this run's own pace (shards read back took no time)
+                eta = (remaining - len(shard)) * seconds / generated
+                log(f"      {progress_line(done + len(shard), total, tokens / (time.perf_counter() - begin), eta)}")
+            collected[group] += traces
+            done += len(shard)
+            remaining -= len(shard)
+    if store is not None and generated < total:
+        log(f"      {total - generated:,} of {total:,} answers read back from {store.directory}")
+    return collected
 
 
 def draft_vocabulary(traces: list[Trace], size: int, target_vocab: int) -> torch.Tensor:
@@ -164,7 +268,7 @@ def training_examples(traces: list[Trace], horizon: int) -> Examples:
         offset += n
     inputs = np.stack(inputs)
     return Examples(
-        torch.from_numpy(np.concatenate([t.hidden for t in traces])),
+        torch.from_numpy(np.concatenate([t.hidden for t in traces]).astype(np.float32, copy=False)),
         torch.tensor(rows),
         torch.from_numpy(np.where(inputs == IGNORE, 0, inputs)),
         torch.from_numpy(np.stack(labels)),
@@ -172,15 +276,29 @@ def training_examples(traces: list[Trace], horizon: int) -> Examples:
     )
 
 
-def greedy_acceptance(
+def accepted_drafts(
     head: DraftHead, hidden: torch.Tensor, inputs: torch.Tensor, labels: torch.Tensor, beam_width: int, draft_len: int
-) -> float:
-    """Mean tokens per verify step under greedy decoding: the best beam's matching prefix + the target's token."""
+) -> torch.Tensor:
+    """Per position, the drafts greedy verification accepts: the longest beam prefix equal to the target's tokens."""
     drafter = BeamSearchDrafter(head, beam_width, draft_len).eval()
     with torch.no_grad():
         beams, _ = drafter(hidden, inputs[:, 0])  # [N, W, K]
     matches = (beams == labels[:, None, :draft_len]).long().cumprod(dim=-1).sum(-1)  # [N, W]
-    return 1.0 + matches.max(dim=1).values.float().mean().item()
+    return matches.max(dim=1).values
+
+
+def greedy_acceptance(
+    head: DraftHead, hidden: torch.Tensor, inputs: torch.Tensor, labels: torch.Tensor, beam_width: int, draft_len: int
+) -> float:
+    """Mean tokens per verify step under greedy decoding: the accepted drafts + the target's own token."""
+    return 1.0 + accepted_drafts(head, hidden, inputs, labels, beam_width, draft_len).float().mean().item()
+
+
+def acceptance_by_depth(accepted: torch.Tensor, draft_len: int) -> list[float]:
+    """For each draft position k = 1..draft_len, the share of steps that accept it given they accepted the k - 1
+    before it (the rate a tree's depth-k nodes pay off at)."""
+    reached = [(accepted >= k).float().mean().item() for k in range(draft_len + 1)]
+    return [round(reached[k] / reached[k - 1], 3) if reached[k - 1] else 0.0 for k in range(1, draft_len + 1)]
 
 
 def first_draft_accuracy(head: DraftHead, hidden: torch.Tensor, inputs: torch.Tensor, labels: torch.Tensor) -> float:
@@ -248,8 +366,15 @@ def train_drafter(options: DrafterTrainingOptions, log: Callable[[str], None] = 
         for w in (1, 2, 3, 4)
         for k in range(1, options.horizon + 1)
     }
+    per_depth = {
+        f"beams{w}_len{options.horizon}": acceptance_by_depth(
+            accepted_drafts(head, *held_split, w, options.horizon), options.horizon
+        )
+        for w in (1, 2, 3, 4)
+    }
     facts = {
         "target": manifest.source,
+        "scored_by": str(options.score_engine or options.engine),
         "prompts": options.prompts,
         "validation_prompts": options.validation,
         "answer_tokens": int(sum(len(t.tokens) - 1 for t in train_traces)),
@@ -262,6 +387,7 @@ def train_drafter(options: DrafterTrainingOptions, log: Callable[[str], None] = 
         "bf16": bf16,
         "distill": options.distill,
         "validation_tokens_per_step": acceptance,
+        "validation_acceptance_by_depth": per_depth,
         "first_draft_accuracy": {
             **{k: round(v, 4) for k, v in accuracy.items()},
             **{f"{name}_after": round(first_draft_accuracy(head, *split), 4) for name, split in splits.items()},
@@ -275,26 +401,27 @@ def train_drafter(options: DrafterTrainingOptions, log: Callable[[str], None] = 
 
 
 def _target_traces(options: DrafterTrainingOptions, manifest, log: Callable[[str], None]) -> dict[str, list[Trace]]:
-    """The target's answers to the training and validation prompts, with its hidden states: from the traces file
-    when it holds this engine's answers to these prompts, else generated (and written there)."""
-    prompts = drafter_prompts(options.prompts) + validation_prompts(options.validation)
-    # The key names everything the traces depend on, prompt texts included, so that an edited prompt set is never
-    # trained on answers to the old one.
-    prompt_digest = hashlib.sha256(json.dumps([options.prompts, prompts]).encode()).hexdigest()[:16]
-    graph_digest = manifest.files[manifest.graphs["step"].file].sha256[:16]
-    key = f"{manifest.source}|{graph_digest}|{prompt_digest}|{options.max_new_tokens}"
-    if options.traces is not None and Path(options.traces).is_file():
-        log(f"[1/3] reading the target's answers from {options.traces}")
-        return load_traces(Path(options.traces), key)
+    """The target's answers to the training and validation prompts, with its hidden states: read from the traces
+    directory for the shards it holds, the rest generated (and written there)."""
+    from engines.format import open_artifact
+
+    # validation first: a collection stopped early still has what picks the best epoch
+    groups = {"validation": validation_prompts(options.validation), "train": drafter_prompts(options.prompts)}
+    scorer = manifest if options.score_engine is None else open_artifact(options.score_engine).manifest
+    key = f"{_engine_key(manifest)}|scored by {_engine_key(scorer)}|{options.max_new_tokens} tokens"
+    store = None if options.traces is None else TraceStore(options.traces, key)
+    scored_by = "" if options.score_engine is None else f", scored by {options.score_engine}"
     log(
         f"[1/3] target {options.engine} answers {options.prompts} + {options.validation} validation prompts "
-        f"(greedy, {options.max_new_tokens} tokens max)"
+        f"(greedy, {options.max_new_tokens} tokens max{scored_by})"
+        + ("" if store is None else f"; shards kept in {options.traces}")
     )
-    traces = collect_traces(options.engine, prompts, options.max_new_tokens, options.threads, log)
-    groups = {"train": traces[: options.prompts], "validation": traces[options.prompts :]}
-    if options.traces is not None:
-        save_traces(Path(options.traces), key, groups)
-    return groups
+    answers = TargetAnswers(options.engine, options.score_engine, options.threads)
+    return collect_traces(answers, groups, options.max_new_tokens, options.shard_size, store, log)
+
+
+def _engine_key(manifest) -> str:
+    return f"{manifest.source}|{manifest.files[manifest.graphs['step'].file].sha256[:16]}"
 
 
 def _new_head(

@@ -370,15 +370,20 @@ VALIDATION_TOPICS = [
 ]
 
 
-def _shuffled(templates: list[str], topics: list[str], seed: int) -> list[str]:
-    prompts = [template.format(topic=topic) for template in templates for topic in topics]
+# Requests as users phrase them come with instructions about the answer's form; each changes the answer the target
+# gives, so every template and topic is asked plainly and with each of these.
+STYLES = ["", " Keep it short.", " Answer with a numbered list.", " Use simple, friendly language."]
+
+
+def _shuffled(templates: list[str], topics: list[str], seed: int, styles: tuple[str, ...] = ("",)) -> list[str]:
+    prompts = [template.format(topic=topic) + style for template in templates for topic in topics for style in styles]
     random.Random(seed).shuffle(prompts)
     return prompts
 
 
 def drafter_prompts(count: int | None = None, seed: int = 0) -> list[str]:
-    """Training prompts (up to len(TEMPLATES) x len(TOPICS) = 44 x 288 = 12,672)."""
-    prompts = _shuffled(TEMPLATES, TOPICS, seed)
+    """Training prompts (up to len(TEMPLATES) x len(TOPICS) x len(STYLES) = 44 x 288 x 4 = 50,688)."""
+    prompts = _shuffled(TEMPLATES, TOPICS, seed, STYLES)
     return prompts if count is None else prompts[:count]
 
 

@@ -4,6 +4,7 @@ for the soft targets, and the traces cache."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -50,8 +51,10 @@ def test_soft_targets_come_from_the_lm_head_and_the_embedding_where_untied(check
     assert lm_head is embedding
 
 
-def test_traces_cache_is_reused_for_the_same_prompts_and_refused_for_others(engine_factory, tmp_path):
+def test_traces_are_kept_per_shard_resumed_and_refused_for_other_prompts(engine_factory, tmp_path):
     from training.drafter import DrafterTrainingOptions, train_drafter
+
+    traces = tmp_path / "traces"
 
     def train(prompts: int, bf16: bool, distill: float = 0.0) -> list[str]:
         lines = []
@@ -64,7 +67,8 @@ def test_traces_cache_is_reused_for_the_same_prompts_and_refused_for_others(engi
             draft_vocab=32,
             epochs=1,
             batch_size=16,
-            traces=tmp_path / "traces.npz",
+            traces=traces,
+            shard_size=4,
             bf16=bf16,
             distill=distill,
         )
@@ -73,9 +77,56 @@ def test_traces_cache_is_reused_for_the_same_prompts_and_refused_for_others(engi
         assert all(math.isfinite(loss) for loss in facts["epoch_losses"])
         return lines
 
-    assert "answers 6 + 2 validation prompts" in train(6, bf16=False)[0]
-    assert "reading the target's answers" in train(6, bf16=True, distill=0.5)[0]
-    with pytest.raises(ValueError, match="another engine or prompt set"):
-        train(7, bf16=False)
+    def progress(lines: list[str]) -> list[str]:
+        return [line.strip() for line in lines if "answers, " in line and "ETA" in line]
+
+    first = train(6, bf16=False)
+    assert "answers 6 + 2 validation prompts" in first[0]
+    assert [line.split("]")[1].split(" answers")[0].split()[-1] for line in progress(first)] == ["2/8", "6/8", "8/8"]
+    assert sorted(f.name for f in traces.iterdir()) == [
+        "traces.json",
+        "train-00000.npz",
+        "train-00001.npz",
+        "validation-00000.npz",
+    ]
+    assert progress(train(6, bf16=True, distill=0.5)) == []  # every shard read back, no engine loaded
+    (traces / "train-00001.npz").unlink()  # a run stopped before its second shard
+    assert len(progress(train(6, bf16=False))) == 1
+    with pytest.raises(ValueError, match="answers to other prompts"):
+        train(7, bf16=False)  # the second shard now holds 3 prompts
     with pytest.raises(ValueError, match="between 0 and 1"):
         train(6, bf16=False, distill=1.5)
+
+
+def test_a_scoring_engine_of_the_same_model_gives_the_states_and_keys_the_traces(engine_factory, tmp_path):
+    from training.drafter import DrafterTrainingOptions, train_drafter
+
+    def train(score_engine: Path | None, traces: Path | None) -> dict:
+        options = DrafterTrainingOptions(
+            engine_factory("gqa", quant="int8"),
+            tmp_path / "head.safetensors",
+            prompts=2,
+            validation=1,
+            max_new_tokens=4,
+            draft_vocab=32,
+            epochs=1,
+            traces=traces,
+            score_engine=score_engine,
+        )
+        return train_drafter(options, log=lambda line: None)
+
+    fp32 = engine_factory("gqa")
+    assert train(fp32, tmp_path / "traces")["answer_tokens"] > 0
+    with pytest.raises(ValueError, match="another engine"):  # the same answers, states of another scorer
+        train(None, tmp_path / "traces")
+    with pytest.raises(ValueError, match="another model"):
+        train(engine_factory("mha"), None)
+
+
+def test_acceptance_by_depth_is_conditional_on_the_drafts_before():
+    from training.drafter import acceptance_by_depth
+
+    accepted = torch.tensor([0, 1, 1, 2, 2, 2, 3, 3])  # drafts accepted per step, of 3
+    # 7 of 8 steps accept the first draft, 5 of those 7 the second, 2 of those 5 the third
+    assert acceptance_by_depth(accepted, 3) == [0.875, round(5 / 7, 3), 0.4]
+    assert acceptance_by_depth(torch.zeros(4, dtype=torch.long), 2) == [0.0, 0.0]
