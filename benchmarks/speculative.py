@@ -61,6 +61,18 @@ def timed(engine, prompt_ids: list[int], new_tokens: int, schema: dict | None) -
     return list(request.output_token_ids), (first - start) * 1000, time.perf_counter() - first
 
 
+def batched(engine, prompts_ids: list[list[int]], new_tokens: int) -> tuple[list[list[int]], float]:
+    """All prompts submitted at once and generated together: (their tokens, seconds until the last finished)."""
+    from runner.sampling.params import SamplingParams
+
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0)
+    requests = [engine.add_request(None, ids, params) for ids in prompts_ids]
+    start = time.perf_counter()
+    while not all(r.finished for r in requests):
+        engine.step()
+    return [list(r.output_token_ids) for r in requests], time.perf_counter() - start
+
+
 @click.command()
 @click.option("--plain", "plain_dir", required=True, type=click.Path(exists=True))
 @click.option(
@@ -80,7 +92,13 @@ def timed(engine, prompt_ids: list[int], new_tokens: int, schema: dict | None) -
 @click.option(
     "--json-schema", "json_schema", default=None, help="Hold every answer to this JSON schema (JSON or a file)."
 )
-def main(plain_dir, spec_dirs, threads, new_tokens, runs, out, json_schema) -> None:
+@click.option(
+    "--batches",
+    default="",
+    help="Also run the chat prompts this many at a time (comma-separated sizes, e.g. 2,4): tokens per second summed "
+    "over the rows, from submission to the last answer, each speculative engine as it decides per step.",
+)
+def main(plain_dir, spec_dirs, threads, new_tokens, runs, out, json_schema, batches) -> None:
     from runner.core.args import EngineArgs
     from runner.core.engine import LLMEngine
     from runner.core.machine import cpu_model
@@ -146,15 +164,11 @@ def main(plain_dir, spec_dirs, threads, new_tokens, runs, out, json_schema) -> N
         print(line)
         return row
 
-    rows = []
-    for question in HELD_OUT_PROMPTS:
-        rows.append(
-            compare(
-                "chat",
-                question,
-                plain.codec.encode(plain.codec.apply_chat_template([{"role": "user", "content": question}])),
-            )
-        )
+    chat_ids = [
+        plain.codec.encode(plain.codec.apply_chat_template([{"role": "user", "content": question}]))
+        for question in HELD_OUT_PROMPTS
+    ]
+    rows = [compare("chat", question, ids) for question, ids in zip(HELD_OUT_PROMPTS, chat_ids)]
     chat_stats = {name: copy.deepcopy(spec.speculation_stats) for name, spec in specs.items()}
     rows.append(compare("summary", "Summarise this text: <CPython licence>", chat_prompts(plain.codec)["long"]))
     chat_rows = [r for r in rows if r["kind"] == "chat"]
@@ -183,6 +197,48 @@ def main(plain_dir, spec_dirs, threads, new_tokens, runs, out, json_schema) -> N
             f"{summary['verify_seconds_per_step_ms']:.1f} ms "
             f"per step, outputs {'identical' if identical else 'DIFFERENT'}"
         )
+    batched_rows = {}
+    for batch in [int(b) for b in batches.split(",") if b]:
+        groups = [(chat_ids * 2)[i : i + batch] for i in range(0, len(chat_ids), batch)]
+        for engine in engines.values():
+            batched(engine, groups[0], 8)  # warm-up of this batch's buckets
+        seconds = {name: [] for name in engines}
+        outputs = {}
+        before = {name: (e.speculation_stats.verify_steps, e.speculation_stats.plain_rows) for name, e in specs.items()}
+        for _ in range(runs):
+            for name, engine in engines.items():
+                for group in groups:
+                    tokens, elapsed = batched(engine, group, new_tokens)
+                    outputs.setdefault(name, []).append(tokens)
+                    seconds[name].append(elapsed)
+        total = sum(len(t) for group in outputs["plain"][: len(groups)] for t in group)
+        rates = {name: runs * total / sum(s) for name, s in seconds.items()}
+        batched_rows[batch] = {
+            name: {
+                "tok_s": rates[name],
+                "speed_up": rates[name] / rates["plain"],
+                "identical": outputs[name] == outputs["plain"],
+                **(
+                    {}
+                    if name == "plain"
+                    else {
+                        "verify_row_steps": specs[name].speculation_stats.verify_steps - before[name][0],
+                        "plain_row_steps": specs[name].speculation_stats.plain_rows - before[name][1],
+                    }
+                ),
+            }
+            for name in engines
+        }
+        print(
+            f"batch {batch}: plain {rates['plain']:.1f} tok/s"
+            + "".join(
+                f" | {Path(name).name} {r['tok_s']:.1f} tok/s x{r['speed_up']:.2f} "
+                f"({r['verify_row_steps']} row-steps verified, {r['plain_row_steps']} plain) "
+                f"{'identical' if r['identical'] else 'DIFFERENT'}"
+                for name, r in batched_rows[batch].items()
+                if name != "plain"
+            )
+        )
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
     ).stdout.strip()
@@ -196,10 +252,13 @@ def main(plain_dir, spec_dirs, threads, new_tokens, runs, out, json_schema) -> N
         "runs": runs,
         "json_schema": schema,
         "prompts": rows,
+        "batched": batched_rows,
     }
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(record, indent=2))
-    if not all(s["all_identical"] for s in summaries.values()):
+    if not all(s["all_identical"] for s in summaries.values()) or not all(
+        r["identical"] for by_engine in batched_rows.values() for r in by_engine.values()
+    ):
         raise SystemExit("a speculative engine's output differs from the plain engine's")
 
 

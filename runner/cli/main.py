@@ -194,6 +194,25 @@ def origin_list(values: tuple[str, ...]) -> list[str]:
     return origins
 
 
+class AutoOrCount(click.ParamType):
+    """`auto` or a count >= 0."""
+
+    name = "auto|N"
+
+    def convert(self, value, param, ctx):
+        if value == "auto" or isinstance(value, int):
+            return value
+        try:
+            count = int(value)
+        except ValueError:
+            count = -1
+        if count < 0:
+            self.fail(f"{value!r} is neither 'auto' nor a count >= 0", param, ctx)
+        return count
+
+
+AUTO_OR_COUNT = AutoOrCount()
+
 PADDED_ROWS_NOTE = (
     "note: a lone request runs as two rows: this engine's matmuls round one row differently "
     "from several on this machine, and padding keeps greedy answers the same alone or batched "
@@ -228,11 +247,12 @@ SERVED_ENGINE_OPTIONS = [
     ),
     click.option(
         "--speculative-max-rows",
-        type=click.IntRange(min=0),
+        type=AUTO_OR_COUNT,
         default=DEFAULT_SPECULATIVE_MAX_ROWS,
         show_default=True,
-        help="A speculative engine verifies drafts only in steps with at most this many "
-        "generating rows (0: in every step); busier steps decode plain, which is faster under load.",
+        help="auto: a speculative engine verifies drafts in the steps where its measured verify and decode "
+        "times say that is faster (under load it decodes plain); N: only in steps with at most N generating "
+        "rows; 0: in every step.",
     ),
     click.option(
         "--max-verify-nodes",
@@ -321,7 +341,7 @@ def open_served_engine(
                 threads=threads,
                 max_batch=max_batch,
                 enable_prefix_caching=enable_prefix_caching,
-                speculative_max_rows=speculative_max_rows or None,
+                speculative_max_rows=speculative_max_rows or None,  # 0: every step
                 chat_template=chat_template,
                 generation_config=generation_config,
                 max_model_len=max_model_len,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 # Speculate only while one row generates: verification costs compute that batching already uses, so under load
 # plain steps are faster (docs/measurements.md).
-DEFAULT_SPECULATIVE_MAX_ROWS = 1
+DEFAULT_SPECULATIVE_MAX_ROWS = "auto"
 # While requests generate, a prompt goes in chunks of this many tokens: they wait for each chunk, and a short chunk
 # keeps that wait short (docs/measurements.md).
 DEFAULT_SHARED_PREFILL_CHUNK = 128
@@ -37,8 +37,9 @@ class EngineArgs:
     `max_batch`: rows decoded together, at most the engine's largest decode bucket (None: that bucket).
     `enable_prefix_caching`: a prompt starts after the longest prefix whose K/V a cache row holds from an earlier or
     running request (runner/core/prefix_cache.py).
-    `speculative_max_rows`: a speculative engine verifies drafts only in steps with at most this many generating
-    rows (None: in every step).
+    `speculative_max_rows`: "auto": a speculative engine verifies drafts in a step where its measured step times
+    say that emits more tokens per second than a plain decode step (runner/speculative/policy.py); N: in steps with
+    at most N generating rows; None: in every step.
     `chat_template`: a Jinja chat template used instead of the artifact's (vLLM's --chat-template).
     `generation_config`: see GenerationConfig.
     `max_model_len`: serve shorter sequences (prompt + output) than the engine was built for (vLLM's flag).
@@ -56,7 +57,7 @@ class EngineArgs:
     verify_checksums: bool = True
     max_batch: int | None = None
     enable_prefix_caching: bool = False
-    speculative_max_rows: int | None = DEFAULT_SPECULATIVE_MAX_ROWS
+    speculative_max_rows: int | str | None = DEFAULT_SPECULATIVE_MAX_ROWS
     chat_template: str | None = None
     generation_config: GenerationConfig = GenerationConfig.AUTO
     max_model_len: int | None = None
@@ -79,8 +80,9 @@ class EngineArgs:
                 "shared_prefill_chunk must be >= 1 (or None: the engine's largest chunk), "
                 f"got {self.shared_prefill_chunk}"
             )
-        if self.speculative_max_rows is not None and self.speculative_max_rows < 1:
-            raise ValueError(f"speculative_max_rows must be >= 1 (or None: always), got {self.speculative_max_rows}")
+        rows = self.speculative_max_rows
+        if rows != "auto" and rows is not None and (not isinstance(rows, int) or rows < 1):
+            raise ValueError(f"speculative_max_rows must be 'auto', >= 1 or None (every step), got {rows!r}")
         nodes = self.max_verify_nodes
         if nodes != "auto" and nodes is not None and (not isinstance(nodes, int) or nodes < 2):
             raise ValueError(f"max_verify_nodes must be >= 2, 'auto' or None (the engine's trees whole), got {nodes}")

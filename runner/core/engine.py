@@ -25,6 +25,7 @@ from runner.sampling.logprobs import TokenLogprob, token_logprobs
 from runner.sampling.params import SamplingParams
 from runner.sampling.structured import GrammarCompiler, TokenConstraint
 from runner.speculative.drafts import SpeculationStats, TokenTree, pack_tree, prompt_lookup_draft, ranked_drafts
+from runner.speculative.policy import SpeculationPolicy
 
 
 class PromptError(ValueError):
@@ -95,6 +96,11 @@ class LLMEngine:
         self.sampler = Sampler(backend, manifest.sampler, manifest.model.vocab_size, set(manifest.model.eos_token_ids))
         self.speculation = manifest.speculation  # None for a plain engine
         self.speculative_max_rows = args.speculative_max_rows
+        # "auto": the cost model decides each step; None: every step verifies (no step has more rows than the cache)
+        fixed_rows = {"auto": None, None: rows}.get(args.speculative_max_rows, args.speculative_max_rows)
+        self.speculation_policy = SpeculationPolicy(max_rows=fixed_rows)
+        self._verifies_next = False  # whether drafts were made for the next step (the policy's choice)
+        self._draft_seconds = 0.0  # the time drafting for the next step took (part of its cost)
         max_verify_nodes = args.max_verify_nodes
         if max_verify_nodes == "auto":
             max_verify_nodes = verify_node_limit(manifest.quantization, backend.provider)
@@ -220,7 +226,9 @@ class LLMEngine:
             return events
         pending: list[_Pending] = []  # rows whose next tokens the sampler graph chooses this step
         events: list[TokenEvent] = []
-        if step.decode and self._speculates(len(step.decode)):
+        verifying = bool(step.decode) and self._verifies_next
+        started = time.perf_counter()
+        if verifying:
             pending += self._verify(step.decode)
         elif step.decode:
             if self.speculation is not None:  # a loaded step of a speculative engine: plain
@@ -242,6 +250,7 @@ class LLMEngine:
                         argmax=decoded.argmax[index, None],
                     )
                 )
+        decode_seconds = time.perf_counter() - started
         if step.prefill is not None:
             request, count = step.prefill
             scored = self._prefill(request, count)
@@ -260,9 +269,11 @@ class LLMEngine:
             return events
         started = time.perf_counter()
         sampled = self._sample(pending)
+        sample_seconds = time.perf_counter() - started
         if self.speculation is not None:
-            self.speculation_stats.verify_seconds += time.perf_counter() - started  # acceptance is part of verifying
+            self.speculation_stats.verify_seconds += sample_seconds  # acceptance is part of verifying
         to_draft = []
+        verified_tokens = 0
         for row, result in zip(pending, sampled):
             request, emitted = row.request, 0
             for token, logprob in zip(result.tokens, result.logprobs or [None] * len(result.tokens)):
@@ -271,6 +282,7 @@ class LLMEngine:
                 if request.finished:
                     break
             if row.verified:
+                verified_tokens += emitted
                 self.speculation_stats.record(emitted)
                 if not request.finished:
                     self.executor.commit(request.row, request.num_computed, result.path)
@@ -279,12 +291,28 @@ class LLMEngine:
                         self.draft_model.accepted(request, len(result.path) - 1)
             if self.speculation is not None and not request.finished:
                 to_draft.append((request, row.hidden[result.path[-1]]))  # drafting resumes where acceptance stopped
-        if to_draft and self._speculates(len(to_draft)):  # to_draft: every row the next step decodes
+        if self.speculation is not None:
+            self._plan_next_step(step.decode, verifying, decode_seconds + sample_seconds, verified_tokens, to_draft)
+        return events
+
+    def _plan_next_step(
+        self, decoded: list[Request], verified: bool, seconds: float, emitted: int, to_draft: list
+    ) -> None:
+        """Time this step's generating rows for the speculation policy, then let it choose whether the next step
+        verifies drafts; they are drafted now only if it does (`to_draft`: every row the next step decodes)."""
+        if decoded and verified:
+            self.speculation_policy.record_verify(len(decoded), seconds + self._draft_seconds, emitted)
+        elif decoded:
+            self.speculation_policy.record_plain(len(decoded), seconds)
+        self._verifies_next = bool(to_draft) and self.speculation_policy.verifies(len(to_draft))
+        self._draft_seconds = 0.0
+        if self._verifies_next:
+            started = time.perf_counter()
             self._draft(to_draft)
+            self._draft_seconds = time.perf_counter() - started
         else:  # drafts for a step that will not verify them are wasted; old ones would follow another position
             for request, _ in to_draft:
                 request.drafts = []
-        return events
 
     def _burst_steps(self, step) -> int:
         """How many decode calls this step may make in a row: more than one only where every row takes the step
@@ -344,9 +372,6 @@ class LLMEngine:
             scored.logits, request.prompt_token_ids[start + 1 : start + count + 1], top
         )
         return scored[-1]
-
-    def _speculates(self, rows: int) -> bool:
-        return self.speculation is not None and (self.speculative_max_rows is None or rows <= self.speculative_max_rows)
 
     def _fork(self, request: Request) -> list[Request]:
         """`request` has just computed its prompt: the other completions of it that hold a cache row get a copy of

@@ -80,7 +80,7 @@ class EngineMetrics:
             ("engine_speculative_verify_seconds", "Seconds spent in verify graph calls", lambda: stats.verify_seconds),
             (
                 "engine_speculative_plain_rows",
-                "Rows decoded without drafts (more generating rows than speculative_max_rows)",
+                "Rows decoded without drafts (steps the speculation policy ran plain)",
                 lambda: stats.plain_rows,
             ),
         ):

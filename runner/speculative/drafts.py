@@ -110,7 +110,7 @@ class SpeculationStats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     accepted_histogram: dict[int, int] = field(default_factory=dict)  # drafts accepted per step -> count
-    plain_rows: int = 0  # rows decoded without drafts: their step had more generating rows than speculation pays for
+    plain_rows: int = 0  # rows decoded without drafts: the speculation policy ran their step plain
 
     @property
     def mean_accepted(self) -> float:

@@ -134,6 +134,8 @@ def test_clear_one_line_errors(tmp_path, engine_factory):
     assert bad_distill.returncode == 2 and bad_distill.stderr.strip().splitlines()[-1].endswith(
         "between 0 and 1; got 2.0"
     )
+    bad_rows = run(RUNNER + ["serve", str(engine_factory("gqa")), "--speculative-max-rows", "some"])
+    assert bad_rows.returncode == 2 and "'some' is neither 'auto' nor a count >= 0" in bad_rows.stderr
 
 
 def test_info_describes_an_engine_and_refuses_a_damaged_one(engine_factory, tmp_path):

@@ -193,10 +193,12 @@ def test_limits_stops_and_logprobs_match_plain_decoding(plain, oracle):
 
 
 def test_loaded_steps_decode_plain_and_speculation_resumes_when_load_drops(engine_factory, tiny_draft_head, plain):
-    """With speculative_max_rows 1 (the default), steps with several generating rows decode without drafts and a
-    row left alone speculates again: the tokens are plain decoding's either way."""
-    spec = LLM(engine_factory("gqa", prefill_chunk=8, draft_head=tiny_draft_head[0], beam_width=3, draft_len=4))
-    assert spec.engine.speculative_max_rows == 1
+    """With speculative_max_rows 1, steps with several generating rows decode without drafts and a row left alone
+    speculates again: the tokens are plain decoding's either way."""
+    spec = LLM(
+        engine_factory("gqa", prefill_chunk=8, draft_head=tiny_draft_head[0], beam_width=3, draft_len=4),
+        speculative_max_rows=1,
+    )
     lengths = [8, 40, 12]  # the 40-token answer ends alone
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
     outputs = spec.generate(PROMPTS[:3], params)
@@ -206,6 +208,24 @@ def test_loaded_steps_decode_plain_and_speculation_resumes_when_load_drops(engin
     assert stats.emitted_tokens + stats.plain_rows + 3 == sum(lengths)  # every token by one path (first ones: prefill)
     with pytest.raises(ValueError, match="speculative_max_rows"):
         LLM(engine_factory("gqa"), speculative_max_rows=0)
+
+
+def test_the_cost_model_picks_each_steps_kind_from_measured_times_and_keeps_plain_tokens(
+    engine_factory, tiny_draft_head, plain
+):
+    """By default ("auto") the policy times plain and verify steps per number of generating rows and picks the
+    faster: both kinds run, and the tokens are plain decoding's whichever it picks."""
+    spec = LLM(engine_factory("gqa", prefill_chunk=8, draft_head=tiny_draft_head[0], beam_width=3, draft_len=4))
+    assert spec.engine.speculative_max_rows == "auto"
+    lengths = [8, 40, 12]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+    outputs = spec.generate(PROMPTS[:3], params)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in plain.generate(PROMPTS[:3], params)]
+    stats, policy = spec.engine.speculation_stats, spec.engine.speculation_policy
+    assert stats.plain_rows > 0 and stats.verify_steps > 0  # each kind is timed before they are compared
+    assert stats.emitted_tokens + stats.plain_rows + 3 == sum(lengths)
+    timed = policy.estimates()
+    assert timed[1]["plain_seconds"] > 0 and timed[1]["verify_seconds"] > 0 and policy.tokens_per_verify >= 1
 
 
 def test_sequence_end_limits_the_tree(engine_factory, tiny_draft_head):

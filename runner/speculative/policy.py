@@ -1,0 +1,107 @@
+"""When a speculative engine verifies drafts: a per-step cost model from the steps it has timed.
+
+A verify call costs more than a decode call and emits more tokens per row. Which wins depends on the machine, the
+engine and how many rows generate together (a batched decode call already uses the compute a verify call spends on
+its extra nodes), so neither a rule of thumb nor a fixed row limit fits every case. The policy times both kinds of
+step for each number of generating rows, keeps the tokens a row emits per verify step, and picks for the next step
+the kind expected to emit more tokens per second:
+
+    verify:  rows x (tokens per verify step) / (verify step seconds, drafting included)
+    plain:   rows / (decode step seconds)
+
+Tokens per verify step is the mean since the engine started, not a recent one: acceptance swings with the text (a
+list the lookup drafts copy, a poem the head cannot guess), and a recent mean that fell during one hard answer
+would stop verification for the easy answers after it, which no verify step would then measure.
+
+Each kind is tried at each row count before it is compared (the first timing of each is not kept: it includes
+binding the call's buffers), and the losing kind is retried after `explore_every` steps at that row count, so a
+change in load or context length is seen; each retry that confirms the choice doubles the wait (up to
+`max_explore_every`), since a retried loser costs its loss. Either choice emits the same tokens (verification is
+exact); only speed depends on it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SMOOTHING = 0.2  # weight of a new timing in the moving averages
+
+
+@dataclass
+class _Retry:
+    """When a row count next retries the kind it does not choose."""
+
+    interval: int
+    countdown: int
+    choice: bool | None = None  # the kind last chosen (True: verify)
+
+
+@dataclass
+class _Timed:
+    seconds: float | None = None  # moving average of a step's seconds
+    seen: int = 0  # steps timed (the first is not kept)
+
+    def record(self, seconds: float) -> None:
+        self.seen += 1
+        if self.seen == 2:
+            self.seconds = seconds
+        elif self.seen > 2:
+            self.seconds += SMOOTHING * (seconds - self.seconds)
+
+
+@dataclass
+class SpeculationPolicy:
+    """`max_rows`: a fixed rule instead of the cost model: verify in steps of at most this many generating rows
+    (None: the cost model decides)."""
+
+    max_rows: int | None = None
+    explore_every: int = 32
+    max_explore_every: int = 512
+    verified_rows: int = 0  # rows of verify steps so far
+    verified_tokens: int = 0  # tokens they emitted
+    _plain: dict[int, _Timed] = field(default_factory=dict)
+    _verify: dict[int, _Timed] = field(default_factory=dict)
+    _retries: dict[int, _Retry] = field(default_factory=dict)
+
+    def verifies(self, rows: int) -> bool:
+        """Whether the next step, with `rows` generating rows, verifies drafts (they are drafted for it) or decodes."""
+        if self.max_rows is not None:
+            return rows <= self.max_rows
+        plain, verify = self._plain.setdefault(rows, _Timed()), self._verify.setdefault(rows, _Timed())
+        if plain.seconds is None or verify.seconds is None or self.tokens_per_verify is None:
+            return plain.seconds is not None  # each kind timed twice, plain first
+        better = self.tokens_per_verify / verify.seconds > 1.0 / plain.seconds
+        retry = self._retries.setdefault(rows, _Retry(self.explore_every, self.explore_every))
+        if retry.choice is not None and retry.choice != better:  # the choice turned: watch closely again
+            retry.interval = retry.countdown = self.explore_every
+        retry.choice = better
+        retry.countdown -= 1
+        if retry.countdown > 0:
+            return better
+        retry.interval = min(2 * retry.interval, self.max_explore_every)
+        retry.countdown = retry.interval
+        return not better
+
+    def record_plain(self, rows: int, seconds: float) -> None:
+        self._plain.setdefault(rows, _Timed()).record(seconds)
+
+    def record_verify(self, rows: int, seconds: float, emitted: int) -> None:
+        """A verify step of `rows` rows took `seconds` (drafting for it included) and emitted `emitted` tokens."""
+        self._verify.setdefault(rows, _Timed()).record(seconds)
+        self.verified_rows += rows
+        self.verified_tokens += emitted
+
+    @property
+    def tokens_per_verify(self) -> float | None:
+        """Tokens a row emits per verify step, over every verify step so far."""
+        return self.verified_tokens / self.verified_rows if self.verified_rows else None
+
+    def estimates(self) -> dict[int, dict[str, float | None]]:
+        """Per row count: the moving averages the choice compares (for reports and /metrics)."""
+        return {
+            rows: {
+                "plain_seconds": self._plain[rows].seconds if rows in self._plain else None,
+                "verify_seconds": self._verify[rows].seconds if rows in self._verify else None,
+            }
+            for rows in sorted(set(self._plain) | set(self._verify))
+        }

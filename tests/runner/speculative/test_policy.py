@@ -1,0 +1,46 @@
+"""The speculation policy (runner/speculative/policy.py): which kind of step it picks from the times it measured."""
+
+from __future__ import annotations
+
+from runner.speculative.policy import SpeculationPolicy
+
+
+def choices(policy: SpeculationPolicy, rows: int, steps: int, plain_seconds: float, verify_seconds: float, emitted):
+    """Run `steps` steps of `rows` rows, each timed as the given kind takes; -> the kinds chosen."""
+    chosen = []
+    for _ in range(steps):
+        verifies = policy.verifies(rows)
+        chosen.append("verify" if verifies else "plain")
+        if verifies:
+            policy.record_verify(rows, verify_seconds, emitted)
+        else:
+            policy.record_plain(rows, plain_seconds)
+    return chosen
+
+
+def test_a_fixed_row_limit_ignores_times():
+    policy = SpeculationPolicy(max_rows=2)
+    assert policy.verifies(1) and policy.verifies(2) and not policy.verifies(3)
+
+
+def test_each_kind_is_timed_twice_then_the_faster_is_kept_and_the_other_retried_ever_less_often():
+    policy = SpeculationPolicy(explore_every=8, max_explore_every=16)
+    # verify: 2 tokens per row in 15 ms; plain: 1 in 10 ms -> verifying emits 1.33x the tokens per second
+    chosen = choices(policy, 1, 60, plain_seconds=0.010, verify_seconds=0.015, emitted=2)
+    assert chosen[:4] == ["plain", "plain", "verify", "verify"]
+    # retried after 8 comparisons, then after 16, 16 (each retry confirmed the choice)
+    assert [i + 1 for i, kind in enumerate(chosen) if kind == "plain"] == [1, 2, 12, 28, 44, 60]
+    assert policy.tokens_per_verify == 2.0
+    assert policy.estimates()[1] == {"plain_seconds": 0.010, "verify_seconds": 0.015}
+
+
+def test_rows_counts_are_judged_apart_and_the_choice_follows_the_times():
+    policy = SpeculationPolicy(explore_every=1000)
+    # four rows: a verify step (1.8 tokens a row) costs 2.5x a decode step -> plain wins
+    loaded = choices(policy, 4, 20, plain_seconds=0.010, verify_seconds=0.025, emitted=4 * 2)
+    assert loaded[4:] == ["plain"] * 16
+    # one row: verifying pays, and what four rows measured does not change that
+    alone = choices(policy, 1, 20, plain_seconds=0.005, verify_seconds=0.007, emitted=2)
+    assert alone[4:] == ["verify"] * 16
+    # the verify steps slow down (say, longer contexts): the choice turns
+    assert choices(policy, 1, 30, plain_seconds=0.005, verify_seconds=0.020, emitted=2)[-10:] == ["plain"] * 10
