@@ -4,6 +4,7 @@ import re
 
 from benchmarks.speculative import HELD_OUT_PROMPTS
 from builder.speculation.drafter_prompts import (
+    STYLES,
     TEMPLATES,
     TOPICS,
     VALIDATION_TEMPLATES,
@@ -24,7 +25,7 @@ def test_templates_and_topics_are_distinct_and_validation_shares_none():
 
 def test_prompt_lists_are_fixed_shuffled_prefixes():
     everything = drafter_prompts()
-    assert len(everything) == len(set(everything)) == len(TEMPLATES) * len(TOPICS)
+    assert len(everything) == len(set(everything)) == len(TEMPLATES) * len(TOPICS) * len(STYLES)
     assert drafter_prompts(100) == everything[:100] == drafter_prompts(100)
     assert drafter_prompts(100, seed=1) != drafter_prompts(100)
     # a prefix mixes templates, so a small training run does not see one request shape only
@@ -32,6 +33,7 @@ def test_prompt_lists_are_fixed_shuffled_prefixes():
         len({next(t for t in TEMPLATES if p.startswith(t.split("{topic}")[0])) for p in everything[:100]})
         > len(TEMPLATES) / 2
     )
+    assert {style for style in STYLES if style} <= {s for p in everything[:100] for s in STYLES if s and p.endswith(s)}
     assert len(validation_prompts()) == len(VALIDATION_TEMPLATES) * len(VALIDATION_TOPICS)
 
 
