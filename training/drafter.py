@@ -202,7 +202,6 @@ def collect_traces(
     total = sum(len(prompts) for prompts in groups.values())
     done = generated = 0
     seconds = 0.0
-    remaining = total
     collected = {}
     for group, prompts in groups.items():
         collected[group] = []
@@ -217,11 +216,10 @@ def collect_traces(
                 if store is not None:
                     store.write(group, index, shard, traces)
                 # the ETA extrapolates this run's own pace (shards read back took no time)
-                eta = (remaining - len(shard)) * seconds / generated
+                eta = (total - done - len(shard)) * seconds / generated
                 log(f"      {progress_line(done + len(shard), total, tokens / (time.perf_counter() - begin), eta)}")
             collected[group] += traces
             done += len(shard)
-            remaining -= len(shard)
     if store is not None and generated < total:
         log(f"      {total - generated:,} of {total:,} answers read back from {store.directory}")
     return collected
@@ -361,15 +359,12 @@ def train_drafter(options: DrafterTrainingOptions, log: Callable[[str], None] = 
     bf16 = native_bf16() if options.bf16 is None else options.bf16
     kept_epoch, epoch_losses = _fit(options, head, train, draft_labels, draft_table, held_split, bf16, log)
 
-    acceptance = {
-        f"beams{w}_len{k}": round(greedy_acceptance(head, *held_split, w, k), 3)
-        for w in (1, 2, 3, 4)
-        for k in range(1, options.horizon + 1)
+    accepted = {
+        (w, k): accepted_drafts(head, *held_split, w, k) for w in (1, 2, 3, 4) for k in range(1, options.horizon + 1)
     }
+    acceptance = {f"beams{w}_len{k}": round(1.0 + a.float().mean().item(), 3) for (w, k), a in accepted.items()}
     per_depth = {
-        f"beams{w}_len{options.horizon}": acceptance_by_depth(
-            accepted_drafts(head, *held_split, w, options.horizon), options.horizon
-        )
+        f"beams{w}_len{options.horizon}": acceptance_by_depth(accepted[w, options.horizon], options.horizon)
         for w in (1, 2, 3, 4)
     }
     facts = {
