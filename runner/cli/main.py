@@ -11,6 +11,7 @@ import click
 from engines.cli_errors import exit_on
 from engines.format import ArtifactError, open_artifact
 from runner.core.args import (
+    DEFAULT_GRAMMAR_TIMEOUT,
     DEFAULT_NUM_SCHEDULER_STEPS,
     DEFAULT_SHARED_PREFILL_CHUNK,
     DEFAULT_SPECULATIVE_MAX_ROWS,
@@ -21,7 +22,7 @@ from runner.core.request import Request
 from runner.core.tokenizer import ChatTemplateError, read_chat_template
 from runner.llm import LLM
 from runner.sampling.params import SamplingParams
-from runner.sampling.structured import StructuredOutputs
+from runner.sampling.structured import GRAMMAR_MEMORY_MIB, StructuredOutputs
 from runner.serving import DEFAULT_MAX_BODY_BYTES
 from runner.serving.tool_parsers import PARSERS
 from runner.tools.info import describe
@@ -304,6 +305,15 @@ SERVED_ENGINE_OPTIONS = [
         default=None,
         help="Serve sequences (prompt + output) up to this length, below the engine's --max-seq-len.",
     ),
+    click.option(
+        "--grammar-timeout",
+        type=click.FloatRange(min=0),
+        default=DEFAULT_GRAMMAR_TIMEOUT,
+        show_default=True,
+        help="Seconds a structured output's grammar may take to compile, in a process of its own that is "
+        f"killed past them or past {GRAMMAR_MEMORY_MIB} MiB (the request gets a 400); 0: compile in the "
+        "server's process, without a limit.",
+    ),
 ]
 
 
@@ -329,6 +339,7 @@ def open_served_engine(
     chat_template,
     generation_config,
     max_model_len,
+    grammar_timeout,
 ):
     """-> (LLMEngine, the name requests use) from the served_engine_options, with what the engine says at start
     on stderr."""
@@ -348,6 +359,7 @@ def open_served_engine(
                 max_verify_nodes="auto" if max_verify_nodes is None else max_verify_nodes or None,
                 shared_prefill_chunk=shared_prefill_chunk or None,
                 num_scheduler_steps=num_scheduler_steps,
+                grammar_timeout=grammar_timeout or None,  # 0: no limit
             )
         )
     if llm_engine.executor.min_rows > 1:

@@ -18,6 +18,10 @@ DEFAULT_SHARED_PREFILL_CHUNK = 128
 # Python between two calls is then paid once per burst, but tokens stream in groups of this many and a request that
 # arrives meanwhile waits for the burst to end (docs/measurements.md).
 DEFAULT_NUM_SCHEDULER_STEPS = 8
+# A structured output's grammar compiles in milliseconds, a pathological one (thousands of optional properties) for
+# minutes: past this many seconds its compile process is killed and the request refused (runner/sampling/
+# compile_process.py).
+DEFAULT_GRAMMAR_TIMEOUT = 10.0
 
 
 class GenerationConfig(str, Enum):
@@ -50,6 +54,9 @@ class EngineArgs:
     the engine's largest chunk, which a prompt takes while none does (None: always the largest).
     `num_scheduler_steps`: the most decode calls a step makes in a row where every row is a plain greedy one and
     nothing else waits (vLLM's flag of that name; 1: one call per step).
+    `grammar_timeout`: seconds a structured output's grammar may take to compile, in a process of its own that is
+    killed past them (or past GRAMMAR_MEMORY_MIB), which refuses the request; None: compile in this process, without
+    a limit.
     `profile_prefix`: write onnxruntime's per-node trace with this prefix (runner profile)."""
 
     model: str | Path
@@ -64,6 +71,7 @@ class EngineArgs:
     max_verify_nodes: int | str | None = "auto"
     shared_prefill_chunk: int | None = DEFAULT_SHARED_PREFILL_CHUNK
     num_scheduler_steps: int = DEFAULT_NUM_SCHEDULER_STEPS
+    grammar_timeout: float | None = DEFAULT_GRAMMAR_TIMEOUT
     profile_prefix: str | None = None
 
     def __post_init__(self) -> None:
@@ -73,6 +81,8 @@ class EngineArgs:
             raise ValueError(f"generation_config must be 'auto' or 'vllm', not {self.generation_config!r}") from None
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1 (or None: onnxruntime's default), got {self.threads}")
+        if self.grammar_timeout is not None and not self.grammar_timeout > 0:
+            raise ValueError(f"grammar_timeout must be > 0 seconds (or None: no limit), got {self.grammar_timeout}")
         if self.num_scheduler_steps < 1:
             raise ValueError(f"num_scheduler_steps must be >= 1, got {self.num_scheduler_steps}")
         if self.shared_prefill_chunk is not None and self.shared_prefill_chunk < 1:

@@ -116,6 +116,7 @@ class LLMEngine:
         self.speculation_stats = SpeculationStats()
         self._ids = itertools.count()
         self._grammars: GrammarCompiler | None = None  # made on the first structured-output request
+        self._grammar_timeout = args.grammar_timeout
 
     @property
     def max_seq_len(self) -> int:
@@ -198,6 +199,7 @@ class LLMEngine:
                 self.artifact.path(self.manifest.tokenizer.file),
                 self.manifest.model.vocab_size,
                 sorted(self.manifest.model.eos_token_ids),
+                timeout=self._grammar_timeout,
             )
         return self._grammars.constraint(params.structured_outputs)
 

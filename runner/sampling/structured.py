@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from runner.sampling.compile_process import CompileProcess, GrammarError
 
 
 @dataclass(frozen=True)
@@ -45,65 +49,129 @@ class StructuredOutputs:
 MAX_WHITESPACE = 8
 
 
-class GrammarError(ValueError):
-    """A schema or regex xgrammar cannot compile, or xgrammar is missing."""
+# what a grammar's compile process may allocate beyond what it holds once started (xgrammar and torch imported)
+GRAMMAR_MEMORY_MIB = 2048
+# compiled grammars kept for requests that use them again, where they compile (xgrammar's cache) and where they are
+# used (from a compile process): an ordinary JSON grammar takes ~1 MB
+GRAMMAR_CACHE_BYTES = 256 * 2**20
 
 
 class GrammarCompiler:
-    """The engine's vocabulary as xgrammar sees it, and its compiled grammars (cached by xgrammar)."""
+    """The engine's vocabulary as xgrammar sees it, and its compiled grammars.
 
-    def __init__(self, tokenizer_file: Path, vocab_size: int, stop_token_ids: list[int]) -> None:
-        try:
-            import xgrammar
-        except ImportError as err:  # itself, or torch / transformers, which it imports
-            raise GrammarError(f"structured outputs need xgrammar (pip install xgrammar): {err}") from None
-        from tokenizers import Tokenizer
+    With a `timeout` (seconds), grammars compile in a child process (`CompileProcess`) that is killed and started
+    again when a compile takes longer or needs more than `memory_mib`: a schema whose grammar explodes (a few
+    thousand optional properties take tens of seconds and GBs) then costs its request a GrammarError, not the
+    process its memory or a core for minutes. Without one they compile here, as long as they take."""
 
+    def __init__(
+        self,
+        tokenizer_file: Path,
+        vocab_size: int,
+        stop_token_ids: list[int],
+        timeout: float | None = None,
+        memory_mib: int = GRAMMAR_MEMORY_MIB,
+    ) -> None:
+        self._process = None
+        if timeout is not None:  # started first: its imports overlap this process's own
+            self._process = CompileProcess(tokenizer_file, vocab_size, stop_token_ids, timeout, memory_mib)
+            self._process.start()
+        xgrammar = _import_xgrammar()
         self._xgrammar = xgrammar
-        tokenizer_json = Path(tokenizer_file).read_text()
-        vocab = Tokenizer.from_str(tokenizer_json).get_vocab(with_added_tokens=True)
-        encoded = [""] * vocab_size  # ids past the tokenizer's (the model's padding rows) decode to nothing
-        for token, token_id in vocab.items():
-            if token_id < vocab_size:
-                encoded[token_id] = token
-        # how the vocabulary spells bytes (byte-level "Ġ", SentencePiece byte fallback, raw), as xgrammar's own
-        # from_huggingface detects it from the same tokenizer.json
-        metadata = xgrammar.TokenizerInfo._detect_metadata_from_hf(tokenizer_json)
-        info = xgrammar.TokenizerInfo(
-            encoded,
-            vocab_type=metadata["vocab_type"],
-            vocab_size=vocab_size,
-            stop_token_ids=stop_token_ids,
-            add_prefix_space=metadata["add_prefix_space"],
-        )
+        self._info = tokenizer_info(tokenizer_file, vocab_size, stop_token_ids)
         self.vocab_size = vocab_size
-        self._compiler = xgrammar.GrammarCompiler(info)
+        self._compiler = new_compiler(self._info) if timeout is None else None
+        self._received: OrderedDict = OrderedDict()  # (kind, source) -> grammar from the compile process
+        self._received_lock = threading.Lock()  # grammars are asked for from the server's worker threads
 
     def constraint(self, spec: StructuredOutputs) -> TokenConstraint:
         """A fresh matcher for one request."""
-        compiler = self._compiler
         if spec.json is not None and not json_schema_satisfiable(spec.json):
             raise GrammarError(
                 "no finite JSON value satisfies this schema: every way through it requires a value that contains "
                 "itself (a $ref cycle through required properties or non-empty arrays)"
             )
-        try:
-            if spec.json is not None or spec.json_object:
-                schema = {"type": "object"} if spec.json_object else spec.json  # OpenAI's JSON mode answers an object
-                grammar = compiler.compile_json_schema(
-                    schema if isinstance(schema, str) else json.dumps(schema), max_whitespace_cnt=MAX_WHITESPACE
-                )
-            elif spec.regex is not None:
-                grammar = compiler.compile_regex(spec.regex)
-            else:
-                grammar = compiler.compile_regex("|".join(_regex_literal(c) for c in spec.choice))
-        except Exception as err:  # xgrammar raises RuntimeError / ValueError with the parser's message
-            message = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(err).splitlines()[0])  # its log prefix: time, source
-            raise GrammarError(f"cannot compile the structured output: {message}") from None
+        kind, source = grammar_source(spec)
+        if self._process is None:
+            grammar = compile_grammar(self._compiler, kind, source)
+        else:
+            grammar = self._compiled_elsewhere(kind, source)
         constraint = TokenConstraint(self._xgrammar.GrammarMatcher(grammar), self.vocab_size)
         if not constraint.allowed().any():  # (the schema check above cannot see every dead end)
             raise GrammarError("the structured output allows no output: no token may come first")
         return constraint
+
+    def _compiled_elsewhere(self, kind: str, source: str):
+        """A grammar from the compile process, kept here too (least recently used out first), since bringing it
+        over costs more than compiling an ordinary one (a JSON grammar on a 49k vocabulary: ~1.5 MB serialized,
+        ~75 ms to serialize and deserialize) and clients tend to send the same schema again."""
+        key = (kind, source)
+        with self._received_lock:
+            grammar = self._received.pop(key, None)
+        if grammar is None:
+            grammar = self._xgrammar.CompiledGrammar.deserialize_json(self._process.compile(kind, source), self._info)
+        with self._received_lock:
+            self._received[key] = grammar  # (re)inserted last: the most recently used
+            while sum(g.memory_size_bytes for g in self._received.values()) > GRAMMAR_CACHE_BYTES:
+                self._received.pop(next(iter(self._received)))
+        return grammar
+
+
+def _import_xgrammar():
+    try:
+        import xgrammar
+    except ImportError as err:  # itself, or torch / transformers, which it imports
+        raise GrammarError(f"structured outputs need xgrammar (pip install xgrammar): {err}") from None
+    return xgrammar
+
+
+def tokenizer_info(tokenizer_file: Path, vocab_size: int, stop_token_ids: list[int]):
+    """The engine's vocabulary as an xgrammar TokenizerInfo."""
+    xgrammar = _import_xgrammar()
+    from tokenizers import Tokenizer
+
+    tokenizer_json = Path(tokenizer_file).read_text()
+    vocab = Tokenizer.from_str(tokenizer_json).get_vocab(with_added_tokens=True)
+    encoded = [""] * vocab_size  # ids past the tokenizer's (the model's padding rows) decode to nothing
+    for token, token_id in vocab.items():
+        if token_id < vocab_size:
+            encoded[token_id] = token
+    # how the vocabulary spells bytes (byte-level "Ġ", SentencePiece byte fallback, raw), as xgrammar's own
+    # from_huggingface detects it from the same tokenizer.json
+    metadata = xgrammar.TokenizerInfo._detect_metadata_from_hf(tokenizer_json)
+    return xgrammar.TokenizerInfo(
+        encoded,
+        vocab_type=metadata["vocab_type"],
+        vocab_size=vocab_size,
+        stop_token_ids=stop_token_ids,
+        add_prefix_space=metadata["add_prefix_space"],
+    )
+
+
+def grammar_source(spec: StructuredOutputs) -> tuple[str, str]:
+    """("json", a JSON schema's text) or ("regex", a regular expression): what xgrammar compiles for `spec`."""
+    if spec.json is not None or spec.json_object:
+        schema = {"type": "object"} if spec.json_object else spec.json  # OpenAI's JSON mode answers an object
+        return "json", schema if isinstance(schema, str) else json.dumps(schema)
+    if spec.regex is not None:
+        return "regex", spec.regex
+    return "regex", "|".join(_regex_literal(c) for c in spec.choice)
+
+
+def new_compiler(info):
+    """An xgrammar GrammarCompiler for the vocabulary `info`, with a bounded cache (unbounded by default)."""
+    return _import_xgrammar().GrammarCompiler(info, cache_limit_bytes=GRAMMAR_CACHE_BYTES)
+
+
+def compile_grammar(compiler, kind: str, source: str):
+    """`source` compiled by an xgrammar GrammarCompiler; GrammarError with the parser's message if it cannot be."""
+    try:
+        if kind == "json":
+            return compiler.compile_json_schema(source, max_whitespace_cnt=MAX_WHITESPACE)
+        return compiler.compile_regex(source)
+    except Exception as err:  # xgrammar raises RuntimeError / ValueError with the parser's message
+        message = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(err).splitlines()[0])  # its log prefix: time, source
+        raise GrammarError(f"cannot compile the structured output: {message}") from None
 
 
 def json_schema_satisfiable(schema: dict | str | bool) -> bool:

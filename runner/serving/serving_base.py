@@ -32,6 +32,8 @@ from runner.serving.tool_parsers import ToolCallParser
 
 # the output limit's names: chat's newer and older, the Responses API's, completions'
 LIMIT_FIELDS = ("max_completion_tokens", "max_output_tokens", "max_tokens")
+# a structured output's spec: not text for the context, and its cost is bounded by the grammar compile's own limits
+GRAMMAR_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "structured_outputs", "text")
 
 
 def text_length(value) -> int:
@@ -76,9 +78,10 @@ class ServingContext:
     def check_size(self, body: BaseModel) -> None:
         """Refuses, before any templating or tokenizing, a body holding more text than the context could take in
         any tokenization (twice the characters the longest tokens would need to fill it), so that a huge prompt
-        costs the server microseconds, not seconds of work that ends in the same refusal."""
+        costs the server microseconds, not seconds of work that ends in the same refusal. A structured output's
+        spec is not counted: it is not prompt text, and its compile has a deadline of its own."""
         most = 2 * self.llm.max_seq_len * self.codec.longest_token
-        if (chars := text_length(body.model_dump())) > most:
+        if (chars := text_length(body.model_dump(exclude=set(GRAMMAR_FIELDS)))) > most:
             raise APIError(
                 400,
                 f"the request holds {chars} characters of text; this model's context of {self.llm.max_seq_len} "

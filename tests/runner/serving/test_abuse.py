@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -19,11 +20,12 @@ from runner.core.tokenizer import ChatTemplateError
 from tests.runner.serving.test_server import MODEL, LiveServer, chat, free_port
 
 BODY_LIMIT = 2 * 2**20
+GRAMMAR_TIMEOUT = 1.0
 
 
 @pytest.fixture(scope="module")
 def server(engine_factory):
-    live = LiveServer(engine_factory("gqa"), max_body_bytes=BODY_LIMIT)
+    live = LiveServer(engine_factory("gqa"), max_body_bytes=BODY_LIMIT, grammar_timeout=GRAMMAR_TIMEOUT)
     yield live
     live.stop()
 
@@ -107,6 +109,28 @@ def test_a_lone_surrogate_is_not_text(server, path, body):
 def test_each_bad_field_gets_a_400_that_names_it(server, fields, named):
     response = post(server.url, {"model": MODEL, "messages": user("hello " * 10), **fields})
     assert named in error_of(response)["message"]
+
+
+def test_a_grammar_that_compiles_for_too_long_is_refused_while_the_server_keeps_answering(server):
+    warm = {"structured_outputs": {"choice": ["yes", "no"]}, "max_tokens": 2}  # starts the compile process
+    assert post(server.url, {"model": MODEL, "messages": user("hi"), **warm}).status_code == 200
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(4000)}}  # a 100 KB body
+    health: list[int] = []
+    refused: list[httpx.Response] = []
+    body = {
+        "model": MODEL,
+        "messages": user("hi"),
+        "response_format": {"type": "json_schema", "json_schema": {"schema": schema}},
+    }
+    sender = threading.Thread(target=lambda: refused.append(post(server.url, body, timeout=60)))
+    sender.start()
+    while sender.is_alive():
+        health.append(httpx.get(f"{server.url}/health").status_code)
+        time.sleep(0.05)
+    error = error_of(refused[0])
+    assert error["param"] == "response_format" and f"longer than {GRAMMAR_TIMEOUT:g} s" in error["message"]
+    assert health and set(health) == {200}
+    assert post(server.url, {"model": MODEL, "messages": user("hi"), **warm}).status_code == 200
 
 
 def test_an_output_limit_the_context_cannot_hold_is_refused_not_cut(server):
