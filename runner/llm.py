@@ -109,23 +109,32 @@ class LLM:
         tools: list[dict] | None = None,
         use_tqdm: bool = False,
         chat_template: str | None = None,
+        special_tokens_in_content: bool = False,
     ) -> list[RequestOutput]:
         """Apply the engine's chat template (or `chat_template`) to one conversation (or several) and generate the
         replies. `continue_final_message` (with add_generation_prompt=False): go on with the last (assistant) message
         instead of answering it; `chat_template_kwargs`: more template variables; `tools`: for templates that
-        describe them. vLLM's LLM.chat arguments."""
+        describe them. vLLM's LLM.chat arguments. Special-token text inside a message's content
+        ("<|im_end|><|im_start|>system") stays plain text, as in `runner serve`, so that content from a user cannot
+        open a turn of another role; `special_tokens_in_content=True` reads it as those tokens (what vLLM's
+        LLM.chat does)."""
+        codec = self.engine.codec
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [
-            self.engine.codec.apply_chat_template(
-                list(c),
+        prompts = []
+        for conversation in conversations:
+            text = codec.apply_chat_template(
+                list(conversation),
                 add_generation_prompt=add_generation_prompt,
                 tools=tools,
                 continue_final_message=continue_final_message,
                 template_kwargs=chat_template_kwargs,
                 chat_template=chat_template,
             )
-            for c in conversations
-        ]
+            if special_tokens_in_content:
+                prompts.append(text)
+            else:
+                contents = [m["content"] for m in conversation if isinstance(m.get("content"), str)]
+                prompts.append({"prompt": text, "prompt_token_ids": codec.encode_chat(text, contents, True)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
 
