@@ -3,7 +3,7 @@ positive and negative data), `--examples` per route, against a served engine (a 
 counts the answers by status. A 5xx is a bug; the result (counts, the failing requests) is printed as JSON and
 written with `--out`.
 
-    python benchmarks/fuzz_server.py --examples 160 --out benchmarks/results/fuzz_server.json
+    python -m benchmarks.fuzz_server --examples 160 --out benchmarks/results/fuzz_server.json
 """
 
 from __future__ import annotations
