@@ -11,7 +11,6 @@ import click
 from engines.cli_errors import exit_on
 from engines.format import ArtifactError, open_artifact
 from runner.core.args import (
-    DEFAULT_GRAMMAR_TIMEOUT,
     DEFAULT_NUM_SCHEDULER_STEPS,
     DEFAULT_SHARED_PREFILL_CHUNK,
     DEFAULT_SPECULATIVE_MAX_ROWS,
@@ -308,10 +307,10 @@ SERVED_ENGINE_OPTIONS = [
     click.option(
         "--grammar-timeout",
         type=click.FloatRange(min=0),
-        default=DEFAULT_GRAMMAR_TIMEOUT,
-        show_default=True,
+        default=0.0,
         help="Seconds a structured output's grammar may take to compile, in a process of its own that is "
-        f"killed past them or past {GRAMMAR_MEMORY_MIB} MiB (the request gets a 400); 0: compile in the "
+        f"killed past them or past {GRAMMAR_MEMORY_MIB} MiB (the request gets a 400); e.g. 10 for a server "
+        "that untrusted clients reach (a pathological schema compiles for minutes). Default 0: compile in the "
         "server's process, without a limit.",
     ),
 ]

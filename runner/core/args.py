@@ -18,10 +18,6 @@ DEFAULT_SHARED_PREFILL_CHUNK = 128
 # Python between two calls is then paid once per burst, but tokens stream in groups of this many and a request that
 # arrives meanwhile waits for the burst to end (docs/measurements.md).
 DEFAULT_NUM_SCHEDULER_STEPS = 8
-# A structured output's grammar compiles in milliseconds, a pathological one (thousands of optional properties) for
-# minutes: past this many seconds its compile process is killed and the request refused (runner/sampling/
-# compile_process.py).
-DEFAULT_GRAMMAR_TIMEOUT = 10.0
 
 
 class GenerationConfig(str, Enum):
@@ -55,8 +51,9 @@ class EngineArgs:
     `num_scheduler_steps`: the most decode calls a step makes in a row where every row is a plain greedy one and
     nothing else waits (vLLM's flag of that name; 1: one call per step).
     `grammar_timeout`: seconds a structured output's grammar may take to compile, in a process of its own that is
-    killed past them (or past GRAMMAR_MEMORY_MIB), which refuses the request; None: compile in this process, without
-    a limit.
+    killed past them (or past GRAMMAR_MEMORY_MIB), which refuses the request (a pathological schema compiles for
+    minutes); None: compile in this process, without a limit. The process is spawned (multiprocessing), so a script
+    that sets this needs the `if __name__ == "__main__":` guard.
     `profile_prefix`: write onnxruntime's per-node trace with this prefix (runner profile)."""
 
     model: str | Path
@@ -71,7 +68,7 @@ class EngineArgs:
     max_verify_nodes: int | str | None = "auto"
     shared_prefill_chunk: int | None = DEFAULT_SHARED_PREFILL_CHUNK
     num_scheduler_steps: int = DEFAULT_NUM_SCHEDULER_STEPS
-    grammar_timeout: float | None = DEFAULT_GRAMMAR_TIMEOUT
+    grammar_timeout: float | None = None
     profile_prefix: str | None = None
 
     def __post_init__(self) -> None:

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from plugins import native_ops
-from runner.core.args import DEFAULT_GRAMMAR_TIMEOUT, EngineArgs
+from runner.core.args import EngineArgs
 from runner.core.async_engine import AsyncEngine, EngineOverloaded
 from runner.core.engine import LLMEngine
 
@@ -43,7 +43,7 @@ class LiveServer:
         max_model_len=None,
         max_body_bytes=8 * 2**20,
         special_tokens_in_content=False,
-        grammar_timeout=DEFAULT_GRAMMAR_TIMEOUT,
+        grammar_timeout=None,
     ) -> None:
         import uvicorn
 
