@@ -4,7 +4,9 @@ whether memory comes back.
     python benchmarks/soak_server.py --engine engines-out/default --minutes 10 --out benchmarks/results/soak.json
 
 Traffic, all at once until the deadline: 4 clients streaming chat answers back to back (every 4th a ~650-token
-prompt), 1 client that starts streams and disconnects after a few tokens, and 3 clients sending oversized bodies:
+prompt), 1 client that starts streams and disconnects after a few tokens, 1 client asking for JSON answers to a
+schema new each time (every 8th one whose grammar compiles for minutes: refused at the server's grammar deadline),
+and 3 clients sending oversized bodies:
 two of 20 MiB (over the body limit: a 413) and one 6 MiB chat (under the limit, over what the context could take: a
 400 before templating), back to back (a flood, the default) or one every `--oversized-every` seconds each, from a
 process of their own.
@@ -12,7 +14,8 @@ A probe asks /health every 50 ms from a process of its own (as a load balancer's
 is the server's, not that of a client process busy with the other clients' threads). Prints and writes: answers by
 kind and status, /health latency p50 / p99 / max, the server's RSS after a warm-up with the same traffic (every
 request shape, and the normal clients together for a while, so that the engine has run its batch shapes: the
-start), at its peak and at the end after the traffic stopped, and the ratio end / start (target: within 10%)."""
+start), at its peak and at the end after the traffic stopped, and the ratio end / start (target: within 10%);
+and the RSS of the server's child processes (its grammar compile process) at the end."""
 
 from __future__ import annotations
 
@@ -51,6 +54,27 @@ def stream(url: str, body: dict, stop_after: int | None = None) -> int:
             if stop_after is not None and index >= stop_after:
                 break  # the client leaves: the server must cancel and free the row
         return answer.status_code
+
+
+def structured(url: str, model: str):
+    """A client asking for JSON to a schema of its own each time (no grammar cache helps), every 8th one with 4,000
+    optional properties, whose grammar compiles for minutes (the server refuses it at its deadline)."""
+
+    def send(index: int) -> int:
+        if index % 8 == 7:
+            schema = {"type": "object", "properties": {f"p{index}_{k}": {"type": "string"} for k in range(4000)}}
+        else:
+            schema = {"type": "object", "properties": {f"n{index}": {"type": "integer"}}, "required": [f"n{index}"]}
+        response_format = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+        body = chat_body(model, "Answer in JSON.", max_tokens=16, response_format=response_format)
+        return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300).status_code
+
+    return send
+
+
+def children_rss_mib(pid: int) -> float:
+    found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    return sum(rss_mib(int(child)) for child in found)
 
 
 def probe_health(port: int, seconds: float, latencies) -> None:
@@ -147,6 +171,7 @@ def main(engine: str, minutes: float, port: int, oversized_every: float, out: st
         ]
         normal_traffic = [("stream", lambda i: stream(url, normal[i % 4 == 3]))] * 4
         normal_traffic += [("abort", lambda i: stream(url, normal[i % 2], stop_after=3))]
+        normal_traffic += [("json", structured(url, model))]
         # warm-up: every request shape, then the normal clients together (the engine's batch shapes)
         for body in normal:
             stream(url, body)
@@ -175,7 +200,7 @@ def main(engine: str, minutes: float, port: int, oversized_every: float, out: st
         for helper in helpers:
             helper.join()
         time.sleep(2)
-        end_rss = rss_mib(server.pid)
+        end_rss, children_rss = rss_mib(server.pid), children_rss_mib(server.pid)
     finally:
         server.terminate()
         server.wait(timeout=30)
@@ -194,6 +219,7 @@ def main(engine: str, minutes: float, port: int, oversized_every: float, out: st
         },
         "rss_mib": {"start": round(start_rss), "peak": round(peak_rss), "end": round(end_rss)},
         "rss_end_over_start": round(end_rss / start_rss, 3),
+        "children_rss_mib_end": round(children_rss),
     }
     print(json.dumps(results, indent=2))
     if out:

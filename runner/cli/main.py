@@ -21,7 +21,7 @@ from runner.core.request import Request
 from runner.core.tokenizer import ChatTemplateError, read_chat_template
 from runner.llm import LLM
 from runner.sampling.params import SamplingParams
-from runner.sampling.structured import GRAMMAR_MEMORY_MIB, StructuredOutputs
+from runner.sampling.structured import DEFAULT_GRAMMAR_TIMEOUT, GRAMMAR_MEMORY_MIB, StructuredOutputs
 from runner.serving import DEFAULT_MAX_BODY_BYTES
 from runner.serving.tool_parsers import PARSERS
 from runner.tools.info import describe
@@ -307,11 +307,12 @@ SERVED_ENGINE_OPTIONS = [
     click.option(
         "--grammar-timeout",
         type=click.FloatRange(min=0),
-        default=0.0,
+        default=DEFAULT_GRAMMAR_TIMEOUT,
+        show_default=True,
         help="Seconds a structured output's grammar may take to compile, in a process of its own that is "
-        f"killed past them or past {GRAMMAR_MEMORY_MIB} MiB (the request gets a 400); e.g. 10 for a server "
-        "that untrusted clients reach (a pathological schema compiles for minutes). Default 0: compile in the "
-        "server's process, without a limit.",
+        f"killed past them or past {GRAMMAR_MEMORY_MIB} MiB (the request gets a 400; one that waits that long "
+        "behind other compiles, a 503): a pathological schema compiles for minutes. 0: compile in the server's "
+        "process, without a limit (for trusted clients only).",
     ),
 ]
 

@@ -52,8 +52,8 @@ class EngineArgs:
     nothing else waits (vLLM's flag of that name; 1: one call per step).
     `grammar_timeout`: seconds a structured output's grammar may take to compile, in a process of its own that is
     killed past them (or past GRAMMAR_MEMORY_MIB), which refuses the request (a pathological schema compiles for
-    minutes); None: compile in this process, without a limit. The process is spawned (multiprocessing), so a script
-    that sets this needs the `if __name__ == "__main__":` guard.
+    minutes); None (the default here, for schemas the caller wrote): compile in this process, without a limit.
+    `runner serve` and `runner run-batch` set 10 s (`--grammar-timeout`), since their clients may be anyone.
     `profile_prefix`: write onnxruntime's per-node trace with this prefix (runner profile)."""
 
     model: str | Path

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -116,6 +117,7 @@ class LLMEngine:
         self.speculation_stats = SpeculationStats()
         self._ids = itertools.count()
         self._grammars: GrammarCompiler | None = None  # made on the first structured-output request
+        self._grammars_lock = threading.Lock()  # requests are made on the server's threads
         self._grammar_timeout = args.grammar_timeout
 
     @property
@@ -194,13 +196,14 @@ class LLMEngine:
     def _constraint(self, params: SamplingParams) -> TokenConstraint | None:
         if params.structured_outputs is None:
             return None
-        if self._grammars is None:  # GrammarError (a ValueError) when xgrammar is missing or the spec is bad
-            self._grammars = GrammarCompiler(
-                self.artifact.path(self.manifest.tokenizer.file),
-                self.manifest.model.vocab_size,
-                sorted(self.manifest.model.eos_token_ids),
-                timeout=self._grammar_timeout,
-            )
+        with self._grammars_lock:
+            if self._grammars is None:  # GrammarError (a ValueError) when xgrammar is missing
+                self._grammars = GrammarCompiler(
+                    self.artifact.path(self.manifest.tokenizer.file),
+                    self.manifest.model.vocab_size,
+                    sorted(self.manifest.model.eos_token_ids),
+                    timeout=self._grammar_timeout,
+                )
         return self._grammars.constraint(params.structured_outputs)
 
     def abort(self, request: Request) -> None:

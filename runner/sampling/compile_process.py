@@ -2,24 +2,34 @@
 
 How long xgrammar takes for a grammar does not follow from the size of its request: a JSON schema of 60 KB (2,000
 optional properties) compiles for ~20 s and needs ~0.9 GB, and twice that for minutes. A thread cannot be stopped,
-so the compile runs in a process of its own that can be: past `timeout` seconds it is killed (and started again for
-the next grammar), and its address space is capped so that an exploding grammar ends there, not in the serving
+so the compile runs in a process of its own that can be: past `timeout` seconds it is killed (and started again at
+once, for the next grammar), and its address space is capped so that an exploding grammar ends there, not in the serving
 process. It compiles at a lower priority, so that its work gives way to the engine's steps and the server's event loop.
 
-The process is started on the first compile (spawned: the serving process has threads) and serves one compile at a
-time; its xgrammar compiler caches grammars across requests. What comes back is the compiled grammar serialized
-(xgrammar's own format), which the caller deserializes against the same vocabulary.
+The process is a fresh interpreter running this module's `main` (CHILD), not a fork
+(the serving process has threads) nor multiprocessing's spawn (which imports the caller's `__main__` again, so a
+script without a main guard would start itself). It talks over a socket pair through multiprocessing's
+`Connection`, serves one compile at a time, and its xgrammar compiler caches grammars across requests. What comes
+back is the compiled grammar serialized (xgrammar's own format), which the caller deserializes against the same
+vocabulary.
+
+Callers wait for their turn at most `timeout` seconds too: past that a compile is refused as busy
+(GrammarBusy), so that a queue of slow grammars cannot hold a request, or the thread that serves it, for longer.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import multiprocessing
+import json
 import os
 import resource
 import signal
+import socket
+import subprocess
+import sys
 import threading
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 # what a start may take: spawning Python and importing xgrammar (with torch) is ~3 s on an idle core
@@ -28,10 +38,16 @@ START_SECONDS = 120.0
 # gives way to the server's, at ~1/4 of a busy core's share, without stalling a legitimate compile under load
 PRIORITY = 5
 PR_SET_PDEATHSIG, M_ARENA_MAX = 1, -8  # prctl's and mallopt's parameters
+# the child's program: this module imported (`-m` would run a second copy of it as __main__, with classes of its own)
+CHILD = "import sys; from runner.sampling.compile_process import main; main(sys.argv[1:])"
 
 
 class GrammarError(ValueError):
     """A schema or regex xgrammar cannot compile (or not within the limits), or xgrammar is missing."""
+
+
+class GrammarBusy(GrammarError):
+    """Other requests' grammars held the compile process for longer than this request's deadline."""
 
 
 class CompileProcess:
@@ -54,43 +70,57 @@ class CompileProcess:
     def compile(self, kind: str, source: str) -> str:
         """The grammar of `source` ("json": a schema's text, "regex") serialized; GrammarError when it cannot be
         compiled, takes longer than `timeout` seconds or needs more than `memory_mib`."""
-        with self._lock:
+        if not self._lock.acquire(timeout=self.timeout):
+            raise GrammarBusy(
+                f"the server compiled other requests' structured outputs for longer than {self.timeout:g} s, this "
+                "server's limit; try again"
+            )
+        try:
             connection = self._started()
             try:
                 connection.send((kind, source))
                 if not connection.poll(self.timeout):
-                    self._stop()
+                    self._restart()
                     raise GrammarError(
                         f"compiling the structured output took longer than {self.timeout:g} s, this server's limit"
                     )
                 status, payload = connection.recv()
             except (EOFError, OSError):  # it exited: on the memory cap, the allocator's failure ends it
-                self._stop()
+                self._restart()
                 raise GrammarError(
                     f"compiling the structured output needed more than {self.memory_mib} MiB, this server's limit"
                 ) from None
+        finally:
+            self._lock.release()
         if status == "error":
             raise GrammarError(payload)
         return payload
 
     def _spawn(self) -> None:
-        context = multiprocessing.get_context("spawn")
-        ours, theirs = context.Pipe()
-        process = context.Process(
-            target=serve_compiles,
-            args=(theirs, *self._vocabulary, self.memory_mib),
-            name="grammar-compile",
-            daemon=True,
-        )
-        process.start()
-        theirs.close()
-        self._process, self._connection, self._ready = process, ours, False
+        ours, theirs = socket.socketpair()
+        # importable whether or not the package is installed: the directory that holds `runner`
+        root = str(Path(__file__).resolve().parents[2])
+        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+        with theirs:
+            process = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    CHILD,
+                    str(theirs.fileno()),
+                    json.dumps([*self._vocabulary, self.memory_mib]),
+                ],
+                pass_fds=[theirs.fileno()],
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, "PYTHONPATH": path},
+            )
+        self._process, self._connection, self._ready = process, Connection(ours.detach()), False
 
     def _started(self):
         """The connection to a process that is ready to compile, started if needed."""
-        if self._process is not None and self._ready and self._process.is_alive():
+        if self._process is not None and self._ready and self._process.poll() is None:
             return self._connection
-        if self._process is None or not self._process.is_alive():
+        if self._process is None or self._process.poll() is not None:
             self._stop()
             self._spawn()
         ours = self._connection
@@ -107,21 +137,28 @@ class CompileProcess:
         self._ready = True
         return ours
 
+    def _restart(self) -> None:
+        """A fresh process in place of one that failed, starting now: the next compile finds it (nearly) ready."""
+        self._stop()
+        self._spawn()
+
     def _stop(self) -> None:
         if self._process is not None:
             self._process.kill()
-            self._process.join()
+            self._process.wait()
             self._connection.close()
         self._process = self._connection = None
 
 
 def serve_compiles(
-    connection, tokenizer_file: str, vocab_size: int, stop_token_ids: list[int], memory_mib: int
+    connection: Connection, tokenizer_file: str, vocab_size: int, stop_token_ids: list[int], memory_mib: int
 ) -> None:
-    """The child: compiles what comes in until the pipe closes (the parent is gone)."""
+    """The child: compiles what comes in until the connection closes (the parent is gone)."""
     with contextlib.suppress(OSError, AttributeError):  # glibc on Linux
         libc = ctypes.CDLL("libc.so.6")
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # die with the parent
+        # die with the parent (strictly: with the parent's thread that started it, one of the server's pool threads
+        # or the caller's, which live as long as the process)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         # one malloc arena for xgrammar's compile threads: an arena each reserves 64 MiB of address space
         libc.mallopt(M_ARENA_MAX, 1)
     try:
@@ -134,18 +171,17 @@ def serve_compiles(
         return
     _cap_address_space(memory_mib)
     os.nice(PRIORITY)
-    connection.send(("ready", None))
-    while True:
-        try:
+    with contextlib.suppress(EOFError, BrokenPipeError, ConnectionResetError):  # the parent is gone
+        connection.send(("ready", None))
+        while True:
             kind, source = connection.recv()
-        except EOFError:
-            return
-        try:
-            connection.send(("ok", compile_grammar(compiler, kind, source).serialize_json()))
-        except (GrammarError, RuntimeError, MemoryError) as err:
-            if isinstance(err, MemoryError) or "bad_alloc" in str(err):
-                return  # the cap was reached: the parent reads the exit as that
-            connection.send(("error", str(err)))
+            try:
+                reply = ("ok", compile_grammar(compiler, kind, source).serialize_json())
+            except (GrammarError, RuntimeError, MemoryError) as err:
+                if isinstance(err, MemoryError) or "bad_alloc" in str(err):
+                    return  # the cap was reached: the parent reads the exit as that
+                reply = ("error", str(err))
+            connection.send(reply)
 
 
 def _cap_address_space(memory_mib: int) -> None:
@@ -154,3 +190,8 @@ def _cap_address_space(memory_mib: int) -> None:
         mapped_kib = int(status.read().split("VmSize:")[1].split()[0])
     limit = (mapped_kib * 1024) + memory_mib * 2**20
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
+def main(argv: list[str]) -> None:
+    """The child's entry (CHILD): `FD '[tokenizer_file, vocab_size, stop_token_ids, memory_mib]'`."""
+    serve_compiles(Connection(int(argv[0])), *json.loads(argv[1]))

@@ -49,6 +49,9 @@ class StructuredOutputs:
 MAX_WHITESPACE = 8
 
 
+# seconds a grammar may take to compile for the server's clients (`runner serve --grammar-timeout`): ordinary
+# schemas take milliseconds to ~1 s (a JSON grammar over a 49k vocabulary, under load)
+DEFAULT_GRAMMAR_TIMEOUT = 10.0
 # what a grammar's compile process may allocate beyond what it holds once started (xgrammar and torch imported)
 GRAMMAR_MEMORY_MIB = 2048
 # compiled grammars kept for requests that use them again, where they compile (xgrammar's cache) and where they are

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import ctypes
 import hmac
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
@@ -27,6 +28,11 @@ from runner.serving.serving_tokenization import ServingTokenization
 from runner.serving.tool_parsers import PARSERS
 
 OPEN_PATHS = ("/health", "/metrics", "/version")  # probes and scrapers need no API key
+
+
+# threads that prepare requests with a structured output: grammars compile one at a time, but a grammar compiled
+# before is ready at once, so a few threads let such requests pass one that compiles
+STRUCTURED_OUTPUT_THREADS = 4
 
 
 @dataclass(frozen=True)
@@ -53,17 +59,21 @@ class ServerConfig:
 
 
 def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
+    # requests with a structured output are prepared here, apart from the others (ServingContext.prepare)
+    structured_pool = ThreadPoolExecutor(STRUCTURED_OUTPUT_THREADS, thread_name_prefix="structured-outputs")
+
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         yield
         # on shutdown: no new requests, running ones get `shutdown_grace` seconds, then are aborted
         await asyncio.to_thread(engine.shutdown, config.shutdown_grace)
+        structured_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="llm-engine-builder runner", version="0.1.0", lifespan=lifespan)
     parser = None if config.tool_call_parser is None else PARSERS[config.tool_call_parser]
     state = app.state
     state.engine, state.model_name = engine, config.model_name
-    serving = (engine, config.model_name, parser, config.special_tokens_in_content)
+    serving = (engine, config.model_name, parser, config.special_tokens_in_content, structured_pool)
     state.completions = ServingCompletions(*serving)
     state.chat = ServingChat(*serving)
     state.responses = ServingResponses(*serving)

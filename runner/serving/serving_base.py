@@ -4,10 +4,13 @@ the completions and chat APIs both give. No HTTP here: routers.py maps routes on
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Executor
+from typing import TypeVar
 
 from pydantic import BaseModel
 
@@ -15,9 +18,9 @@ from runner.core.async_engine import AsyncEngine
 from runner.core.engine import PromptError
 from runner.core.request import Request as EngineRequest
 from runner.core.tokenizer import ChatTemplateError
+from runner.sampling.compile_process import GrammarBusy, GrammarError
 from runner.sampling.logprobs import TokenLogprob
 from runner.sampling.params import SamplingParams
-from runner.sampling.structured import GrammarError
 from runner.serving.generation import Disconnected, engine_error, first_event, run_to_end, token_events, usage
 from runner.serving.protocol import (
     APIError,
@@ -36,6 +39,9 @@ LIMIT_FIELDS = ("max_completion_tokens", "max_output_tokens", "max_tokens")
 GRAMMAR_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "structured_outputs", "text")
 
 
+Prepared = TypeVar("Prepared")
+
+
 def text_length(value) -> int:
     """The characters of every string in a JSON-like value."""
     if isinstance(value, str):
@@ -50,7 +56,9 @@ def text_length(value) -> int:
 class ServingContext:
     """`tool_call_parser`: reads the calls the model makes by itself (tool_choice "auto"); None: no such calls.
     `special_tokens_in_content`: special-token text inside a message's content is read as those tokens (as vLLM
-    and transformers do); by default it stays plain text, so that no client can write a turn of another role."""
+    and transformers do); by default it stays plain text, so that no client can write a turn of another role.
+    `structured_pool`: the threads that prepare requests with a structured output (`prepare`); None: the event
+    loop's default executor, as for the others."""
 
     def __init__(
         self,
@@ -58,8 +66,10 @@ class ServingContext:
         model_name: str,
         tool_call_parser: ToolCallParser | None = None,
         special_tokens_in_content: bool = False,
+        structured_pool: Executor | None = None,
     ) -> None:
         self.engine, self.model_name, self.parser = engine, model_name, tool_call_parser
+        self.structured_pool = structured_pool
         self.special_tokens_in_content = special_tokens_in_content
         self.llm = engine.engine
         self.codec = self.llm.codec
@@ -98,6 +108,13 @@ class ServingContext:
                 "model",
             )
 
+    async def prepare(self, params: SamplingParams, make: Callable[[], Prepared]) -> Prepared:
+        """`make()` (templating, tokenizing, a grammar's compile: `make_requests`) off the event loop. A request
+        with a structured output is prepared on threads of its own: its compile may wait seconds for its turn, and
+        must not hold the threads that every other request is prepared on."""
+        pool = self.structured_pool if params.structured_outputs is not None else None
+        return await asyncio.get_running_loop().run_in_executor(pool, make)
+
     def make_requests(
         self, prompt: str | None, ids: list[int] | None, params: SamplingParams, body: SamplingFields
     ) -> list[EngineRequest]:
@@ -111,6 +128,8 @@ class ServingContext:
             return self.llm.new_requests(prompt, ids, params, cache_salt=body.cache_salt)
         except PromptError as err:
             raise APIError(400, str(err), param="prompt") from None
+        except GrammarBusy as err:
+            raise APIError(503, str(err), "server_overloaded") from None
         except GrammarError as err:
             raise APIError(400, str(err), param="response_format") from None
 

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import functools
 from collections.abc import AsyncIterator
 
@@ -44,7 +43,7 @@ class ServingChat(ServingContext):
             text, ids = self.chat_prompt(body, tools=body.tools, documents=body.documents)
             return [self.make_requests(text, ids, params, body)]
 
-        groups = await asyncio.to_thread(requests)
+        groups = await self.prepare(params, requests)
         as_ids = body.return_tokens_as_token_ids
         choice = functools.partial(chat_choice, tools=tools, echo=echo, as_ids=as_ids, parser=auto)
         chunk = functools.partial(

@@ -3,7 +3,6 @@ echo and logprobs, streamed or not."""
 
 from __future__ import annotations
 
-import asyncio
 import functools
 from collections.abc import AsyncIterator
 
@@ -28,8 +27,9 @@ class ServingCompletions(ServingContext):
             body, body.max_tokens, body.logprobs, self.defaults, body.logprobs if body.echo else None
         )
         prompts = completion_prompts(body.prompt)
-        # off the event loop: a first structured-output request imports xgrammar (~1.5 s, torch and transformers)
-        groups = await asyncio.to_thread(lambda: [self.make_requests(text, ids, params, body) for text, ids in prompts])
+        groups = await self.prepare(
+            params, lambda: [self.make_requests(text, ids, params, body) for text, ids in prompts]
+        )
         as_ids = body.return_tokens_as_token_ids
         choice = functools.partial(
             completion_choice, echo=body.echo, prompt_logprobs=body.prompt_logprobs, as_ids=as_ids

@@ -4,7 +4,6 @@ typed events."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
@@ -110,7 +109,7 @@ class ServingResponses(ServingContext):
             text, ids = self.render_chat(turns, "input", body.add_special_tokens, tools=tools_asked)
             return [self.make_requests(text, ids, params, body)]
 
-        groups = await asyncio.to_thread(requests)
+        groups = await self.prepare(params, requests)
         head = response_head(body, params)
         return ResponseRun(body, groups[0][0], earlier, added, head, ResponseOutput(tools, auto), top_logprobs)
 

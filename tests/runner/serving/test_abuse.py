@@ -20,7 +20,7 @@ from runner.core.tokenizer import ChatTemplateError
 from tests.runner.serving.test_server import MODEL, LiveServer, chat, free_port
 
 BODY_LIMIT = 2 * 2**20
-GRAMMAR_TIMEOUT = 1.0
+GRAMMAR_TIMEOUT = 3.0
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +131,36 @@ def test_a_grammar_that_compiles_for_too_long_is_refused_while_the_server_keeps_
     assert error["param"] == "response_format" and f"longer than {GRAMMAR_TIMEOUT:g} s" in error["message"]
     assert health and set(health) == {200}
     assert post(server.url, {"model": MODEL, "messages": user("hi"), **warm}).status_code == 200
+
+
+def test_plain_requests_pass_a_queue_of_slow_grammars(server):
+    """Grammars compile one at a time, each within the deadline, and a request that waits that long for its turn
+    is refused as busy (503); requests without one are prepared on other threads and never wait for them."""
+    slow = [
+        {
+            "model": MODEL,
+            "messages": user("hi"),
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"schema": {"type": "object", "properties": {f"q{k}_{i}": {} for i in range(4000)}}},
+            },
+        }
+        for k in range(8)
+    ]
+    answers: list[httpx.Response] = []
+    senders = [threading.Thread(target=lambda b=b: answers.append(post(server.url, b, timeout=120))) for b in slow]
+    for sender in senders:
+        sender.start()
+    time.sleep(1.0)  # they are all in: one compiles (for GRAMMAR_TIMEOUT), the others wait
+    plain = post(server.url, {"model": MODEL, "messages": user("hi"), "max_tokens": 2}, timeout=120)
+    assert plain.status_code == 200
+    assert not answers  # answered while the first slow grammar still compiled
+    for sender in senders:
+        sender.join()
+    assert {a.status_code for a in answers} <= {400, 503} and 400 in {a.status_code for a in answers}
+    for answer in answers:
+        expected = "longer than" if answer.status_code == 400 else "other requests' structured outputs"
+        assert expected in answer.json()["error"]["message"]
 
 
 def test_an_output_limit_the_context_cannot_hold_is_refused_not_cut(server):

@@ -17,6 +17,7 @@ from plugins import native_ops
 from runner.core.args import EngineArgs
 from runner.core.async_engine import AsyncEngine, EngineOverloaded
 from runner.core.engine import LLMEngine
+from runner.sampling.structured import DEFAULT_GRAMMAR_TIMEOUT
 
 MODEL = "tiny"
 
@@ -43,7 +44,7 @@ class LiveServer:
         max_model_len=None,
         max_body_bytes=8 * 2**20,
         special_tokens_in_content=False,
-        grammar_timeout=None,
+        grammar_timeout=DEFAULT_GRAMMAR_TIMEOUT,  # runner serve's
     ) -> None:
         import uvicorn
 
