@@ -23,7 +23,6 @@ import http.client
 import json
 import multiprocessing
 import os
-import platform
 import subprocess
 import threading
 import time
@@ -34,6 +33,8 @@ from pathlib import Path
 import click
 import httpx
 import numpy as np
+
+from runner.core.machine import cpu_model
 
 WARM_UP_SECONDS = 30.0
 LONG_PROMPT = "Summarise the following notes. " + "The meeting moved to Thursday and the budget was approved. " * 55
@@ -208,7 +209,7 @@ def main(engine: str, minutes: float, port: int, oversized_every: float, out: st
         "engine": engine,
         "minutes": minutes,
         "oversized_every_s": oversized_every,
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "answers": dict(sorted(answers.items())),
         "health_ms": {
