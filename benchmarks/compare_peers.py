@@ -47,6 +47,7 @@ from benchmarks.compare_transformers import (  # noqa: E402 (after the sys.path 
 )  # noqa: E402
 from benchmarks.graph_parity import parity_markdown  # noqa: E402
 from benchmarks.interleave import Generate, decode_rate, interleaved_runs, paired_ratio, serve  # noqa: E402
+from benchmarks.provenance import source_commit  # noqa: E402
 from runner.core.machine import cpu_model, memory_bandwidth_gbs  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -613,9 +614,7 @@ def main(ours, threads, new_tokens, runs, peers, work, worker_kind, worker_targe
 
     reference = results[engine_label(ours[0])]
     disagreeing = check_agreement(results, engine_label(ours[0]))
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
-    ).stdout.strip()
+    commit = source_commit()
     report = {
         "machine": f"{cpu_model()}, {os.cpu_count()} cores, {threads} threads",
         "bandwidth_gbs": bandwidth,

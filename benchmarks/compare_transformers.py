@@ -10,7 +10,6 @@ table and writes benchmarks/results/transformers.json.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 from importlib.metadata import version
@@ -22,6 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.interleave import Generate, decode_rate, interleaved_runs, serve  # noqa: E402
+from benchmarks.provenance import source_commit  # noqa: E402
 from runner.core.machine import cpu_model  # noqa: E402
 
 
@@ -139,9 +139,7 @@ def main(engine, threads, new_tokens, runs, worker, out) -> None:
     }
     results = interleaved_runs(workers, prompts, runs, threads, log=lambda line: click.echo(line, err=True))
     ours, ref = results["ours"], results["transformers"]
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
-    ).stdout.strip()
+    commit = source_commit()
     machine = f"{cpu_model()}, {threads} threads"
     print(f"machine: {machine}; commit {commit}; batch 1, greedy, {new_tokens} new tokens, median of {runs}")
     print(

@@ -21,6 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
+from benchmarks.provenance import source_commit
+from runner.core.machine import cpu_model
 from tests.runner.serving.test_fuzz import served_model
 from tests.runner.serving.test_server import LiveServer
 from tests.tiny_checkpoint import make_checkpoint
@@ -78,6 +80,7 @@ def main() -> None:
             live.stop()
     seconds = round(time.perf_counter() - start, 1)
     results |= {"seconds": seconds, "examples_per_route": args.examples, "schemathesis": schemathesis.__version__}
+    results |= {"commit": source_commit(), "cpu": cpu_model()}
     print(json.dumps(results, indent=2))
     if args.out:
         args.out.write_text(json.dumps(results, indent=2) + "\n")

@@ -41,6 +41,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.provenance import source_commit  # noqa: E402
+
 QUESTIONS = [
     "What is the capital of France?",
     "Write a short poem about the sea.",
@@ -276,9 +278,7 @@ def main(engine, batches, threads, duration, rounds, long_every, turns, out) -> 
             f"{r['ttft_ms_p50']:>7.0f}ms {r['ttft_ms_p99']:>6.0f}ms | {r['itl_ms_p50']:>6.1f}ms "
             f"{r['itl_ms_p99']:>6.0f}ms"
         )
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
-    ).stdout.strip()
+    commit = source_commit()
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
         json.dumps(

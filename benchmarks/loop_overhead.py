@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,6 +30,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.provenance import source_commit  # noqa: E402
 from runner.core.args import EngineArgs  # noqa: E402
 from runner.core.engine import LLMEngine  # noqa: E402
 from runner.tools.bench import greedy_fixed_length, time_generation  # noqa: E402
@@ -284,9 +284,7 @@ def main(engine, prompt, rounds, new_tokens, threads, out) -> None:
 
     ids = chat_prompts(LLMEngine(EngineArgs(engine, verify_checksums=False)).codec)[prompt]
     result = loop_overhead(engine, ids, rounds, new_tokens, threads)
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
-    ).stdout.strip()
+    commit = source_commit()
     result |= {
         "engine_dir": engine,
         "prompt": prompt,

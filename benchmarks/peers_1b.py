@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.compare_peers import PEER_PACKAGES, ensure_package, ort_genai_model  # noqa: E402
 from benchmarks.compare_transformers import write_prompts  # noqa: E402
 from benchmarks.interleave import interleaved_runs, paired_ratio  # noqa: E402
+from benchmarks.provenance import source_commit  # noqa: E402
 from runner.core.machine import cpu_model, memory_bandwidth_gbs  # noqa: E402
 
 SHAPE = {
@@ -204,11 +205,10 @@ def main(work: Path, peers: str, threads: int, new_tokens: int, runs: int, name:
                     median, low, high = paired_ratio(a, b) if better > 0 else paired_ratio(b, a)
                     row = {"ours": mine, "peer": peer, "prompt": prompt, "metric": metric}
                     ratios.append(row | {"median": median, "low": low, "high": high})
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
     report = {
         "machine": f"{cpu_model()}, {os.cpu_count()} cores, {threads} threads",
         "bandwidth_gbs": bandwidth,
-        "commit": commit.stdout.strip(),
+        "commit": source_commit(),
         "shape": SHAPE,
         "new_tokens": new_tokens,
         "runs": runs,

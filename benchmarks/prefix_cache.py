@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ import click
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.provenance import source_commit  # noqa: E402
 from runner.core.args import EngineArgs  # noqa: E402
 from runner.core.engine import LLMEngine  # noqa: E402
 from runner.core.machine import cpu_model, memory_bandwidth_gbs  # noqa: E402
@@ -103,9 +103,7 @@ def main(engine_dir, turns, rounds, max_tokens, threads, out) -> None:
             f"{row['ttft_on_ms']:.0f} | {row['speedup']:.1f}x |"
         )
     print("answers identical with and without prefix caching:", "yes" if agree else "NO")
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip()
+    commit = source_commit()
     out.write_text(
         json.dumps(
             {

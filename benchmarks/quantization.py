@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.compare_transformers import contender_ours, write_prompts  # noqa: E402
 from benchmarks.interleave import interleaved_runs, serve  # noqa: E402
+from benchmarks.provenance import source_commit  # noqa: E402
 from runner.core.machine import cpu_model  # noqa: E402
 from runner.tools.bench import license_text  # noqa: E402
 
@@ -122,9 +123,7 @@ def main(out_dir, threads, runs, worker, perplexity_engine, out) -> None:
         if proc.returncode != 0:
             raise SystemExit(f"measuring {name}'s perplexity failed:\n{proc.stderr[-3000:]}")
         results[name].update(timed[name], **json.loads(proc.stdout.strip().splitlines()[-1]))
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
-    ).stdout.strip()
+    commit = source_commit()
     machine = f"{cpu_model()}, {threads} threads"
     versions = {name: version(name) for name in ("onnxruntime", "torch", "onnx")}
     lines = [

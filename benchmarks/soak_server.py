@@ -24,6 +24,7 @@ import json
 import multiprocessing
 import os
 import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -34,7 +35,11 @@ import click
 import httpx
 import numpy as np
 
-from runner.core.machine import cpu_model
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run as a script
+
+from benchmarks.provenance import source_commit  # noqa: E402
+from runner.core.machine import cpu_model  # noqa: E402
 
 WARM_UP_SECONDS = 30.0
 LONG_PROMPT = "Summarise the following notes. " + "The meeting moved to Thursday and the budget was approved. " * 55
@@ -209,6 +214,7 @@ def main(engine: str, minutes: float, port: int, oversized_every: float, out: st
         "engine": engine,
         "minutes": minutes,
         "oversized_every_s": oversized_every,
+        "commit": source_commit(),
         "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "answers": dict(sorted(answers.items())),

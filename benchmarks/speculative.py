@@ -20,7 +20,6 @@ from __future__ import annotations
 import copy
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,6 +28,8 @@ import click
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.provenance import source_commit  # noqa: E402
 
 HELD_OUT_PROMPTS = [
     "What is the capital of France?",
@@ -239,9 +240,7 @@ def main(plain_dir, spec_dirs, threads, new_tokens, runs, out, json_schema, batc
                 if name != "plain"
             )
         )
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip()
+    commit = source_commit()
     record = {
         "commit": commit,
         "machine": {"cpu": cpu_model(), "threads": threads},
