@@ -89,7 +89,16 @@ class ServingContext:
         """Refuses, before any templating or tokenizing, a body holding more text than the context could take in
         any tokenization (twice the characters the longest tokens would need to fill it), so that a huge prompt
         costs the server microseconds, not seconds of work that ends in the same refusal. A structured output's
-        spec is not counted: it is not prompt text, and its compile has a deadline of its own."""
+        spec is not counted: it is not prompt text, and its compile has a deadline of its own. Nor may a chat hold
+        more messages than the context has tokens: every message takes at least one."""
+        for name in ("messages", "input"):
+            if isinstance(turns := getattr(body, name, None), list) and len(turns) > self.llm.max_seq_len:
+                raise APIError(
+                    400,
+                    f"the request holds {len(turns)} {name}; this model's context of {self.llm.max_seq_len} tokens "
+                    "holds fewer (every message takes at least one token)",
+                    param=name,
+                )
         most = 2 * self.llm.max_seq_len * self.codec.longest_token
         if (chars := text_length(body.model_dump(exclude=set(GRAMMAR_FIELDS)))) > most:
             raise APIError(

@@ -70,6 +70,13 @@ def test_text_no_tokenization_could_fit_in_the_context_is_refused_before_templat
     assert error_of(post(server.url, {"model": MODEL, "input": long_text}, "/v1/responses"))
 
 
+@pytest.mark.parametrize(("path", "field"), [("/v1/chat/completions", "messages"), ("/v1/responses", "input")])
+def test_more_messages_than_the_context_has_tokens_are_refused_before_templating(server, path, field):
+    turns = [{"role": "user", "content": ""}] * 257  # a 256-token context: every message takes at least one
+    error = error_of(post(server.url, {"model": MODEL, field: turns}, path))
+    assert error["param"] == field and f"257 {field}" in error["message"]
+
+
 @pytest.mark.parametrize(
     "path, body",
     [
