@@ -15,6 +15,7 @@ import torch
 from tokenizers import Tokenizer
 
 from builder import __version__, aoti, tensor_parallel, tensorrt
+from builder.child_process import run_in_child_process
 from builder.export import GRAPH_FILE, export_draft_graph, export_sampler_graph, export_step_graph
 from builder.loaders import load_checkpoint
 from builder.loaders.checkpoint import TokenizerSpec
@@ -45,7 +46,7 @@ from engines.format import (
     write_manifest,
 )
 from engines.model_config import ModelConfig
-from engines.resources import peak_rss_mb
+from engines.resources import children_peak_rss_mb, peak_rss_mb
 from plugins import blockwise_matmul, decode_attention, int4_matmul, native_ops
 from plugins.attention import check_head_dim
 from plugins.quant_linear import QuantizedLinear, QuantSpec
@@ -207,7 +208,7 @@ class BuildOptions:
 class BuildReport:
     out: Path
     seconds: float = 0.0
-    peak_rss_mb: float = 0.0
+    peak_rss_mb: float = 0.0  # the largest of the build's processes (a tensor-parallel build's ranks have their own)
     files: dict[str, int] = field(default_factory=dict)
     phases: dict[str, str] = field(default_factory=dict)
     quantization: QuantizationSpec = field(default_factory=QuantizationSpec)
@@ -218,7 +219,7 @@ class BuildReport:
         return cls(
             out=out,
             seconds=seconds,
-            peak_rss_mb=peak_rss_mb(),
+            peak_rss_mb=max(peak_rss_mb(), children_peak_rss_mb()),
             files={str(p.relative_to(out)): p.stat().st_size for p in sorted(out.rglob("*")) if p.is_file()},
             phases={name: phase.describe() for name, phase in manifest.phases.items()},
             quantization=manifest.quantization,
@@ -289,27 +290,44 @@ def _emit_rank_graphs(
     log: Callable[[str], None],
 ) -> tuple[dict[str, GraphSpec], list[ShardSpec], QuantizationSpec]:
     """One step graph per rank (builder/tensor_parallel.py), each traced from a model that holds only that rank's
-    share of the weights, streamed from the checkpoint once per rank; rank 0's is the manifest's step graph."""
-    config, ranks = checkpoint.config, options.tensor_parallel
+    share of the weights, streamed from the checkpoint once per rank; rank 0's is the manifest's step graph. Each
+    rank is built in a process of its own (builder/child_process.py), so the build's peak memory is one rank's."""
     kernels = _native_kernel_choice(options, log)
     shards, quantization = [], None
-    for share in tensor_parallel.plan_shares(config, ranks):
-        rank = share.rank
-        progress.step(2, f"rank {rank}/{ranks}: loading its share of the weights as {_weights_description(options)}")
-        rank_source = _rank_checkpoint(checkpoint, share, options.quant_spec() if options.quantize_lm_head else None)
-        model, quantization = _load_weights(options, rank_source, shapes, log, share)
-        tensor_parallel.add_collectives(model, share, config.vocab_size)
-        if kernels["QuantizedMatMul"]:
-            _minimums_into_int4_matmul(model)
-        progress.step(3, f"rank {rank}/{ranks}: tracing its step graph with torch.export and emitting ONNX")
-        file = GRAPH_FILE if rank == 0 else GRAPH_FILE.replace(".onnx", f".rank{rank}.onnx")
-        step = _native_kernels(kernels, export_step_graph(model, staging, shapes.max_seq_len, file), staging, log)
-        del model
-        if step.native_library is None:
-            step = replace(step, native_library=_kernel_library(staging).name)
-        step = replace(step, native_ops=[*step.native_ops, "AllReduce", "AllGather"])
-        shards.append(ShardSpec(rank, step, *(list(bounds) for bounds in _share_bounds(share))))
+    for share in tensor_parallel.plan_shares(checkpoint.config, options.tensor_parallel):
+        job = (options, share, shapes, staging, kernels, progress.total, progress.start)
+        shard, quantization = run_in_child_process(emit_rank_graph, job, log, f"the build of rank {share.rank}")
+        shards.append(shard)
     return {STEP_GRAPH: shards[0].graph}, shards, quantization
+
+
+def emit_rank_graph(
+    options: BuildOptions,
+    share: tensor_parallel.Share,
+    shapes: BuildShapes,
+    staging: Path,
+    kernels: dict[str, bool],
+    total_steps: int,
+    start: float,
+    log: Callable[[str], None],
+) -> tuple[ShardSpec, QuantizationSpec]:
+    """One rank's step graph and its share's place in the manifest (run by a process of its own)."""
+    progress, rank, ranks = _Progress(total_steps, log, start), share.rank, options.tensor_parallel
+    progress.step(2, f"rank {rank}/{ranks}: loading its share of the weights as {_weights_description(options)}")
+    checkpoint = load_checkpoint(options.source)
+    rank_source = _rank_checkpoint(checkpoint, share, options.quant_spec() if options.quantize_lm_head else None)
+    model, quantization = _load_weights(options, rank_source, shapes, log, share)
+    tensor_parallel.add_collectives(model, share, checkpoint.config.vocab_size)
+    if kernels["QuantizedMatMul"]:
+        _minimums_into_int4_matmul(model)
+    progress.step(3, f"rank {rank}/{ranks}: tracing its step graph with torch.export and emitting ONNX")
+    file = GRAPH_FILE if rank == 0 else GRAPH_FILE.replace(".onnx", f".rank{rank}.onnx")
+    step = _native_kernels(kernels, export_step_graph(model, staging, shapes.max_seq_len, file), staging, log)
+    if step.native_library is None:
+        step = replace(step, native_library=_kernel_library(staging).name)
+    step = replace(step, native_ops=[*step.native_ops, "AllReduce", "AllGather"])
+    log(f"      rank {rank}: built, peak RSS {peak_rss_mb():.0f} MiB")
+    return ShardSpec(rank, step, *(list(bounds) for bounds in _share_bounds(share))), quantization
 
 
 def _share_bounds(share: tensor_parallel.Share) -> tuple[tuple[int, int], ...]:

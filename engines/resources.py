@@ -18,3 +18,8 @@ def peak_rss_mb() -> float:
     except OSError:
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def children_peak_rss_mb() -> float:
+    """The largest peak resident memory, in MiB, of this process's children that have ended (and been waited for)."""
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
