@@ -24,6 +24,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.provenance import source_commit  # noqa: E402
 from engines.backends.onnxruntime import register_native_libraries, session_options  # noqa: E402
 from engines.format import open_artifact  # noqa: E402
 from runner.core.machine import cpu_model  # noqa: E402
@@ -86,7 +87,8 @@ def main(engine: Path, context: int, threads: int, repeats: int, json_path: Path
     for tokens, ms in times.items():
         print(f"{tokens:>3} tokens {ms:8.2f} ({ms / times[1]:.2f}x)")
     if json_path:
-        report = {"machine": machine, "threads": threads, "engine": str(engine), "context": context, "ms": times}
+        report = {"machine": machine, "commit": source_commit(), "threads": threads, "engine": str(engine)}
+        report |= {"context": context, "ms": times}
         json_path.write_text(json.dumps(report, indent=1) + "\n")
 
 

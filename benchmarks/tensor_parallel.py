@@ -62,6 +62,7 @@ def worker(engine: str, threads: int, prompts_file: str, new_tokens: int) -> Non
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="Also write the results as JSON.")
 def main(single_rank_engine, sharded_engine, runs, new_tokens, long_prompt_tokens, out) -> None:
     from benchmarks.interleave import interleaved_runs, paired_ratio
+    from benchmarks.provenance import source_commit
     from runner import LLM
     from runner.core.machine import cpu_model, memory_bandwidth_gbs
     from runner.tools.bench import chat_prompts
@@ -124,7 +125,8 @@ def main(single_rank_engine, sharded_engine, runs, new_tokens, long_prompt_token
     )
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
-        record = {"machine": machine, "runs": runs, "new_tokens": new_tokens, "same_tokens": same_tokens}
+        record = {"machine": machine, "commit": source_commit(), "runs": runs, "new_tokens": new_tokens}
+        record |= {"same_tokens": same_tokens}
         record |= {"summary": summary, **results}
         out.write_text(json.dumps({**record, "collective_share": share, "waiting_share": waiting}, indent=2))
 
