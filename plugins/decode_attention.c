@@ -53,6 +53,7 @@ typedef struct Kernel {
  * hardware prefetcher alone left this loop waiting on them; 32 rows ahead measured best (docs/measurements.md) */
 #define PREFETCH_ROWS 32
 #define LINE_FLOATS 16 /* floats per 64-byte cache line */
+#define V_BLOCK 64     /* floats of a query's weighted V a decode step keeps in registers at a time */
 
 typedef struct Work {
   const float *q_scaled; /* [B, KVH, T, group, D]: rotated, times the softmax scale */
@@ -63,35 +64,65 @@ typedef struct Work {
   int64_t kv_heads, group, steps, head_dim, length, bias_width, chunks, query_blocks;
 } Work;
 
-/* e^x for x <= 0, within ~2 float ulps: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series to r^6, 2^n
- * through the exponent bits; plain arithmetic, so a loop of them vectorizes (expf would be a call per score) */
-static inline float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float n = (x * 1.44269504f + 12582912.0f) - 12582912.0f; /* round to nearest: 1.5 * 2^23 */
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  /* ln2 in two parts, the first exact */
-  const float p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720))))));
-  union { int32_t bits; float value; } scale = {.bits = ((int32_t)n + 127) << 23};
-  return p * scale.value;
-}
-
 typedef float floats8 __attribute__((vector_size(32)));
+typedef int32_t ints8 __attribute__((vector_size(32)));
+#define SOFTMAX_LANES 8 /* a query's ranks are softmaxed 8 at a time; CHUNK is a multiple of it */
+
+/* where `mask` is set (all ones), a; elsewhere b (a macro: a function that takes and returns vectors would change the
+ * ABI of the clone without AVX, and GCC warns of it) */
+#define select8(mask, a, b) ((floats8)(((mask) & (ints8)(a)) | (~(mask) & (ints8)(b))))
+
+/* e^x for x <= 0, 8 lanes in place, within ~2 float ulps: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor
+ * series to r^6, 2^n through the exponent bits (expf would be a call per score) */
+__attribute__((always_inline)) static inline void exp_nonpositive(floats8 *value) {
+  const floats8 x = select8(*value < -87.0f, (floats8){0} - 87.0f, *value);
+  const floats8 n = (x * 1.44269504f + 12582912.0f) - 12582912.0f; /* round to nearest: 1.5 * 2^23 */
+  const floats8 r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  /* ln2 in two parts, the first exact */
+  const floats8 p = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720))))));
+  *value = p * (floats8)((__builtin_convertvector(n, ints8) + 127) << 23);
+}
 
 /* Every query's arithmetic is the same sequence of operations whatever the call around it, its lane or its block: a
  * decode step of its token on a cache that holds its ancestors at consecutive positions would do exactly these. A
  * query sees the row's cached positions, then the new tokens it may see (itself, and in a verify tree its ancestors:
  * the bias masks the other branches), ranked in that order; chunk c holds its ranks 128c .. 128c + 127, as a decode
- * step's chunk holds those positions. Its scores are DOT_LANES partial sums over the head dimension added up in
- * order, its softmax and weighted V run over its ranks in order. So a verify step's token computes bit for bit what a
+ * step's chunk holds those positions. Its scores are DOT_LANES partial sums over the head dimension added up
+ * pairwise (`add_halves`), its softmax runs over its ranks SOFTMAX_LANES at a time (rank j in lane j % 8, the lanes
+ * summed pairwise), its weighted V over its ranks in order. So a verify step's token computes bit for bit what a
  * decode step of that token computes, and speculation keeps the plain engine's greedy tokens. */
 
-/* query b's score: the dot product of its values and a K row, as DOT_LANES partial sums added up in order */
+/* lanes[0] = the sum of lanes[0 .. DOT_LANES - 1] (vectors of queries), added pairwise: halves lane by lane, four
+ * levels deep rather than a chain of fifteen adds */
+#define add_halves(lanes)                                          \
+  for (int width = DOT_LANES / 2; width >= 1; width /= 2)          \
+    for (int l = 0; l < width; l++) (lanes)[l] += (lanes)[l + width]
+
+/* acc[a] += weight x the a-th 8 values of v, for a < vectors */
+__attribute__((always_inline)) static inline void add_weighted(floats8 *acc, float weight, const float *v,
+                                                               int64_t vectors) {
+  for (int64_t a = 0; a < vectors; a++) {
+    floats8 x;
+    memcpy(&x, v + 8 * a, sizeof(x));
+    acc[a] += weight * x;
+  }
+}
+
+/* query b's score: the dot product of its values and a K row, as DOT_LANES partial sums added as add_halves adds
+ * them (the partial sums in two vectors: lanes 0-7 and 8-15) */
 static inline float score(const float *q, const float *k, int64_t d_count) {
-  float lanes[DOT_LANES] = {0.0f}; /* independent partial sums: no serial chain of adds */
-  for (int64_t d = 0; d < d_count; d += DOT_LANES)
-    for (int l = 0; l < DOT_LANES; l++) lanes[l] += q[d + l] * k[d + l];
-  float dot = 0.0f;
-  for (int l = 0; l < DOT_LANES; l++) dot += lanes[l];
-  return dot;
+  floats8 low = {0.0f}, high = {0.0f}; /* independent partial sums: no serial chain of adds */
+  for (int64_t d = 0; d < d_count; d += DOT_LANES) {
+    floats8 q_low, q_high, k_low, k_high;
+    memcpy(&q_low, q + d, sizeof(q_low));
+    memcpy(&q_high, q + d + 8, sizeof(q_high));
+    memcpy(&k_low, k + d, sizeof(k_low));
+    memcpy(&k_high, k + d + 8, sizeof(k_high));
+    low += q_low * k_low;
+    high += q_high * k_high;
+  }
+  const floats8 eight = low + high;
+  const float four[4] = {eight[0] + eight[4], eight[1] + eight[5], eight[2] + eight[6], eight[3] + eight[7]};
+  return (four[0] + four[2]) + (four[1] + four[3]);
 }
 
 __attribute__((target_clones("arch=x86-64-v3", "default")))
@@ -146,39 +177,68 @@ static void attend_chunk(void *data, size_t unit) {
       floats8 lanes[DOT_LANES] = {{0.0f}};
       for (int64_t d = 0; d < d_count; d += DOT_LANES)
         for (int l = 0; l < DOT_LANES; l++) lanes[l] += transposed[d + l] * k[d + l];
-      floats8 dot = {0.0f};
-      for (int l = 0; l < DOT_LANES; l++) dot += lanes[l];
-      for (int64_t b = 0; b < block; b++) scores[b][j] = dot[b];
+      add_halves(lanes);
+      for (int64_t b = 0; b < block; b++) scores[b][j] = lanes[0][b];
     }
   }
   for (int64_t b = 0; b < block; b++) { /* the bias, the new tokens' scores, then the softmax over the ranks */
     const float *bias = w->bias + (row * w->steps + (i0 + b) / group) * w->bias_width;
-    float *s = scores[b], maximum = -INFINITY, sum = 0.0f;
-    for (int64_t j = 0; j < cached; j++) s[j] = bias[first + j] <= MASKED_BIAS ? -INFINITY : s[j] + bias[first + j];
+    float *s = scores[b];
+    int64_t j = 0;
+    for (; j + SOFTMAX_LANES <= cached; j += SOFTMAX_LANES) {
+      floats8 x, added;
+      memcpy(&x, s + j, sizeof(x));
+      memcpy(&added, bias + first + j, sizeof(added));
+      x = select8(added <= MASKED_BIAS, (floats8){0} - INFINITY, x + added);
+      memcpy(s + j, &x, sizeof(x));
+    }
+    for (; j < cached; j++) s[j] = bias[first + j] <= MASKED_BIAS ? -INFINITY : s[j] + bias[first + j];
     for (int64_t f = 0; f < fresh_count[b]; f++)
       s[cached + f] = score(q + b * d_count, keys + fresh[b][f] * d_count, d_count) + bias[fresh[b][f]];
-    for (int64_t j = 0; j < count[b]; j++) maximum = s[j] > maximum ? s[j] : maximum;
+    const int64_t padded = (count[b] + SOFTMAX_LANES - 1) / SOFTMAX_LANES * SOFTMAX_LANES; /* <= CHUNK */
+    for (j = count[b]; j < padded; j++) s[j] = -INFINITY; /* no weight */
+    floats8 most = (floats8){0} - INFINITY, sums = {0.0f};
+    for (j = 0; j < padded; j += SOFTMAX_LANES) {
+      floats8 x;
+      memcpy(&x, s + j, sizeof(x));
+      most = select8(x > most, x, most);
+    }
+    float maximum = most[0];
+    for (int l = 1; l < SOFTMAX_LANES; l++) maximum = most[l] > maximum ? most[l] : maximum;
     if (maximum == -INFINITY) { /* it sees nothing here: no weight anywhere, it stays empty */
-      for (int64_t j = 0; j < cached; j++) s[j] = 0.0f;
+      for (j = 0; j < cached; j++) s[j] = 0.0f;
       count[b] = cached;
       continue;
     }
-    for (int64_t j = 0; j < count[b]; j++) s[j] = s[j] == -INFINITY ? 0.0f : exp_nonpositive(s[j] - maximum);
-    for (int64_t j = 0; j < count[b]; j++) sum += s[j];
+    for (j = 0; j < padded; j += SOFTMAX_LANES) {
+      floats8 x;
+      memcpy(&x, s + j, sizeof(x));
+      const ints8 masked = x == -INFINITY;
+      x -= maximum;
+      exp_nonpositive(&x);
+      x = select8(masked, (floats8){0.0f}, x);
+      memcpy(s + j, &x, sizeof(x));
+      sums += x;
+    }
     partial[b * stride] = maximum;
-    partial[b * stride + 1] = sum;
+    partial[b * stride + 1] = ((sums[0] + sums[1]) + (sums[2] + sums[3])) + ((sums[4] + sums[5]) + (sums[6] + sums[7]));
   }
   if (block < WIDE_BLOCK) {
-    for (int64_t b = 0; b < block; b++) {
-      float *acc = partial + b * stride + 2;
-      memset(acc, 0, sizeof(float) * d_count);
-      for (int64_t j = 0; j < count[b]; j++) {
-        const float *v = values + (j < cached ? first + j : fresh[b][j - cached]) * d_count, weight = scores[b][j];
-        if (b == 0)
-          for (int64_t d = 0; d < d_count; d += LINE_FLOATS) __builtin_prefetch(v + PREFETCH_ROWS * d_count + d);
-        for (int64_t d = 0; d < d_count; d++) acc[d] += weight * v[d];
+    for (int64_t b = 0; b < block; b++)
+      for (int64_t d0 = 0; d0 < d_count; d0 += V_BLOCK) { /* V_BLOCK values of its weighted V, in registers */
+        const int64_t vectors = (d_count - d0 < V_BLOCK ? d_count - d0 : V_BLOCK) / 8;
+        floats8 acc[V_BLOCK / 8] = {{0.0f}};
+        for (int64_t j = 0; j < count[b]; j++) {
+          const float *v = values + (j < cached ? first + j : fresh[b][j - cached]) * d_count, weight = scores[b][j];
+          if (b == 0 && d0 == 0)
+            for (int64_t d = 0; d < d_count; d += LINE_FLOATS) __builtin_prefetch(v + PREFETCH_ROWS * d_count + d);
+          if (vectors == V_BLOCK / 8) /* a whole block: a fixed count, unrolled, its sums kept in registers */
+            add_weighted(acc, weight, v + d0, V_BLOCK / 8);
+          else
+            add_weighted(acc, weight, v + d0, vectors);
+        }
+        memcpy(partial + b * stride + 2 + d0, acc, sizeof(floats8) * vectors);
       }
-    }
     return;
   }
   for (int64_t b = block; b < QUERY_BLOCK; b++)
