@@ -16,6 +16,9 @@ def device_check():
     spec = importlib.util.spec_from_file_location("device_check", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    # DEADLINE is the GPU lease's (470 s from import); here the stages run on CPU one test after another, and a slow
+    # moment of a shared CI machine must not kill a compile that would have finished
+    module.DEADLINE = module.time.monotonic() + 3600
     return module
 
 
