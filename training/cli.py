@@ -63,6 +63,15 @@ from training.drafter import DrafterTrainingOptions, train_drafter
     default=None,
     help="Train in bfloat16 autocast or float32 (default: bfloat16 where the CPU has native bf16 matmuls).",
 )
+@click.option(
+    "--device",
+    default=None,
+    help="Answer, score and train in PyTorch on this device (cuda, cpu) from a checkpoint: ENGINE is then "
+    '"default", a .gguf file or a Hugging Face directory, run by the builder\'s model in float32.',
+)
+@click.option("--generate-batch", type=int, default=512, show_default=True, help="With --device: prompts per batch.")
+@click.option("--batch-size", type=int, default=256, show_default=True, help="Training positions per step.")
+@click.option("--learning-rate", type=float, default=2e-3, show_default=True, help="Peak of the one-cycle schedule.")
 @click.option("--seed", type=int, default=0, show_default=True)
 def train_drafter_command(
     engine,
@@ -82,9 +91,14 @@ def train_drafter_command(
     threads,
     checkpoint,
     bf16,
+    device,
+    generate_batch,
+    batch_size,
+    learning_rate,
     seed,
 ) -> None:
-    """Distil a ReDrafter draft head for the target ENGINE from its own answers to the shipped prompts."""
+    """Distil a ReDrafter draft head for the target ENGINE from its own answers to the shipped prompts (or, with
+    --device, for the checkpoint ENGINE from its float32 answers)."""
     with exit_on(ArtifactError, CheckpointError, ValueError):
         options = DrafterTrainingOptions(
             engine,
@@ -104,6 +118,10 @@ def train_drafter_command(
             threads=threads,
             checkpoint=checkpoint,
             bf16=bf16,
+            device=device,
+            generate_batch=generate_batch,
+            batch_size=batch_size,
+            learning_rate=learning_rate,
             seed=seed,
         )
         facts = train_drafter(options, log=lambda line: click.echo(line, err=True))

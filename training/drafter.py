@@ -18,6 +18,10 @@ Answers and hidden states can be kept in a traces directory (`traces`), one file
 collection resumes at its first missing shard, a larger prompt set reuses the shards of a smaller one, and other
 training settings reuse them all.
 
+With `device` set, the target is a checkpoint instead of an engine: the builder's model in PyTorch answers, scores
+and trains on that device (training/torch_target.py), which on a GPU makes tens of thousands of answers a matter of
+minutes.
+
 This tool sits above both halves of the project: it runs the target through the runner (the engine is the
 target) and writes a head the builder folds into a speculative engine.
 """
@@ -69,10 +73,16 @@ class DrafterTrainingOptions:
     shard_size: int = 256  # prompts per shard (the unit a killed collection resumes from)
     score_engine: Path | None = None  # engine of the same model that gives the hidden states (default: `engine`)
     bf16: bool | None = None  # train the head's matmuls in bfloat16 autocast (None: where the CPU has native bf16)
+    # a torch device ("cuda", "cpu"): `engine` is then a checkpoint, answered and scored by the builder's model in
+    # float32 on that device, where the head trains too; None: `engine` is a built engine, the head trains on CPU
+    device: str | None = None
+    generate_batch: int = 512  # prompts answered together on `device`
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.distill <= 1.0:
             raise ValueError(f"distill is the soft loss's weight, between 0 and 1; got {self.distill}")
+        if self.device is not None and self.score_engine is not None:
+            raise ValueError("with --device the float32 model scores its own answers; --score-engine takes an engine")
 
 
 @dataclass(frozen=True)
@@ -247,30 +257,33 @@ class Examples:
     def __len__(self) -> int:
         return len(self.rows)
 
+    def to(self, device: torch.device) -> Examples:
+        return Examples(*(getattr(self, name).to(device) for name in ("hidden", "rows", "inputs", "labels", "future")))
+
     def take(self, pick: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.hidden[self.rows[pick]], self.inputs[pick], self.labels[pick]
 
 
 def training_examples(traces: list[Trace], horizon: int) -> Examples:
-    rows, inputs, labels, future = [], [], [], []
-    offset = 0
-    for trace in traces:
-        n = len(trace.tokens)
-        padded = np.concatenate((trace.tokens, np.full(horizon + 1, IGNORE, np.int64)))
-        state = np.arange(offset, offset + n + horizon)
-        for t in range(n - 1):
-            rows.append(offset + t)
-            inputs.append(padded[t + 1 : t + 1 + horizon])
-            labels.append(padded[t + 2 : t + 2 + horizon])
-            future.append(np.where(labels[-1] == IGNORE, 0, state[t + 1 : t + 1 + horizon]))
-        offset += n
-    inputs = np.stack(inputs)
+    """Every answer position t but the last: h_t, inputs x_{t+1} .., labels x_{t+2} .. and their states (numpy
+    gathers over all traces at once: a GPU-sized collection has millions of positions)."""
+    lengths = np.array([len(t.tokens) for t in traces])
+    # each trace's tokens followed by horizon + 1 IGNOREs, so every window stays inside its own trace
+    padded = np.concatenate([np.concatenate((t.tokens, np.full(horizon + 1, IGNORE, np.int64))) for t in traces])
+    padded_start = np.concatenate(([0], np.cumsum(lengths + horizon + 1)[:-1]))
+    state_start = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+    trace = np.repeat(np.arange(len(traces)), lengths - 1)
+    t = np.concatenate([np.arange(n - 1) for n in lengths])
+    ahead = np.arange(horizon)
+    window = (padded_start[trace] + t)[:, None] + ahead
+    rows = state_start[trace] + t
+    inputs, labels = padded[window + 1], padded[window + 2]
     return Examples(
         torch.from_numpy(np.concatenate([t.hidden for t in traces]).astype(np.float32, copy=False)),
-        torch.tensor(rows),
+        torch.from_numpy(rows),
         torch.from_numpy(np.where(inputs == IGNORE, 0, inputs)),
-        torch.from_numpy(np.stack(labels)),
-        torch.from_numpy(np.stack(future)),
+        torch.from_numpy(labels),
+        torch.from_numpy(np.where(labels == IGNORE, 0, rows[:, None] + 1 + ahead)),
     )
 
 
@@ -332,31 +345,78 @@ def target_tables(source: str, tied: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return embedding, tables.get("lm_head.weight", embedding)
 
 
-def train_drafter(options: DrafterTrainingOptions, log: Callable[[str], None] = print) -> dict:
-    """Distil a head from the target's answers (or the traces file) and write it with its training record."""
+@dataclass(frozen=True)
+class TargetFacts:
+    """What training needs to know of the target, from its engine's manifest or its checkpoint."""
+
+    config: object  # engines.model_config.ModelConfig
+    source: str  # where its weights (and embeddings) are read
+    key: str  # names the answers' generator and scorer in a traces directory
+
+
+def target_facts(options: DrafterTrainingOptions) -> TargetFacts:
+    if options.device is not None:
+        from builder.loaders import load_checkpoint
+
+        checkpoint = load_checkpoint(str(options.engine))
+        key = f"{checkpoint.source}|{_weights_digest(checkpoint.source)}|PyTorch float32"
+        return TargetFacts(checkpoint.config, checkpoint.source, f"{key}|{options.max_new_tokens} tokens")
     from engines.format import open_artifact
 
-    torch.manual_seed(options.seed)
     manifest = open_artifact(options.engine).manifest
+    scorer = manifest if options.score_engine is None else open_artifact(options.score_engine).manifest
+    key = f"{_engine_key(manifest)}|scored by {_engine_key(scorer)}|{options.max_new_tokens} tokens"
+    return TargetFacts(manifest.model, manifest.source, key)
+
+
+def _weights_digest(source: str) -> str:
+    """A digest of a checkpoint's weight files (a GGUF, or an HF directory's safetensors)."""
+    path = Path(source)
+    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
+    digest = hashlib.sha256()
+    for file in files:
+        with open(file, "rb") as handle:
+            while chunk := handle.read(1 << 24):
+                digest.update(chunk)
+    return digest.hexdigest()[:16]
+
+
+def train_drafter(options: DrafterTrainingOptions, log: Callable[[str], None] = print) -> dict:
+    """Distil a head from the target's answers (or the traces file) and write it with its training record."""
+    torch.manual_seed(options.seed)
+    target = target_facts(options)
     begin = time.perf_counter()
-    groups = _target_traces(options, manifest, log)
-    train_traces, held_traces = groups["train"], groups["validation"]
-    head, draft_table = _new_head(options, manifest, train_traces, held_traces, log)
+    groups = _target_traces(options, target, log)
+    return train_head(options, target, groups["train"], groups["validation"], begin, log)
+
+
+def train_head(
+    options: DrafterTrainingOptions,
+    target: TargetFacts,
+    train_traces: list[Trace],
+    held_traces: list[Trace],
+    begin: float,
+    log: Callable[[str], None] = print,
+) -> dict:
+    """Train a head on these answers (training and validation) and write it with its training record."""
+    device = torch.device(options.device or "cpu")
+    head, draft_table = _new_head(options, target, train_traces, held_traces, log)
+    head, draft_table = head.to(device), draft_table.to(device)
     vocab_size = head.config.draft_vocab_size
 
-    train = training_examples(train_traces, options.horizon)
+    train = training_examples(train_traces, options.horizon).to(device)
     draft_labels = torch.where(train.labels == IGNORE, IGNORE, head.target_to_draft[train.labels.clamp(min=0)])
     draft_labels = torch.where(draft_labels == vocab_size, IGNORE, draft_labels)
-    held = training_examples(held_traces, options.horizon)
-    held_split = held.take(torch.arange(len(held)))
+    held = training_examples(held_traces, options.horizon).to(device)
+    held_split = held.take(torch.arange(len(held), device=device))
     log(
         f"[2/3] training on {len(train)} positions ({len(held)} for validation), "
         f"{sum(p.numel() for p in head.parameters()) / 1e6:.2f} M parameters"
     )
-    probe = torch.randperm(len(train))[:4096]  # training positions the fit is measured on
+    probe = torch.randperm(len(train), device=device)[:4096]  # training positions the fit is measured on
     splits = {"train": train.take(probe), "validation": held_split}
     accuracy = {f"{name}_before": first_draft_accuracy(head, *split) for name, split in splits.items()}
-    bf16 = native_bf16() if options.bf16 is None else options.bf16
+    bf16 = (device.type == "cuda" or native_bf16()) if options.bf16 is None else options.bf16
     kept_epoch, epoch_losses = _fit(options, head, train, draft_labels, draft_table, held_split, bf16, log)
 
     accepted = {
@@ -368,8 +428,9 @@ def train_drafter(options: DrafterTrainingOptions, log: Callable[[str], None] = 
         for w in (1, 2, 3, 4)
     }
     facts = {
-        "target": manifest.source,
-        "scored_by": str(options.score_engine or options.engine),
+        "target": target.source,
+        "scored_by": str(options.score_engine or options.engine)
+        + ("" if options.device is None else f" (PyTorch float32 on {options.device})"),
         "prompts": options.prompts,
         "validation_prompts": options.validation,
         "answer_tokens": int(sum(len(t.tokens) - 1 for t in train_traces)),
@@ -391,27 +452,30 @@ def train_drafter(options: DrafterTrainingOptions, log: Callable[[str], None] = 
     }
     log(f"[3/3] writing {options.out}")
     Path(options.out).parent.mkdir(parents=True, exist_ok=True)
-    save_draft_head(head, Path(options.out), facts)
+    save_draft_head(head.cpu(), Path(options.out), facts)
     return facts
 
 
-def _target_traces(options: DrafterTrainingOptions, manifest, log: Callable[[str], None]) -> dict[str, list[Trace]]:
+def _target_traces(options: DrafterTrainingOptions, target: TargetFacts, log: Callable[[str], None]) -> dict:
     """The target's answers to the training and validation prompts, with its hidden states: read from the traces
     directory for the shards it holds, the rest generated (and written there)."""
-    from engines.format import open_artifact
-
     # validation first: a collection stopped early still has what picks the best epoch
     groups = {"validation": validation_prompts(options.validation), "train": drafter_prompts(options.prompts)}
-    scorer = manifest if options.score_engine is None else open_artifact(options.score_engine).manifest
-    key = f"{_engine_key(manifest)}|scored by {_engine_key(scorer)}|{options.max_new_tokens} tokens"
-    store = None if options.traces is None else TraceStore(options.traces, key)
+    store = None if options.traces is None else TraceStore(options.traces, target.key)
     scored_by = "" if options.score_engine is None else f", scored by {options.score_engine}"
+    if options.device is not None:
+        scored_by = f", PyTorch float32 on {options.device}"
     log(
         f"[1/3] target {options.engine} answers {options.prompts} + {options.validation} validation prompts "
         f"(greedy, {options.max_new_tokens} tokens max{scored_by})"
         + ("" if store is None else f"; shards kept in {options.traces}")
     )
-    answers = TargetAnswers(options.engine, options.score_engine, options.threads)
+    if options.device is None:
+        answers = TargetAnswers(options.engine, options.score_engine, options.threads)
+    else:
+        from training.torch_target import TorchTargetAnswers
+
+        answers = TorchTargetAnswers(str(options.engine), options.device, options.generate_batch)
     return collect_traces(answers, groups, options.max_new_tokens, options.shard_size, store, log)
 
 
@@ -420,15 +484,15 @@ def _engine_key(manifest) -> str:
 
 
 def _new_head(
-    options: DrafterTrainingOptions, manifest, train_traces: list[Trace], held_traces: list[Trace], log
+    options: DrafterTrainingOptions, target: TargetFacts, train_traces: list[Trace], held_traces: list[Trace], log
 ) -> tuple[DraftHead, torch.Tensor]:
     """A head over the answers' most frequent tokens, started from the target's embeddings, and the target's LM head
     rows of that vocabulary (the soft targets' projection)."""
-    config = manifest.model
+    config = target.config
     vocab_size = min(options.draft_vocab, config.vocab_size)
     head = DraftHead(DraftHeadConfig(config.hidden_size, config.vocab_size, vocab_size, options.num_blocks))
     head.set_vocabulary(draft_vocabulary(train_traces, vocab_size, config.vocab_size))
-    embedding, lm_head = target_tables(options.checkpoint or manifest.source, config.tie_word_embeddings)
+    embedding, lm_head = target_tables(options.checkpoint or target.source, config.tie_word_embeddings)
     head.init_from_target(embedding)
     draft_table = lm_head[head.draft_to_target]
     covered = head.target_to_draft < vocab_size
@@ -463,7 +527,7 @@ def _fit(
     epoch_losses = []
     for epoch in range(options.epochs):
         head.train()
-        order = torch.randperm(len(train))
+        order = torch.randperm(len(train), device=train.rows.device)
         total = 0.0
         for index in range(batches):
             pick = order[index * options.batch_size : (index + 1) * options.batch_size]
@@ -491,9 +555,9 @@ def _batch_loss(options, head, train: Examples, pick, draft_labels, draft_table,
     """Cross-entropy on the target's greedy tokens and against its whole next-token distributions, mixed by
     `distill`."""
     hidden, inputs, labels = train.take(pick)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+    with torch.autocast(hidden.device.type, dtype=torch.bfloat16, enabled=bf16):
         logprobs = head.teacher_forced(hidden, inputs)
-    loss = torch.zeros(())
+    loss = torch.zeros((), device=hidden.device)
     if options.distill < 1:
         hard = torch.nn.functional.nll_loss(logprobs.flatten(0, 1), draft_labels[pick].flatten(), ignore_index=IGNORE)
         loss = loss + (1 - options.distill) * hard
