@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Distils ReDrafter heads for the default model on a lent GPU machine with nothing but that machine's image:
-# `builder train-drafter` in PyTorch on CUDA (answers, scoring and training there), then the same data with a
-# deeper head. Writes each head, its log and the GPU's name to $OUT.
+# Distils ReDrafter heads for the default model on a lent GPU machine: `builder train-drafter` in PyTorch on CUDA
+# (answers, scoring and training there), then the same data with a deeper head. Writes each head, its log and the
+# GPU's name to $OUT.
 #   scripts/train_drafter_device.sh GGUF [PROMPTS]      (DEVICE, EPOCHS, TRACES override the defaults below)
-# A call carries at most 64 MiB, so the 94 MiB GGUF travels in two parts over two calls and is joined there first.
+# The machine's image lacks only the gguf package (a carried wheel on PYTHONPATH), and a call carries at most 64 MiB,
+# so the 94 MiB GGUF travels in two parts over two calls and is joined there first (docs/gpu.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 OUT="${OUT:-$PWD/drafter_out}"
