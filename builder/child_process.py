@@ -5,30 +5,23 @@ add up (each model is deleted before the next), but the process kept much of wha
 arenas, torch.export's caches): the fp32 default model's two-rank build peaked at 1,634 MiB against 1,389 MiB for
 the single-rank build. A process per rank hands all of it back, so the build's peak is its largest rank's.
 
-The child is `python -c` importing this module, not multiprocessing's spawn: spawn re-imports the caller's
-`__main__`, which breaks scripts that call `build_engine` without a main guard. Parent and child talk over a socket
-pair through multiprocessing's `Connection`: the child sends its log lines as they come, then its result or the
+The child is a fresh interpreter (engines/child_interpreter.py: not multiprocessing's spawn, which would re-import a
+script that calls `build_engine` without a main guard). It sends its log lines as they come, then its result or the
 exception it raised (re-raised here as the same type, so the command line reports it as it would any other).
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import importlib
-import os
 import pickle
 import signal
-import socket
-import subprocess
-import sys
 from collections.abc import Callable
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
+from engines.child_interpreter import die_with_parent, start_child_interpreter
+
 CHILD = "import sys; from builder.child_process import main; main(sys.argv[1:])"
-PR_SET_PDEATHSIG = 1  # prctl's: the child is killed when the build's process ends
 
 
 class ChildProcessFailed(RuntimeError):
@@ -39,18 +32,7 @@ def run_in_child_process(function: Callable[..., Any], args: tuple, log: Callabl
     """`function(*args, log=...)` in a fresh interpreter: its log lines reach `log` as it runs; its return value is
     returned and its exception raised here. `function` must be importable by module and name, `args` picklable.
     `what` names the step in the error of a child that ends without a result."""
-    ours, theirs = socket.socketpair()
-    # importable whether or not the package is installed: the directory that holds `builder`
-    root = str(Path(__file__).resolve().parents[1])
-    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-    with theirs:
-        process = subprocess.Popen(
-            [sys.executable, "-c", CHILD, str(theirs.fileno())],
-            pass_fds=[theirs.fileno()],
-            stdin=subprocess.DEVNULL,
-            env={**os.environ, "PYTHONPATH": path},
-        )
-    connection = Connection(ours.detach())
+    process, connection = start_child_interpreter(CHILD, [])
     try:
         connection.send((function.__module__, function.__qualname__, args))
         while True:
@@ -76,8 +58,7 @@ def run_in_child_process(function: Callable[..., Any], args: tuple, log: Callabl
 
 def serve_one_call(connection: Connection) -> None:
     """The child: runs the one call it is sent and sends back its log lines and its outcome."""
-    with contextlib.suppress(OSError, AttributeError):  # glibc on Linux
-        ctypes.CDLL("libc.so.6").prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    die_with_parent()
     module, name, args = connection.recv()
     function = getattr(importlib.import_module(module), name)
     try:

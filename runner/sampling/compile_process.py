@@ -6,12 +6,10 @@ so the compile runs in a process of its own that can be: past `timeout` seconds 
 once, for the next grammar), and its address space is capped so that an exploding grammar ends there, not in the serving
 process. It compiles at a lower priority, so that its work gives way to the engine's steps and the server's event loop.
 
-The process is a fresh interpreter running this module's `main` (CHILD), not a fork
-(the serving process has threads) nor multiprocessing's spawn (which imports the caller's `__main__` again, so a
-script without a main guard would start itself). It talks over a socket pair through multiprocessing's
-`Connection`, serves one compile at a time, and its xgrammar compiler caches grammars across requests. What comes
-back is the compiled grammar serialized (xgrammar's own format), which the caller deserializes against the same
-vocabulary.
+The process is a fresh interpreter running this module's `main` (CHILD; engines/child_interpreter.py says why not a
+fork or multiprocessing's spawn). It serves one compile at a time, and its xgrammar compiler caches grammars across
+requests. What comes back is the compiled grammar serialized (xgrammar's own format), which the caller deserializes
+against the same vocabulary.
 
 Callers wait for their turn at most `timeout` seconds too: past that a compile is refused as busy
 (GrammarBusy), so that a queue of slow grammars cannot hold a request, or the thread that serves it, for longer.
@@ -20,24 +18,21 @@ Callers wait for their turn at most `timeout` seconds too: past that a compile i
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import resource
-import signal
-import socket
-import subprocess
-import sys
 import threading
 from multiprocessing.connection import Connection
 from pathlib import Path
+
+from engines.child_interpreter import die_with_parent, start_child_interpreter
 
 # what a start may take: spawning Python and importing xgrammar (with torch) is ~3 s on an idle core
 START_SECONDS = 120.0
 # the nice value added to the compile process once started (its start, once, at the server's priority): its work
 # gives way to the server's, at ~1/4 of a busy core's share, without stalling a legitimate compile under load
 PRIORITY = 5
-PR_SET_PDEATHSIG, M_ARENA_MAX = 1, -8  # prctl's and mallopt's parameters
+M_ARENA_MAX = -8  # mallopt's parameter
 # the child's program: this module imported (`-m` would run a second copy of it as __main__, with classes of its own)
 CHILD = "import sys; from runner.sampling.compile_process import main; main(sys.argv[1:])"
 
@@ -97,24 +92,10 @@ class CompileProcess:
         return payload
 
     def _spawn(self) -> None:
-        ours, theirs = socket.socketpair()
-        # importable whether or not the package is installed: the directory that holds `runner`
-        root = str(Path(__file__).resolve().parents[2])
-        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-        with theirs:
-            process = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-c",
-                    CHILD,
-                    str(theirs.fileno()),
-                    json.dumps([*self._vocabulary, self.memory_mib]),
-                ],
-                pass_fds=[theirs.fileno()],
-                stdin=subprocess.DEVNULL,
-                env={**os.environ, "PYTHONPATH": path},
-            )
-        self._process, self._connection, self._ready = process, Connection(ours.detach()), False
+        self._process, self._connection = start_child_interpreter(
+            CHILD, [json.dumps([*self._vocabulary, self.memory_mib])]
+        )
+        self._ready = False
 
     def _started(self):
         """The connection to a process that is ready to compile, started if needed."""
@@ -154,13 +135,10 @@ def serve_compiles(
     connection: Connection, tokenizer_file: str, vocab_size: int, stop_token_ids: list[int], memory_mib: int
 ) -> None:
     """The child: compiles what comes in until the connection closes (the parent is gone)."""
-    with contextlib.suppress(OSError, AttributeError):  # glibc on Linux
-        libc = ctypes.CDLL("libc.so.6")
-        # die with the parent (strictly: with the parent's thread that started it, one of the server's pool threads
-        # or the caller's, which live as long as the process)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        # one malloc arena for xgrammar's compile threads: an arena each reserves 64 MiB of address space
-        libc.mallopt(M_ARENA_MAX, 1)
+    # (the thread that started it is one of the server's pool threads or the caller's, which live as long as it)
+    libc = die_with_parent()
+    if libc is not None:
+        libc.mallopt(M_ARENA_MAX, 1)  # one malloc arena for xgrammar's compile threads: each reserves 64 MiB
     try:
         from runner.sampling.structured import compile_grammar, new_compiler, tokenizer_info
 
