@@ -33,7 +33,7 @@ import json
 import math
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -518,14 +518,34 @@ def _fit(
     -> (that epoch, every epoch's mean loss)."""
     head.dropout.p = options.dropout
     log(f"      matmuls in {'bfloat16 autocast (fp32 weights and softmax)' if bf16 else 'float32'}")
+    best = (0.0, None, 0)  # validation tokens per step, weights, epoch
+    epoch_losses = []
+    for epoch, loss in enumerate(fit_epochs(options, head, train, draft_labels, draft_table, bf16)):
+        epoch_losses.append(round(loss, 4))
+        head.eval()
+        accepted = greedy_acceptance(head, *held_split, options.beam_width, options.horizon)
+        log(
+            f"      epoch {epoch + 1}/{options.epochs}: loss {loss:.3f}, validation tokens per step "
+            f"{accepted:.2f} (beams {options.beam_width} x {options.horizon})"
+        )
+        if accepted > best[0]:
+            best = (accepted, {k: v.clone() for k, v in head.state_dict().items()}, epoch + 1)
+    head.load_state_dict(best[1])
+    log(f"      kept epoch {best[2]}")
+    return best[2], epoch_losses
+
+
+def fit_epochs(
+    options: DrafterTrainingOptions, head, train: Examples, draft_labels, draft_table, bf16: bool
+) -> Iterator[float]:
+    """AdamW under a one-cycle schedule over `options.epochs` epochs of shuffled batches; yields each epoch's mean
+    loss, between epochs (where the caller may measure the head: each epoch sets it training again)."""
     optimizer = torch.optim.AdamW(head.parameters(), lr=options.learning_rate, weight_decay=0.0)
     batches = math.ceil(len(train) / options.batch_size)
     schedule = torch.optim.lr_scheduler.OneCycleLR(
         optimizer, options.learning_rate, total_steps=options.epochs * batches
     )
-    best = (0.0, None, 0)  # validation tokens per step, weights, epoch
-    epoch_losses = []
-    for epoch in range(options.epochs):
+    for _ in range(options.epochs):
         head.train()
         order = torch.randperm(len(train), device=train.rows.device)
         total = 0.0
@@ -537,18 +557,7 @@ def _fit(
             optimizer.step()
             schedule.step()
             total += loss.item()
-        epoch_losses.append(round(total / batches, 4))
-        head.eval()
-        accepted = greedy_acceptance(head, *held_split, options.beam_width, options.horizon)
-        log(
-            f"      epoch {epoch + 1}/{options.epochs}: loss {total / batches:.3f}, validation tokens per step "
-            f"{accepted:.2f} (beams {options.beam_width} x {options.horizon})"
-        )
-        if accepted > best[0]:
-            best = (accepted, {k: v.clone() for k, v in head.state_dict().items()}, epoch + 1)
-    head.load_state_dict(best[1])
-    log(f"      kept epoch {best[2]}")
-    return best[2], epoch_losses
+        yield total / batches
 
 
 def _batch_loss(options, head, train: Examples, pick, draft_labels, draft_table, bf16: bool) -> torch.Tensor:
