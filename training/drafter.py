@@ -387,18 +387,7 @@ def train_drafter(options: DrafterTrainingOptions, log: Callable[[str], None] = 
     target = target_facts(options)
     begin = time.perf_counter()
     groups = _target_traces(options, target, log)
-    return train_head(options, target, groups["train"], groups["validation"], begin, log)
-
-
-def train_head(
-    options: DrafterTrainingOptions,
-    target: TargetFacts,
-    train_traces: list[Trace],
-    held_traces: list[Trace],
-    begin: float,
-    log: Callable[[str], None] = print,
-) -> dict:
-    """Train a head on these answers (training and validation) and write it with its training record."""
+    train_traces, held_traces = groups["train"], groups["validation"]
     device = torch.device(options.device or "cpu")
     head, draft_table = _new_head(options, target, train_traces, held_traces, log)
     head, draft_table = head.to(device), draft_table.to(device)

@@ -96,7 +96,6 @@ class TorchTargetAnswers:
         )
         tokens, states = [input_ids.gather(1, (lengths - 1)[:, None])[:, 0], token[:, 0]], [hidden[:, 0]]
         past = lengths.clone()
-        eos = torch.tensor(list(config.eos_token_ids) or [-1], device=device)
         ones = torch.ones(batch, dtype=torch.long, device=device)
         # one step more than answer tokens: the hidden state after the last answer token is a training input too
         for _ in range(max_new_tokens):
@@ -116,6 +115,6 @@ class TorchTargetAnswers:
                 tokens.append(token[:, 0])
         tokens = torch.stack(tokens, dim=1).cpu().numpy()  # [B, 1 + max_new_tokens]
         states = torch.stack(states, dim=1).cpu().numpy()
-        ended = np.isin(tokens[:, 1:], eos.cpu().numpy())
+        ended = np.isin(tokens[:, 1:], list(config.eos_token_ids))
         answer_lens = np.where(ended.any(1), ended.argmax(1) + 1, max_new_tokens)
         return [(tokens[r, : n + 1].astype(np.int64), states[r, : n + 1]) for r, n in enumerate(answer_lens)]
