@@ -84,14 +84,14 @@ class LayerFeatureHead(nn.Module):
         return self.head.teacher_forced(self.features(hidden), inputs)
 
 
-def train_and_measure(head, inputs_of, train, held, draft_labels, draft_table, options, log) -> dict:
+def train_and_measure(head, inputs_of, train, held, draft_ids, draft_table, options, log) -> dict:
     """The trainer's loss and schedule (training/drafter.py), then the validation acceptance table."""
     from training.drafter import accepted_drafts, first_draft_accuracy, fit_epochs
 
     recurrent = head.head if isinstance(head, LayerFeatureHead) else head
     recurrent.dropout.p = options.dropout
     begin = time.perf_counter()
-    for epoch, loss in enumerate(fit_epochs(options, head, train, draft_labels, draft_table, False)):
+    for epoch, loss in enumerate(fit_epochs(options, head, train, draft_ids, draft_table, False)):
         log(f"      epoch {epoch + 1}: loss {loss:.3f}")
     head.eval()
     hidden, inputs, labels = held
@@ -127,8 +127,8 @@ def main(checkpoint, device, prompts, validation, max_new_tokens, layers, epochs
     from builder.speculation.drafter_prompts import drafter_prompts, validation_prompts
     from runner.core.machine import cpu_model
     from training.drafter import (
-        IGNORE,
         DrafterTrainingOptions,
+        draft_labels,
         draft_vocabulary,
         target_tables,
         training_examples,
@@ -170,8 +170,7 @@ def main(checkpoint, device, prompts, validation, max_new_tokens, layers, epochs
         examples = type(train)(train.hidden[:, keep].contiguous(), train.rows, train.inputs, train.labels, train.future)
         split = held.take(torch.arange(len(held)))
         split = (split[0][:, keep], split[1], split[2])
-        labels = torch.where(train.labels == IGNORE, IGNORE, head.target_to_draft[train.labels.clamp(min=0)])
-        labels = torch.where(labels == vocab, IGNORE, labels)
+        labels = draft_labels(head, train.labels)
         log(f"[{name}] training on {len(examples)} positions")
         results[name] = train_and_measure(model, inputs_of, examples, split, labels, table, options, log)
         log(f"[{name}] {results[name]}")

@@ -190,12 +190,13 @@ class TargetAnswers:
         return traces, sum(len(o.token_ids) for o in outputs)
 
 
-def progress_line(done: int, total: int, tokens_per_second: float, eta_seconds: float, width: int = 24) -> str:
-    """`[#########---------------]  37%  3,072/8,300 answers, 412 tok/s, ETA 21 min`."""
+def progress_line(done: int, total: int, tokens_per_second: float, eta_seconds: float | None, width: int = 24) -> str:
+    """`[#########---------------]  37%  3,072/8,300 answers, 412 tok/s, ETA 21 min` (no ETA known yet: `ETA --`)."""
     filled = min(width, round(width * done / total)) if total else width
+    eta = "--" if eta_seconds is None else f"{eta_seconds / 60:.0f} min"
     return (
         f"[{'#' * filled}{'-' * (width - filled)}] {done / max(total, 1):4.0%}  {done:,}/{total:,} answers, "
-        f"{tokens_per_second:,.0f} tok/s, ETA {eta_seconds / 60:.0f} min"
+        f"{tokens_per_second:,.0f} tok/s, ETA {eta}"
     )
 
 
@@ -211,7 +212,7 @@ def collect_traces(
     with a progress line and an ETA after each shard."""
     total = sum(len(prompts) for prompts in groups.values())
     done = generated = 0
-    seconds = 0.0
+    full_shards, full_seconds = 0, 0.0  # this run's whole shards, the pace the ETA extrapolates
     collected = {}
     for group, prompts in groups.items():
         collected[group] = []
@@ -221,13 +222,16 @@ def collect_traces(
             if traces is None:
                 begin = time.perf_counter()
                 traces, tokens = answers.traces(shard, max_new_tokens)
-                seconds += time.perf_counter() - begin
+                seconds = time.perf_counter() - begin
                 generated += len(shard)
                 if store is not None:
                     store.write(group, index, shard, traces)
-                # the ETA extrapolates this run's own pace (shards read back took no time)
-                eta = (total - done - len(shard)) * seconds / generated
-                log(f"      {progress_line(done + len(shard), total, tokens / (time.perf_counter() - begin), eta)}")
+                # Only whole shards set the pace: a short one (the validation prompts, a group's last) leaves most of
+                # a batch idle and took nearly a whole shard's time. Shards read back took no time.
+                if len(shard) == shard_size:
+                    full_shards, full_seconds = full_shards + 1, full_seconds + seconds
+                eta = (total - done - len(shard)) / shard_size * full_seconds / full_shards if full_shards else None
+                log(f"      {progress_line(done + len(shard), total, tokens / seconds, eta)}")
             collected[group] += traces
             done += len(shard)
     if store is not None and generated < total:
@@ -285,6 +289,13 @@ def training_examples(traces: list[Trace], horizon: int) -> Examples:
         torch.from_numpy(labels),
         torch.from_numpy(np.where(labels == IGNORE, 0, rows[:, None] + 1 + ahead)),
     )
+
+
+def draft_labels(head: DraftHead, labels: torch.Tensor) -> torch.Tensor:
+    """Target-vocabulary labels as the head's draft-vocabulary ids; IGNORE stays, and so does a token outside the
+    draft vocabulary (the head cannot draft it: no loss to learn from)."""
+    mapped = torch.where(labels == IGNORE, IGNORE, head.target_to_draft[labels.clamp(min=0)])
+    return torch.where(mapped == head.config.draft_vocab_size, IGNORE, mapped)
 
 
 def accepted_drafts(
@@ -394,8 +405,7 @@ def train_drafter(options: DrafterTrainingOptions, log: Callable[[str], None] = 
     vocab_size = head.config.draft_vocab_size
 
     train = training_examples(train_traces, options.horizon).to(device)
-    draft_labels = torch.where(train.labels == IGNORE, IGNORE, head.target_to_draft[train.labels.clamp(min=0)])
-    draft_labels = torch.where(draft_labels == vocab_size, IGNORE, draft_labels)
+    labels = draft_labels(head, train.labels)
     held = training_examples(held_traces, options.horizon).to(device)
     held_split = held.take(torch.arange(len(held), device=device))
     log(
@@ -406,7 +416,7 @@ def train_drafter(options: DrafterTrainingOptions, log: Callable[[str], None] = 
     splits = {"train": train.take(probe), "validation": held_split}
     accuracy = {f"{name}_before": first_draft_accuracy(head, *split) for name, split in splits.items()}
     bf16 = (device.type == "cuda" or native_bf16()) if options.bf16 is None else options.bf16
-    kept_epoch, epoch_losses = _fit(options, head, train, draft_labels, draft_table, held_split, bf16, log)
+    kept_epoch, epoch_losses = _fit(options, head, train, labels, draft_table, held_split, bf16, log)
 
     accepted = {
         (w, k): accepted_drafts(head, *held_split, w, k) for w in (1, 2, 3, 4) for k in range(1, options.horizon + 1)
@@ -497,7 +507,7 @@ def _fit(
     options: DrafterTrainingOptions,
     head: DraftHead,
     train: Examples,
-    draft_labels: torch.Tensor,
+    draft_ids: torch.Tensor,
     draft_table: torch.Tensor,
     held_split,
     bf16: bool,
@@ -509,7 +519,7 @@ def _fit(
     log(f"      matmuls in {'bfloat16 autocast (fp32 weights and softmax)' if bf16 else 'float32'}")
     best = (0.0, None, 0)  # validation tokens per step, weights, epoch
     epoch_losses = []
-    for epoch, loss in enumerate(fit_epochs(options, head, train, draft_labels, draft_table, bf16)):
+    for epoch, loss in enumerate(fit_epochs(options, head, train, draft_ids, draft_table, bf16)):
         epoch_losses.append(round(loss, 4))
         head.eval()
         accepted = greedy_acceptance(head, *held_split, options.beam_width, options.horizon)
@@ -525,7 +535,7 @@ def _fit(
 
 
 def fit_epochs(
-    options: DrafterTrainingOptions, head, train: Examples, draft_labels, draft_table, bf16: bool
+    options: DrafterTrainingOptions, head, train: Examples, draft_ids, draft_table, bf16: bool
 ) -> Iterator[float]:
     """AdamW under a one-cycle schedule over `options.epochs` epochs of shuffled batches; yields each epoch's mean
     loss, between epochs (where the caller may measure the head: each epoch sets it training again)."""
@@ -540,7 +550,7 @@ def fit_epochs(
         total = 0.0
         for index in range(batches):
             pick = order[index * options.batch_size : (index + 1) * options.batch_size]
-            loss = _batch_loss(options, head, train, pick, draft_labels, draft_table, bf16)
+            loss = _batch_loss(options, head, train, pick, draft_ids, draft_table, bf16)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
@@ -549,7 +559,7 @@ def fit_epochs(
         yield total / batches
 
 
-def _batch_loss(options, head, train: Examples, pick, draft_labels, draft_table, bf16: bool) -> torch.Tensor:
+def _batch_loss(options, head, train: Examples, pick, draft_ids, draft_table, bf16: bool) -> torch.Tensor:
     """Cross-entropy on the target's greedy tokens and against its whole next-token distributions, mixed by
     `distill`."""
     hidden, inputs, labels = train.take(pick)
@@ -557,7 +567,7 @@ def _batch_loss(options, head, train: Examples, pick, draft_labels, draft_table,
         logprobs = head.teacher_forced(hidden, inputs)
     loss = torch.zeros((), device=hidden.device)
     if options.distill < 1:
-        hard = torch.nn.functional.nll_loss(logprobs.flatten(0, 1), draft_labels[pick].flatten(), ignore_index=IGNORE)
+        hard = torch.nn.functional.nll_loss(logprobs.flatten(0, 1), draft_ids[pick].flatten(), ignore_index=IGNORE)
         loss = loss + (1 - options.distill) * hard
     if options.distill > 0:
         soft = _soft_cross_entropy(logprobs, train.hidden[train.future[pick]] @ draft_table.t(), labels != IGNORE)

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from training.drafter import IGNORE, Trace, draft_vocabulary, training_examples
+from builder.speculation.draft_head import DraftHead, DraftHeadConfig
+from training.drafter import IGNORE, Trace, draft_labels, draft_vocabulary, training_examples
 
 
 def test_draft_vocabulary_ranks_answer_tokens_by_frequency():
@@ -33,6 +34,13 @@ def test_training_examples_pair_each_label_with_the_state_that_predicts_it():
     assert torch.equal(predicts[examples.future][valid], examples.labels[valid].float())  # and h_{t+j} x_{t+j+1}
     assert examples.labels[0].tolist() == [2, 3, 4] and examples.labels[3].tolist() == [IGNORE] * 3
     assert examples.labels[4].tolist() == [6, IGNORE, IGNORE]
+
+
+def test_draft_labels_map_target_tokens_into_the_draft_vocabulary_and_ignore_the_rest():
+    head = DraftHead(DraftHeadConfig(hidden_size=8, target_vocab_size=10, draft_vocab_size=3, num_blocks=1))
+    head.set_vocabulary(torch.tensor([7, 2, 5]))
+    labels = torch.tensor([[2, 7, IGNORE], [5, 3, 9]])
+    assert draft_labels(head, labels).tolist() == [[1, 0, IGNORE], [2, IGNORE, IGNORE]]
 
 
 def test_soft_targets_come_from_the_lm_head_and_the_embedding_where_untied(checkpoint_factory):
@@ -83,6 +91,8 @@ def test_traces_are_kept_per_shard_resumed_and_refused_for_other_prompts(engine_
     first = train(6, bf16=False)
     assert "answers 6 + 2 validation prompts" in first[0]
     assert [line.split("]")[1].split(" answers")[0].split()[-1] for line in progress(first)] == ["2/8", "6/8", "8/8"]
+    # a short shard (2 validation prompts of 4) sets no pace: the ETA waits for a whole shard
+    assert [line.split("ETA ")[1] for line in progress(first)][:2] == ["--", "0 min"]
     assert sorted(f.name for f in traces.iterdir()) == [
         "traces.json",
         "train-00000.npz",
