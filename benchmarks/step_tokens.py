@@ -2,12 +2,14 @@
 a cached context, as a decode step (1 token), a speculative verify step (a draft tree's nodes) or a short prompt
 chunk calls it. Prints each call's time and its ratio to the one-token call.
 
-    python benchmarks/step_tokens.py ENGINE [--context 100] [--threads 2] [--json benchmarks/results/step_tokens.json]
+    python benchmarks/step_tokens.py ENGINE [--context 100] [--threads 2] [--library LIB ...] [--json FILE]
 
-The graph alone, bound by onnxruntime's own session as the runner opens it (the engine's kernel library
-registered, the same thread settings), fed a cache of --context positions (zeros: the attention's work depends on
-the count, not the values) and a causal bias; best of 3 passes of --repeats calls, each after 5 untimed ones, the token
-counts interleaved within each pass so that the machine's drift favours none. A verify step whose weights are read once
+The graph alone, in onnxruntime's own session as the runner opens it (the engine's kernel library registered, the same
+thread settings), its cache of --context positions (zeros: the attention's work depends on the count, not the values)
+bound in place as the runner binds its cache (fed as plain inputs instead, every call would first copy the whole
+cache buffer into its outputs: 5.9 MB at 100 positions for the default model, 32 MB at 650), and a causal bias; best
+of 3 passes of --repeats calls, each after 5 untimed ones, the token counts interleaved within each pass so that the
+machine's drift favours none. A verify step whose weights are read once
 for all its tokens costs about what a decode step costs while the weight stream bounds it.
 """
 
@@ -25,11 +27,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.provenance import source_commit  # noqa: E402
-from engines.backends.onnxruntime import register_native_libraries, session_options  # noqa: E402
+from engines.backends.onnxruntime import BoundGraph, register_native_libraries, session_options  # noqa: E402
 from engines.format import open_artifact  # noqa: E402
 from runner.core.machine import cpu_model  # noqa: E402
 
 TOKENS = list(range(1, 17))
+_DTYPES = {"tensor(float)": np.float32, "tensor(int64)": np.int64}
 
 
 def step_feeds(session, tokens: int, context: int) -> dict[str, np.ndarray]:
@@ -52,26 +55,54 @@ def step_feeds(session, tokens: int, context: int) -> dict[str, np.ndarray]:
     return feeds
 
 
-def measure(engine: Path, threads: int, context: int, repeats: int) -> dict[int, float]:
+def measure(
+    engine: Path, threads: int, context: int, repeats: int, libraries: list[Path] | None = None
+) -> dict[str, dict[int, float]]:
+    """ms per call and token count, per kernel library: the engine's own ("engine"), or each of `libraries` (a
+    library built from another checkout, say) in its place, their calls interleaved."""
     import onnxruntime as ort
 
     artifact = open_artifact(engine)
-    options = session_options(ort, threads, spinning=True)
-    register_native_libraries(options, artifact)
-    session = ort.InferenceSession(
-        str(artifact.path(artifact.manifest.graphs["step"].file)), options, providers=["CPUExecutionProvider"]
-    )
-    feeds = {tokens: step_feeds(session, tokens, context) for tokens in TOKENS}
-    best = dict.fromkeys(TOKENS, float("inf"))
+    graphs = {}
+    for library in libraries or [None]:
+        options = session_options(ort, threads, spinning=True)
+        if library is None:
+            register_native_libraries(options, artifact)
+        else:
+            options.register_custom_ops_library(str(library))
+        session = ort.InferenceSession(
+            str(artifact.path(artifact.manifest.graphs["step"].file)), options, providers=["CPUExecutionProvider"]
+        )
+        graphs["engine" if library is None else str(library)] = bound_steps(session, context)
+    best = {name: dict.fromkeys(TOKENS, float("inf")) for name in graphs}
     for _ in range(3):
         for tokens in TOKENS:
-            for _ in range(5):  # a new shape's first calls set up its buffers
-                session.run(["argmax"], feeds[tokens])
-            start = time.perf_counter()
-            for _ in range(repeats):
-                session.run(["argmax"], feeds[tokens])
-            best[tokens] = min(best[tokens], (time.perf_counter() - start) / repeats * 1000)
+            for name, (graph, calls) in graphs.items():
+                inputs, outputs = calls[tokens]
+                for _ in range(5):  # a new shape's first calls set up its buffers
+                    graph.run(inputs, outputs)
+                start = time.perf_counter()
+                for _ in range(repeats):
+                    graph.run(inputs, outputs)
+                best[name][tokens] = min(best[name][tokens], (time.perf_counter() - start) / repeats * 1000)
     return best
+
+
+def bound_steps(session, context: int) -> tuple[BoundGraph, dict[int, tuple[dict, dict]]]:
+    """The session with one cache bound in place (each layer's array as both its past and its present), and per token
+    count the inputs and output arrays of its call."""
+    feeds = {tokens: step_feeds(session, tokens, context) for tokens in TOKENS}
+    cache = {name: array for name, array in feeds[TOKENS[-1]].items() if name.startswith(("past_key", "past_value"))}
+    cache |= {name.replace("past_", "present_"): array for name, array in cache.items()}
+    calls = {}
+    for tokens in TOKENS:
+        outputs = {
+            o.name: np.empty((1, tokens, *o.shape[2:]), _DTYPES[o.type])
+            for o in session.get_outputs()
+            if o.name not in cache
+        }
+        calls[tokens] = ({k: v for k, v in feeds[tokens].items() if k not in cache}, outputs)
+    return BoundGraph(session, cache), calls
 
 
 @click.command()
@@ -79,16 +110,28 @@ def measure(engine: Path, threads: int, context: int, repeats: int) -> dict[int,
 @click.option("--context", type=int, default=100, show_default=True, help="Cached positions before the step.")
 @click.option("--threads", type=int, default=2, show_default=True)
 @click.option("--repeats", type=int, default=30, show_default=True, help="Calls per pass and token count.")
+@click.option(
+    "--library",
+    "libraries",
+    multiple=True,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="A kernel library to run the engine's graph with instead of its own (repeat it to compare several; "
+    "`python -c 'from plugins import native_ops; native_ops.compile_library(...)'` builds one from a checkout).",
+)
 @click.option("--json", "json_path", type=click.Path(path_type=Path), default=None)
-def main(engine: Path, context: int, threads: int, repeats: int, json_path: Path | None) -> None:
-    times = measure(engine, threads, context, repeats)
+def main(
+    engine: Path, context: int, threads: int, repeats: int, libraries: tuple[Path, ...], json_path: Path | None
+) -> None:
+    curves = measure(engine, threads, context, repeats, list(libraries))
     machine = cpu_model()
     print(f"\n{machine}, {threads} threads, {engine}, {context} cached positions: ms per step call (x one token)")
-    for tokens, ms in times.items():
-        print(f"{tokens:>3} tokens {ms:8.2f} ({ms / times[1]:.2f}x)")
+    for name, times in curves.items():
+        print(name)
+        for tokens, ms in times.items():
+            print(f"{tokens:>3} tokens {ms:8.2f} ({ms / times[1]:.2f}x)")
     if json_path:
         report = {"machine": machine, "commit": source_commit(), "threads": threads, "engine": str(engine)}
-        report |= {"context": context, "ms": times}
+        report |= {"context": context, "ms": curves}
         json_path.write_text(json.dumps(report, indent=1) + "\n")
 
 

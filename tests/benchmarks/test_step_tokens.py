@@ -7,8 +7,34 @@ from benchmarks.step_tokens import TOKENS, measure, step_feeds
 
 
 def test_a_step_of_each_token_count_runs_and_is_timed(engine_factory):
-    times = measure(engine_factory(quant="int4"), threads=1, context=70, repeats=1)
+    times = measure(engine_factory(quant="int4"), threads=1, context=70, repeats=1)["engine"]
     assert list(times) == TOKENS and all(ms > 0 for ms in times.values())
+
+
+def test_another_kernel_library_runs_the_same_graph(engine_factory, tmp_path):
+    from plugins import native_ops
+
+    library = native_ops.compile_library(tmp_path)
+    curves = measure(engine_factory(quant="int4"), threads=1, context=3, repeats=1, libraries=[library])
+    assert list(curves) == [str(library)] and list(curves[str(library)]) == TOKENS
+
+
+def test_the_cache_is_bound_in_place_as_the_runner_binds_it(engine_factory):
+    import onnxruntime as ort
+
+    from benchmarks.step_tokens import bound_steps
+    from engines.backends.onnxruntime import register_native_libraries, session_options
+    from engines.format import open_artifact
+
+    artifact = open_artifact(engine_factory())
+    options = session_options(ort, 1, spinning=False)
+    register_native_libraries(options, artifact)
+    session = ort.InferenceSession(str(artifact.path(artifact.manifest.graphs["step"].file)), options)
+    graph, calls = bound_steps(session, context=5)
+    graph.run(*calls[3])
+    keys = graph.buffers["past_key.0"]
+    assert keys is graph.buffers["present_key.0"]
+    assert np.abs(keys[0, :, 5:8]).sum() > 0 and not keys[0, :, :5].any() and not keys[0, :, 8:].any()
 
 
 def test_the_feeds_are_a_causal_step_after_the_context(engine_factory):
