@@ -35,7 +35,7 @@
  * (8 for int4, 128 for int8's stored q + 128), converted to float, times the weight scale x the activation scale, it
  * is added to the column's sum with one fma (and minimum x scale x the activations' sum with a second, for Q4_1).
  * Columns are split over the session's threads in groups of tiles, rows in blocks of 64 whose quantized activations
- * stay in cache; within a tile, rows go 4 at a time against each unpacked chunk.
+ * stay in cache; within a tile, rows go 4 at a time (8 on the VNNI tiles) against each unpacked chunk.
  * Needs AVX2, FMA and F16C (kernel creation fails without them). Where the CPU has AVX-512 (F, BW) and VNNI the
  * tiles take 512-bit vectors and vpdpbusd; the integer sums are exact and the float operations per column the same
  * on both, so the results are the same bit for bit (LLM_ENGINE_BUILDER_KERNEL_ISA=avx2 keeps the AVX2 tiles;
@@ -48,7 +48,10 @@
 
 #define TILE_COLUMNS 16 /* the column_tile attribute a node must hold */
 #define ROW_BLOCK 64    /* rows of A per unit of work */
-#define ROW_TILE 4      /* rows that meet each unpacked chunk together */
+/* rows that meet each unpacked chunk together: the AVX2 tiles' 16 registers hold 4 rows' sums beside the unpacked
+ * chunk, the VNNI tiles' 32 hold 8 (a 5-8 node verify tree or decode batch then unpacks its weights once) */
+#define ROW_TILE_AVX2 4
+#define ROW_TILE_VNNI 8
 /* tiles per unit of work: enough units that the session's threads share a small matrix evenly (N = 576: 36) */
 #define TILES_PER_UNIT(tiles) ((tiles) >= 128 ? 4 : 1)
 /* "avx2" makes the kernels take their AVX2 tiles on a CPU with AVX-512 VNNI (read when a session creates them) */
@@ -186,7 +189,7 @@ INLINE_VNNI void tile_512(const Work *w, int64_t r, int64_t t, const int ROWS, c
   const int64_t chunks = w->chunks;
   const uint8_t *p = w->w + t * chunks * 64 * BITS;
   const __m512i low = _mm512_set1_epi8(0x0F);
-  __m512 acc[ROW_TILE];
+  __m512 acc[ROW_TILE_VNNI];
   for (int i = 0; i < ROWS; i++) acc[i] = _mm512_setzero_ps();
   for (int64_t c = 0; c < chunks; c++, p += 64 * BITS) {
     __m512i u[8];
@@ -232,7 +235,7 @@ INLINE_AVX2 void tile_256(const Work *w, int64_t r, int64_t t, const int ROWS, c
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
   for (int half = 0; half < 2; half++) {
     const uint8_t *p = w->w + t * chunks * 64 * BITS + 32 * half;
-    __m256 acc[ROW_TILE];
+    __m256 acc[ROW_TILE_AVX2];
     for (int i = 0; i < ROWS; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t c = 0; c < chunks; c++, p += 64 * BITS) {
       __m256i u[8], magnitude[8];
@@ -279,26 +282,35 @@ INLINE_AVX2 void tile_256(const Work *w, int64_t r, int64_t t, const int ROWS, c
 }
 
 typedef void (*Tile)(const Work *w, int64_t r, int64_t t);
-/* one function per tile kind and number of rows (1 .. ROW_TILE), each with its loops unrolled for them */
-#define DEFINE_ROWS(NAME, ISA, WIDTH, BITS, MIN, F16)                                                         \
-  ISA static void NAME##_1(const Work *w, int64_t r, int64_t t) { tile_##WIDTH(w, r, t, 1, BITS, MIN, F16); } \
-  ISA static void NAME##_2(const Work *w, int64_t r, int64_t t) { tile_##WIDTH(w, r, t, 2, BITS, MIN, F16); } \
-  ISA static void NAME##_3(const Work *w, int64_t r, int64_t t) { tile_##WIDTH(w, r, t, 3, BITS, MIN, F16); } \
-  ISA static void NAME##_4(const Work *w, int64_t r, int64_t t) { tile_##WIDTH(w, r, t, 4, BITS, MIN, F16); }
-#define DEFINE_KIND(NAME, BITS, MIN, F16)       \
-  DEFINE_ROWS(NAME, AVX2, 256, BITS, MIN, F16) \
-  DEFINE_ROWS(NAME##_vnni, VNNI, 512, BITS, MIN, F16)
+/* one function per tile kind and number of rows (1 .. its ROW_TILE), each with its loops unrolled for them */
+#define DEFINE_ROW(NAME, ISA, WIDTH, ROWS, BITS, MIN, F16) \
+  ISA static void NAME##_##ROWS(const Work *w, int64_t r, int64_t t) { tile_##WIDTH(w, r, t, ROWS, BITS, MIN, F16); }
+#define DEFINE_KIND(NAME, BITS, MIN, F16)                \
+  DEFINE_ROW(NAME, AVX2, 256, 1, BITS, MIN, F16)         \
+  DEFINE_ROW(NAME, AVX2, 256, 2, BITS, MIN, F16)         \
+  DEFINE_ROW(NAME, AVX2, 256, 3, BITS, MIN, F16)         \
+  DEFINE_ROW(NAME, AVX2, 256, 4, BITS, MIN, F16)         \
+  DEFINE_ROW(NAME##_vnni, VNNI, 512, 1, BITS, MIN, F16)  \
+  DEFINE_ROW(NAME##_vnni, VNNI, 512, 2, BITS, MIN, F16)  \
+  DEFINE_ROW(NAME##_vnni, VNNI, 512, 3, BITS, MIN, F16)  \
+  DEFINE_ROW(NAME##_vnni, VNNI, 512, 4, BITS, MIN, F16)  \
+  DEFINE_ROW(NAME##_vnni, VNNI, 512, 5, BITS, MIN, F16)  \
+  DEFINE_ROW(NAME##_vnni, VNNI, 512, 6, BITS, MIN, F16)  \
+  DEFINE_ROW(NAME##_vnni, VNNI, 512, 7, BITS, MIN, F16)  \
+  DEFINE_ROW(NAME##_vnni, VNNI, 512, 8, BITS, MIN, F16)
 DEFINE_KIND(int4, 4, 0, 0)
 DEFINE_KIND(int4_f16, 4, 0, 1)
 DEFINE_KIND(int4_min, 4, 1, 0)
 DEFINE_KIND(int4_min_f16, 4, 1, 1)
 DEFINE_KIND(int8, 8, 0, 0)
 DEFINE_KIND(int8_f16, 8, 0, 1)
-#define ROWS_OF(NAME) {NAME##_1, NAME##_2, NAME##_3, NAME##_4}
-#define KIND_OF(NAME) {ROWS_OF(NAME), ROWS_OF(NAME##_vnni)}
+#define KIND_OF(NAME)                                          \
+  {{NAME##_1, NAME##_2, NAME##_3, NAME##_4},                   \
+   {NAME##_vnni_1, NAME##_vnni_2, NAME##_vnni_3, NAME##_vnni_4, \
+    NAME##_vnni_5, NAME##_vnni_6, NAME##_vnni_7, NAME##_vnni_8}}
 enum { INT4, INT4_MIN, INT8 };
 /* [kind][float16 scales][VNNI][rows - 1] */
-static const Tile tiles[3][2][2][ROW_TILE] = {
+static const Tile tiles[3][2][2][ROW_TILE_VNNI] = {
     {KIND_OF(int4), KIND_OF(int4_f16)},
     {KIND_OF(int4_min), KIND_OF(int4_min_f16)},
     {KIND_OF(int8), KIND_OF(int8_f16)},
@@ -313,8 +325,9 @@ static void multiply_unit(void *data, size_t unit) {
   const int64_t t1 = t0 + per_group < w->tiles ? t0 + per_group : w->tiles;
   const int kind = w->bits == 8 ? INT8 : w->minimums ? INT4_MIN : INT4;
   const Tile *tile = tiles[kind][w->scales_f16][w->vnni];
+  const int64_t rows = w->vnni ? ROW_TILE_VNNI : ROW_TILE_AVX2;
   for (int64_t t = t0; t < t1; t++)
-    for (int64_t r = r0; r < r1; r += ROW_TILE) tile[(r1 - r < ROW_TILE ? r1 - r : ROW_TILE) - 1](w, r, t);
+    for (int64_t r = r0; r < r1; r += rows) tile[(r1 - r < rows ? r1 - r : rows) - 1](w, r, t);
 }
 
 typedef struct Kernel {

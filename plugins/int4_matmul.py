@@ -7,9 +7,9 @@ and the MLP's activation folded into the gate / up projection's node (`fuse_swig
 Why: its result for a row does not depend on the other rows of the call (batch invariance), where onnxruntime's
 kernel rounds one row differently from several, so an engine had to pad one-row decode calls to two rows to keep a
 request's greedy tokens the same alone and in a batch (`Executor.pad_single_rows_if_they_round_differently`). And a
-call's rows share the weight stream: the column tiles are unpacked once for 4 rows at a time, and the per-column
-work is one fma per 32 values (docs/quantization.md has the times per number of rows). Results match onnxruntime's
-int8 path to float rounding (the same per-32 activation quantization).
+call's rows share the weight stream: the column tiles are unpacked once for 4 rows at a time (8 on the VNNI tiles),
+and the per-column work is one fma per 32 values (docs/quantization.md has the times per number of rows). Results
+match onnxruntime's int8 path to float rounding (the same per-32 activation quantization).
 
 Covered: bits 4 (`Int4MatMul`) and 8 (`Int8MatMul`, which holds GGUF Q8_0 blocks), accuracy_level 4, blocks of a
 power of 2 from 32 that divides K; other nodes (fp32 compute, blocks of 16) keep MatMulNBits. Int4 blocks with

@@ -106,7 +106,7 @@ SHAPES = {  # n, k, block: tiles of 4 columns and a tail, K with an odd number o
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("rows", [1, 3, 70])  # one, a partial tile of 4, more than one block of 64 rows
+@pytest.mark.parametrize("rows", [1, 3, 70])  # one, a partial row tile, more than one block of 64 rows
 def test_it_computes_what_onnxruntimes_int8_path_computes(library, shape, rows):
     n, k, block = SHAPES[shape]
     packed, scales = weights(n, k, block)
