@@ -32,10 +32,13 @@ typedef struct Kernel {
   int64_t num_heads, kv_heads;
   float scale;
   OrtOp *gqa; /* onnxruntime's own kernel, for calls with more than one token per row (prompt chunks, verify) */
+  int wide;   /* blocks of WIDE_QUERY_BLOCK queries on 512-bit vectors: the CPU has AVX-512 F, and KERNEL_ISA_VARIABLE
+                 does not say avx2 */
 } Kernel;
 
-/* The work is split into units of (row, kv head, chunk of CHUNK positions, block of QUERY_BLOCK queries: the row's
- * new tokens times the query heads that share the kv head); each unit scores its positions for its queries (reading
+/* The work is split into units of (row, kv head, chunk of CHUNK positions, block of QUERY_BLOCK queries, or of
+ * WIDE_QUERY_BLOCK where the CPU has AVX-512 and a row has more than QUERY_BLOCK: the row's new tokens times the query
+ * heads that share the kv head); each unit scores its positions for its queries (reading
  * each K and V row once for all of them), and leaves per query the maximum score, the sum of exp(score - maximum) and
  * the exp-weighted sum of V rows; `combine` then merges a row's chunks (flash-decoding's split of the positions, so
  * that one long row still keeps every thread busy). */
@@ -43,8 +46,9 @@ typedef struct Kernel {
 #define MAX_STEPS 16   /* new tokens a row for this kernel; longer chunks run onnxruntime's */
 #define MAX_QUERIES 64 /* new tokens x query heads per kv head */
 #define MAX_HEAD_DIM 256
-#define QUERY_BLOCK 8 /* queries a unit computes together, a vector lane each */
-#define WIDE_BLOCK 4  /* from this many queries in a block the lanes hold queries; below, each query alone */
+#define QUERY_BLOCK 8       /* queries a unit computes together, a vector lane each */
+#define WIDE_QUERY_BLOCK 16 /* the same on 512-bit vectors */
+#define WIDE_BLOCK 4        /* from this many queries in a block the lanes hold queries; below, each query alone */
 /* a bias at or below this masks a position (the runner's is float's lowest): its weight is exactly zero, as in a
  * decode step of the same token, where the position is not in the cache at all */
 #define MASKED_BIAS -1e30f
@@ -62,10 +66,12 @@ typedef struct Work {
   const int32_t *seqlens_k, *query_lens;
   float *partials; /* [B, KVH, chunks, T x group, 2 + D]: maximum, sum, weighted V */
   int64_t kv_heads, group, steps, head_dim, length, bias_width, chunks, query_blocks;
+  int64_t query_block; /* QUERY_BLOCK, or WIDE_QUERY_BLOCK where the CPU has AVX-512 */
 } Work;
 
 typedef float floats8 __attribute__((vector_size(32)));
 typedef int32_t ints8 __attribute__((vector_size(32)));
+typedef float floats16 __attribute__((vector_size(64)));
 #define SOFTMAX_LANES 8 /* a query's ranks are softmaxed 8 at a time; CHUNK is a multiple of it */
 
 /* where `mask` is set (all ones), a; elsewhere b (a macro: a function that takes and returns vectors would change the
@@ -125,22 +131,70 @@ static inline float score(const float *q, const float *k, int64_t d_count) {
   return (four[0] + four[2]) + (four[1] + four[3]);
 }
 
+/* The wide path's two loops on 512-bit vectors, for blocks of up to WIDE_QUERY_BLOCK queries: the same operations
+ * per query as on 256-bit ones (lanes are queries in the scores, head dimensions in the weighted V), so the results
+ * are the same bit for bit; half the instructions. */
+
+/* scores[b][j] for the block's queries b and its chunk's cached K rows j (keys: the chunk's first row) */
+__attribute__((target("avx2,fma,avx512f"))) static void wide_scores_512(const float *q, const float *keys,
+                                                                       int64_t d_count, int64_t block, int64_t cached,
+                                                                       float scores[][CHUNK]) {
+  floats16 transposed[MAX_HEAD_DIM]; /* lane b of element d: query b's d-th value */
+  for (int64_t d = 0; d < d_count; d++)
+    for (int64_t b = 0; b < WIDE_QUERY_BLOCK; b++) transposed[d][b] = b < block ? q[b * d_count + d] : 0.0f;
+  for (int64_t j = 0; j < cached; j++) {
+    const float *k = keys + j * d_count;
+    for (int64_t d = 0; d < d_count; d += LINE_FLOATS) __builtin_prefetch(k + PREFETCH_ROWS * d_count + d);
+    floats16 lanes[DOT_LANES] = {{0.0f}};
+    for (int64_t d = 0; d < d_count; d += DOT_LANES)
+      for (int l = 0; l < DOT_LANES; l++) lanes[l] += transposed[d + l] * k[d + l];
+    add_halves(lanes);
+    for (int64_t b = 0; b < block; b++) scores[b][j] = lanes[0][b];
+  }
+}
+
+/* every query's weighted V (its cached ranks, then its new tokens), 16 head dimensions at a time in registers, into
+ * its partial */
+__attribute__((target("avx2,fma,avx512f"))) static void wide_values_512(
+    const float *values, int64_t first, int64_t cached, const int64_t fresh[][MAX_STEPS], const int64_t *count,
+    int64_t d_count, int64_t block, const float scores[][CHUNK], float *partial, int64_t stride) {
+  for (int64_t d = 0; d < d_count; d += 16) {
+    floats16 acc[WIDE_QUERY_BLOCK] = {{0.0f}};
+    for (int64_t j = 0; j < cached; j++) {
+      floats16 v;
+      memcpy(&v, values + (first + j) * d_count + d, sizeof(v));
+      if (d == 0)
+        for (int64_t e = 0; e < d_count; e += LINE_FLOATS)
+          __builtin_prefetch(values + (first + j + PREFETCH_ROWS) * d_count + e);
+      for (int64_t b = 0; b < WIDE_QUERY_BLOCK; b++) acc[b] += scores[b][j] * v;
+    }
+    for (int64_t b = 0; b < block; b++) {
+      for (int64_t j = cached; j < count[b]; j++) {
+        floats16 v;
+        memcpy(&v, values + fresh[b][j - cached] * d_count + d, sizeof(v));
+        acc[b] += scores[b][j] * v;
+      }
+      memcpy(partial + b * stride + 2 + d, &acc[b], sizeof(floats16));
+    }
+  }
+}
+
 __attribute__((target_clones("arch=x86-64-v3", "default")))
 static void attend_chunk(void *data, size_t unit) {
   const Work *w = data;
   const int64_t d_count = w->head_dim, group = w->group, queries = w->steps * group, stride = 2 + d_count;
   const int64_t query_block = (int64_t)unit % w->query_blocks, rest = (int64_t)unit / w->query_blocks;
   const int64_t chunk = rest % w->chunks, kv = rest / w->chunks, row = kv / w->kv_heads;
-  const int64_t i0 = query_block * QUERY_BLOCK, real = w->query_lens[row];
+  const int64_t i0 = query_block * w->query_block, real = w->query_lens[row];
   float *partial = w->partials + ((kv * w->chunks + chunk) * queries + i0) * stride;
-  const int64_t block = real * group - i0 < QUERY_BLOCK ? real * group - i0 : QUERY_BLOCK; /* real queries here */
-  for (int64_t b = 0; b < QUERY_BLOCK && i0 + b < queries; b++) partial[b * stride + 1] = 0.0f; /* empty: a zero sum */
+  const int64_t block = real * group - i0 < w->query_block ? real * group - i0 : w->query_block; /* real queries here */
+  for (int64_t b = 0; b < w->query_block && i0 + b < queries; b++) partial[b * stride + 1] = 0.0f; /* empty: a zero sum */
   if (block <= 0) return;
   const int64_t first = chunk * CHUNK, past = (int64_t)w->seqlens_k[row] + 1 - real;
   const int64_t cached = past - first <= 0 ? 0 : past - first < CHUNK ? past - first : CHUNK; /* shared by all */
   const float *keys = w->keys + kv * w->length * d_count, *values = w->values + kv * w->length * d_count;
   /* per query, the new tokens it sees whose ranks fall in this chunk (slots after `past`, in order) */
-  int64_t fresh[QUERY_BLOCK][MAX_STEPS], fresh_count[QUERY_BLOCK], count[QUERY_BLOCK], most = cached;
+  int64_t fresh[WIDE_QUERY_BLOCK][MAX_STEPS], fresh_count[WIDE_QUERY_BLOCK], count[WIDE_QUERY_BLOCK], most = cached;
   for (int64_t b = 0; b < block; b++) {
     const int64_t token = (i0 + b) / group;
     const float *bias = w->bias + (row * w->steps + token) * w->bias_width;
@@ -160,8 +214,10 @@ static void attend_chunk(void *data, size_t unit) {
     __builtin_prefetch(keys + first * d_count + j); /* the rows the loops' own prefetches do not reach */
     __builtin_prefetch(values + first * d_count + j);
   }
-  float scores[QUERY_BLOCK][CHUNK];
-  if (block < WIDE_BLOCK) { /* a few queries (a decode step): each score on its own */
+  float scores[WIDE_QUERY_BLOCK][CHUNK];
+  if (w->query_block == WIDE_QUERY_BLOCK && block >= WIDE_BLOCK) {
+    wide_scores_512(q, keys + first * d_count, d_count, block, cached, scores);
+  } else if (block < WIDE_BLOCK) { /* a few queries (a decode step): each score on its own */
     for (int64_t j = 0; j < cached; j++) {
       const float *k = keys + (first + j) * d_count;
       for (int64_t d = 0; d < d_count; d += LINE_FLOATS) __builtin_prefetch(k + PREFETCH_ROWS * d_count + d);
@@ -241,8 +297,12 @@ static void attend_chunk(void *data, size_t unit) {
       }
     return;
   }
-  for (int64_t b = block; b < QUERY_BLOCK; b++)
+  for (int64_t b = block; b < w->query_block; b++)
     for (int64_t j = 0; j < cached; j++) scores[b][j] = 0.0f;
+  if (w->query_block == WIDE_QUERY_BLOCK) {
+    wide_values_512(values, first, cached, fresh, count, d_count, block, scores, partial, stride);
+    return;
+  }
   for (int64_t d = 0; d < d_count; d += 8) { /* 8 values of every query's weighted V at a time, in registers */
     floats8 acc[QUERY_BLOCK] = {{0.0f}};
     for (int64_t j = 0; j < cached; j++) {
@@ -391,9 +451,11 @@ static OrtStatus *compute(Kernel *kernel, OrtKernelContext *context) {
       }
     }
   }
-  const int64_t query_blocks = (steps * group + QUERY_BLOCK - 1) / QUERY_BLOCK;
+  /* 16 lanes only where they save a block: up to 8 queries a row take the same 8-lane block as ever */
+  const int64_t query_block = kernel->wide && steps * group > QUERY_BLOCK ? WIDE_QUERY_BLOCK : QUERY_BLOCK;
+  const int64_t query_blocks = (steps * group + query_block - 1) / query_block;
   Work work = {q_scaled, keys, values, data[IN_BIAS], seqlens_k, query_lens, partials, kv_heads, group, steps, head_dim,
-               length, bias_width, chunks, query_blocks};
+               length, bias_width, chunks, query_blocks, query_block};
   OrtStatus *status = API(api, KernelContext_ParallelFor,
                           OrtStatus *(*)(const OrtKernelContext *, void (*)(void *, size_t), size_t, size_t, void *))(
       context, attend_chunk, (size_t)(batch * kv_heads * chunks * query_blocks), 0, &work);
@@ -451,6 +513,8 @@ static OrtStatus *create_kernel(const OrtCustomOp *op, OrtApiTable api, const Or
   Kernel *kernel = calloc(1, sizeof(Kernel));
   if (!kernel) return fail(api, "DecodeAttention: out of memory");
   kernel->api = api;
+  const char *isa = getenv(KERNEL_ISA_VARIABLE);
+  kernel->wide = __builtin_cpu_supports("avx512f") && !(isa && !strcmp(isa, "avx2"));
   OrtStatus *(*get_int)(const OrtKernelInfo *, const char *, int64_t *) =
       API(api, KernelInfoGetAttribute_int64, OrtStatus *(*)(const OrtKernelInfo *, const char *, int64_t *));
   OrtStatus *status = get_int(info, "num_heads", &kernel->num_heads);

@@ -54,8 +54,6 @@
 #define ROW_TILE_VNNI 8
 /* tiles per unit of work: enough units that the session's threads share a small matrix evenly (N = 576: 36) */
 #define TILES_PER_UNIT(tiles) ((tiles) >= 128 ? 4 : 1)
-/* "avx2" makes the kernels take their AVX2 tiles on a CPU with AVX-512 VNNI (read when a session creates them) */
-#define KERNEL_ISA_VARIABLE "LLM_ENGINE_BUILDER_KERNEL_ISA"
 #define PREFETCH_BYTES 2048 /* how far ahead of use the weights are fetched (a tile's chunks are contiguous) */
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 #define INLINE_AVX2 __attribute__((always_inline, target("avx2,fma,f16c"))) static inline

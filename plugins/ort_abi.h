@@ -10,6 +10,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* "avx2" makes our kernels take their AVX2 paths on a CPU with AVX-512 (read when a session creates them): the
+ * results are the same bit for bit, which tests check by running both on one machine */
+#define KERNEL_ISA_VARIABLE "LLM_ENGINE_BUILDER_KERNEL_ISA"
+
 typedef struct OrtStatus OrtStatus;
 typedef struct OrtValue OrtValue;
 typedef struct OrtKernelInfo OrtKernelInfo;

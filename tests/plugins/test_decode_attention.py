@@ -215,6 +215,24 @@ def test_a_verify_trees_tokens_compute_bit_for_bit_what_decode_steps_of_them_com
         assert np.array_equal(alone_keys[0, :, past + len(ancestors) - 1], keys[0, :, past + node])
 
 
+def avx512() -> bool:
+    return "avx512f" in Path("/proc/cpuinfo").read_text()
+
+
+@needs_compiler
+@pytest.mark.skipif(not avx512(), reason="no AVX-512 here: the kernel runs its 256-bit blocks only")
+@pytest.mark.parametrize("name", sorted(SEVERAL_TOKENS))
+def test_the_512_bit_blocks_compute_what_the_256_bit_blocks_compute_bit_for_bit(tmp_path, library, name, monkeypatch):
+    """Where the CPU has AVX-512, calls of several tokens take blocks of 16 queries on 512-bit vectors instead of 8
+    on 256-bit ones: each query's operations are the same, so an engine answers alike on both kinds of CPU (and a
+    verify tree's tokens stay what decode steps of them compute)."""
+    inputs = case(**SEVERAL_TOKENS[name])
+    wide = run_kernel(tmp_path, library, inputs, in_place=True)
+    monkeypatch.setenv("LLM_ENGINE_BUILDER_KERNEL_ISA", "avx2")  # read when the session creates the kernel
+    for result, narrow in zip(wide, run_kernel(tmp_path, library, case(**SEVERAL_TOKENS[name]), in_place=True)):
+        assert np.array_equal(result, narrow)
+
+
 @needs_compiler
 def test_chunks_longer_than_the_kernel_takes_go_to_onnxruntimes_kernel(tmp_path, library):
     """A prompt chunk of more than 16 tokens a row: the node hands it to onnxruntime's GroupQueryAttention."""
