@@ -9,8 +9,8 @@ thread settings), its cache of --context positions (zeros: the attention's work 
 bound in place as the runner binds its cache (fed as plain inputs instead, every call would first copy the whole
 cache buffer into its outputs: 5.9 MB at 100 positions for the default model, 32 MB at 650), and a causal bias; best
 of 3 passes of --repeats calls, each after 5 untimed ones, the token counts interleaved within each pass so that the
-machine's drift favours none. A verify step whose weights are read once
-for all its tokens costs about what a decode step costs while the weight stream bounds it.
+machine's drift favours none. A verify step whose weights are read once for all its tokens costs about what a decode
+step costs while the weight stream bounds it.
 """
 
 from __future__ import annotations

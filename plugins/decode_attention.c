@@ -513,8 +513,7 @@ static OrtStatus *create_kernel(const OrtCustomOp *op, OrtApiTable api, const Or
   Kernel *kernel = calloc(1, sizeof(Kernel));
   if (!kernel) return fail(api, "DecodeAttention: out of memory");
   kernel->api = api;
-  const char *isa = getenv(KERNEL_ISA_VARIABLE);
-  kernel->wide = __builtin_cpu_supports("avx512f") && !(isa && !strcmp(isa, "avx2"));
+  kernel->wide = __builtin_cpu_supports("avx512f") && !avx2_paths_asked();
   OrtStatus *(*get_int)(const OrtKernelInfo *, const char *, int64_t *) =
       API(api, KernelInfoGetAttribute_int64, OrtStatus *(*)(const OrtKernelInfo *, const char *, int64_t *));
   OrtStatus *status = get_int(info, "num_heads", &kernel->num_heads);

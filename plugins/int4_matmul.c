@@ -404,9 +404,8 @@ static OrtStatus *compute(void *kernel_state, OrtKernelContext *context) {
 
 /* whether the kernels take their VNNI tiles: the CPU has AVX-512 F, BW and VNNI, and KERNEL_ISA_VARIABLE is not "avx2" */
 static int use_vnni(void) {
-  const char *isa = getenv(KERNEL_ISA_VARIABLE);
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni") &&
-         !(isa && !strcmp(isa, "avx2"));
+         !avx2_paths_asked();
 }
 
 /* the tiles a kernel created now takes, for tools and tests: "avx512vnni" or "avx2" */

@@ -13,6 +13,10 @@
 /* "avx2" makes our kernels take their AVX2 paths on a CPU with AVX-512 (read when a session creates them): the
  * results are the same bit for bit, which tests check by running both on one machine */
 #define KERNEL_ISA_VARIABLE "LLM_ENGINE_BUILDER_KERNEL_ISA"
+static inline int avx2_paths_asked(void) {
+  const char *isa = getenv(KERNEL_ISA_VARIABLE);
+  return isa && !strcmp(isa, "avx2");
+}
 
 typedef struct OrtStatus OrtStatus;
 typedef struct OrtValue OrtValue;
