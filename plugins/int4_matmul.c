@@ -54,6 +54,9 @@
 #define ROW_TILE_VNNI 8
 /* tiles per unit of work: enough units that the session's threads share a small matrix evenly (N = 576: 36) */
 #define TILES_PER_UNIT(tiles) ((tiles) >= 128 ? 4 : 1)
+/* v is computed here, in a register: the integer sums' order may not be rearranged across this point, which keeps
+ * the compiler from hoisting a chunk's products ahead of their sums (and spilling them, 16 registers being few) */
+#define KEEP_IN_REGISTER(v) __asm__("" : "+x"(v))
 #define PREFETCH_BYTES 2048 /* how far ahead of use the weights are fetched (a tile's chunks are contiguous) */
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 #define INLINE_AVX2 __attribute__((always_inline, target("avx2,fma,f16c"))) static inline
@@ -226,7 +229,9 @@ INLINE_VNNI void tile_512(const Work *w, int64_t r, int64_t t, const int ROWS, c
 
 /* The same on 256-bit vectors, half of tile t (8 columns) at a time: int4 through vpmaddubsw, its int16 pairs
  * summed over the chunk (at most 16 x 15 x 127, no saturation) before vpmaddwd; int8 through |w| x (x with w's
- * sign), since its unsigned products would saturate int16 (that sum is q's own: no zero point to subtract). */
+ * sign), since its unsigned products would saturate int16 (that sum is q's own: no zero point to subtract). Each
+ * 32-byte vector of the chunk meets every row as soon as it is loaded and unpacked, so only it and the rows' sums
+ * are live: with AVX2's 16 registers, unpacking a whole chunk first would spill the rows' sums to the stack. */
 INLINE_AVX2 void tile_256(const Work *w, int64_t r, int64_t t, const int ROWS, const int BITS, const int MIN,
                           const int F16) {
   const int64_t chunks = w->chunks;
@@ -236,19 +241,36 @@ INLINE_AVX2 void tile_256(const Work *w, int64_t r, int64_t t, const int ROWS, c
     __m256 acc[ROW_TILE_AVX2];
     for (int i = 0; i < ROWS; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t c = 0; c < chunks; c++, p += 64 * BITS) {
-      __m256i u[8], magnitude[8];
       if (!half)
         for (int s = 0; s < BITS; s++) _mm_prefetch((const char *)p + PREFETCH_BYTES + 64 * s, _MM_HINT_T0);
+      const int32_t *x[ROW_TILE_AVX2];
+      for (int i = 0; i < ROWS; i++) x[i] = w->q.x + ((r + i) * chunks + c) * 8;
+      __m256i dots[ROW_TILE_AVX2]; /* int4: the int16 pairs until the chunk's end; int8: int32 sums */
       if (BITS == 4) {
         for (int s = 0; s < 4; s++) {
           const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 64 * s));
-          u[2 * s] = _mm256_and_si256(v, low);
-          u[2 * s + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          const __m256i evens = _mm256_and_si256(v, low), odds = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          for (int i = 0; i < ROWS; i++) {
+            const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(evens, _mm256_set1_epi32(x[i][2 * s])),
+                                                   _mm256_maddubs_epi16(odds, _mm256_set1_epi32(x[i][2 * s + 1])));
+            dots[i] = s ? _mm256_add_epi16(dots[i], pairs) : pairs;
+            KEEP_IN_REGISTER(dots[i]);
+          }
+        }
+        for (int i = 0; i < ROWS; i++) {
+          dots[i] = _mm256_madd_epi16(dots[i], ones);
+          if (!MIN) dots[i] = _mm256_sub_epi32(dots[i], _mm256_set1_epi32(w->q.zero[(r + i) * chunks + c]));
         }
       } else {
         for (int s = 0; s < 8; s++) {
-          u[s] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(p + 64 * s)), flip); /* q, signed */
-          magnitude[s] = _mm256_abs_epi8(u[s]);
+          const __m256i q = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(p + 64 * s)), flip); /* signed */
+          const __m256i magnitude = _mm256_abs_epi8(q);
+          for (int i = 0; i < ROWS; i++) {
+            const __m256i products = _mm256_madd_epi16(
+                _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(_mm256_set1_epi32(x[i][s]), q)), ones);
+            dots[i] = s ? _mm256_add_epi32(dots[i], products) : products;
+            KEEP_IN_REGISTER(dots[i]);
+          }
         }
       }
       const int64_t block = scales_at(w, t, c) + 8 * half;
@@ -258,19 +280,7 @@ INLINE_AVX2 void tile_256(const Work *w, int64_t r, int64_t t, const int ROWS, c
                               : _mm256_setzero_ps();
       for (int i = 0; i < ROWS; i++) {
         const int64_t at = (r + i) * chunks + c;
-        const int32_t *x = w->q.x + at * 8;
-        __m256i dots;
-        if (BITS == 4) {
-          __m256i pairs = _mm256_maddubs_epi16(u[0], _mm256_set1_epi32(x[0]));
-          for (int s = 1; s < 8; s++) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(u[s], _mm256_set1_epi32(x[s])));
-          dots = _mm256_madd_epi16(pairs, ones);
-          if (!MIN) dots = _mm256_sub_epi32(dots, _mm256_set1_epi32(w->q.zero[at]));
-        } else {
-          dots = _mm256_setzero_si256();
-          for (int s = 0; s < 8; s++)
-            dots = _mm256_add_epi32(dots, _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude[s], _mm256_sign_epi8(_mm256_set1_epi32(x[s]), u[s])), ones));
-        }
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(ws, _mm256_set1_ps(w->q.scale[at])), acc[i]);
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[i]), _mm256_mul_ps(ws, _mm256_set1_ps(w->q.scale[at])), acc[i]);
         if (MIN) acc[i] = _mm256_fmadd_ps(wmin, _mm256_set1_ps(w->q.sum[at]), acc[i]);
       }
     }
