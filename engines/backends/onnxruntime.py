@@ -3,6 +3,8 @@ the graph reads and updates them in place."""
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 
 from engines.format import Artifact, ArtifactError
@@ -43,6 +45,7 @@ class OnnxRuntimeBackend:
             profiled.enable_profiling = True
             profiled.profile_file_prefix = profile_prefix
         register_native_libraries(options, artifact)
+        self.quantized_matmul_tiles = quantized_matmul_tiles(artifact)
         self.sessions = {}
         for key, graph in manifest.graphs.items():
             if key not in graphs:
@@ -85,6 +88,17 @@ def session_options(ort, threads: int | None, spinning: bool):
         # about twice as long; no change to a plain engine; docs/measurements.md)
         options.add_session_config_entry("session.force_spinning_stop", "1")
     return options
+
+
+def quantized_matmul_tiles(artifact: Artifact) -> str | None:
+    """The tiles our quantized matmul kernels (Int4MatMul, Int8MatMul) take on this CPU, as the engine's kernel
+    library decides them: "avx2" or "avx512vnni"; None where the step graph runs neither."""
+    step = artifact.manifest.graphs.get("step")
+    if step is None or not step.native_library or not {"Int4MatMul", "Int8MatMul"} & set(step.native_ops):
+        return None
+    isa = ctypes.CDLL(str(artifact.path(step.native_library))).QuantizedMatMulIsa
+    isa.restype = ctypes.c_char_p
+    return isa().decode()
 
 
 def register_native_libraries(options, artifact: Artifact) -> None:

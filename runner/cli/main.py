@@ -260,7 +260,8 @@ SERVED_ENGINE_OPTIONS = [
         default=None,
         help="The most nodes (root included) of a speculative engine's draft trees; 0: the engine's whole "
         "trees. Default: for an fp32 target, the tokens this CPU's fp32 matmul kernel takes in one "
-        "pass over the weights (6 on x86-64 with AVX2 or AVX-512: a 7th costs a second pass).",
+        "pass over the weights (6 on x86-64 with AVX2 or AVX-512: a 7th costs a second pass); for an int4 "
+        "target on a CPU without VNNI, the 4 rows of our kernels' AVX2 tiles.",
     ),
     click.option(
         "--shared-prefill-chunk",

@@ -44,8 +44,8 @@ class EngineArgs:
     `generation_config`: see GenerationConfig.
     `max_model_len`: serve shorter sequences (prompt + output) than the engine was built for (vLLM's flag).
     `max_verify_nodes`: a speculative engine's draft trees have at most this many nodes, root included (None: as
-    many as the engine was built for; "auto": the tokens onnxruntime's fp32 matmul kernel takes in one pass over the
-    weights on this CPU when the target's weights are fp32, see engine.verify_node_limit).
+    many as the engine was built for; "auto": the tokens the target's matmul kernel takes in one pass over the weights
+    on this CPU where that is measured to pay, see engine.verify_node_limit).
     `shared_prefill_chunk`: prompt tokens per step while other requests generate (they wait for each chunk), at most
     the engine's largest chunk, which a prompt takes while none does (None: always the largest).
     `num_scheduler_steps`: the most decode calls a step makes in a row where every row is a plain greedy one and

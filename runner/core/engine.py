@@ -15,7 +15,7 @@ from engines.format import QuantizationSpec, QuantMethod, SpeculationMethod, ope
 from runner.core.args import EngineArgs, GenerationConfig
 from runner.core.draft_model import DraftModel
 from runner.core.executor import Executor, Scored
-from runner.core.machine import cpu_flags, fp32_matmul_rows_per_pass
+from runner.core.machine import QUANTIZED_AVX2_ROWS_PER_PASS, cpu_flags, fp32_matmul_rows_per_pass
 from runner.core.request import FinishReason, Request
 from runner.core.sampler_graph import SampledRow, Sampler
 from runner.core.scheduler import Scheduler
@@ -104,7 +104,8 @@ class LLMEngine:
         self._draft_seconds = 0.0  # the time drafting for the next step took (part of its cost)
         max_verify_nodes = args.max_verify_nodes
         if max_verify_nodes == "auto":
-            max_verify_nodes = verify_node_limit(manifest.quantization, backend.provider)
+            tiles = getattr(backend, "quantized_matmul_tiles", None)
+            max_verify_nodes = verify_node_limit(manifest.quantization, backend.provider, tiles)
         self.max_verify_nodes = max_verify_nodes
         self.draft_model = None  # draft-model engines: the draft model, an engine of its own (draft_model.py)
         if self.speculation is not None and self.speculation.method == SpeculationMethod.DRAFT_MODEL:
@@ -518,14 +519,17 @@ class LLMEngine:
             yield from self.step()
 
 
-def verify_node_limit(quantization: QuantizationSpec, provider: str) -> int | None:
-    """The most nodes a draft tree should have on this CPU: the tokens onnxruntime's fp32 matmul kernel multiplies
-    in one pass over the weights (runner/core/machine.py), beyond which a verify call makes a second pass
-    (docs/measurements.md). None for quantized targets, whose matmul kernels block differently, on GPUs and on CPUs
-    not measured."""
-    if provider != "CPUExecutionProvider" or quantization.method != QuantMethod.NONE:
+def verify_node_limit(quantization: QuantizationSpec, provider: str, quantized_tiles: str | None = None) -> int | None:
+    """The most nodes a draft tree should have on this CPU: the tokens the target's matmul kernel multiplies in one
+    pass over the weights, beyond which a verify call makes a second pass. fp32: onnxruntime's matmul kernel
+    (runner/core/machine.py, docs/measurements.md); our quantized kernels on their AVX2 tiles (`quantized_tiles`, as
+    the engine's kernel library reports them): 4 rows. None for other quantized kernels (our VNNI tiles, onnxruntime's
+    MatMulNBits: a limit there is not measured to pay), on GPUs and on CPUs not measured."""
+    if provider != "CPUExecutionProvider":
         return None
-    return fp32_matmul_rows_per_pass(cpu_flags())
+    if quantization.method == QuantMethod.NONE:
+        return fp32_matmul_rows_per_pass(cpu_flags())
+    return QUANTIZED_AVX2_ROWS_PER_PASS if quantized_tiles == "avx2" else None
 
 
 def held_back(text: str, stops: list[str]) -> int:

@@ -86,6 +86,12 @@ def fp32_matmul_rows_per_pass(flags: set[str]) -> int | None:
     return 6 if "avx512f" in flags or {"avx2", "fma"} <= flags else None
 
 
+# Rows of the left matrix (tokens) our quantized matmul kernels' AVX2 tiles multiply against each unpacked chunk of
+# weights (plugins/int4_matmul.c, ROW_TILE_AVX2): a 5th row makes a second pass. On a CPU without VNNI those rows' dot
+# products, not the weight stream, set a verify call's cost (benchmarks/results/int4_zen3.md).
+QUANTIZED_AVX2_ROWS_PER_PASS = 4
+
+
 def memory_bandwidth_gbs(threads: int, megabytes: int = 256, repeats: int = 10) -> float:
     """STREAM triad a = b + 3c over three float32 arrays far larger than the caches, split over `threads`
     threads: bytes moved (3 per element) / the best time. numpy has no fused triad, so each thread runs the two

@@ -44,3 +44,16 @@ def test_every_unbound_input_and_output_must_be_given(accumulate):
         bound.run({}, {"y": np.empty(4, np.float32)})
     with pytest.raises(ValueError, match="needs an array"):
         bound.run({"x": np.ones(4, np.float32)}, {})
+
+
+def test_the_quantized_matmul_tiles_are_the_kernel_librarys_choice(engine_factory, monkeypatch):
+    from engines.backends.onnxruntime import quantized_matmul_tiles
+    from engines.format import open_artifact
+    from runner.core.machine import cpu_flags
+
+    int4 = open_artifact(engine_factory("gqa", quant="int4"))
+    vnni = {"avx512f", "avx512bw", "avx512_vnni"} <= cpu_flags()
+    assert quantized_matmul_tiles(int4) == ("avx512vnni" if vnni else "avx2")
+    monkeypatch.setenv("LLM_ENGINE_BUILDER_KERNEL_ISA", "avx2")
+    assert quantized_matmul_tiles(int4) == "avx2"
+    assert quantized_matmul_tiles(open_artifact(engine_factory("gqa"))) is None  # fp32: no quantized matmul

@@ -72,7 +72,10 @@ def test_the_node_limit_follows_the_fp32_matmul_kernels_pass():
     assert fp32_matmul_rows_per_pass({"avx2", "fma", "avx512f"}) == 6  # 12 per pass only from 12 rows on
     assert fp32_matmul_rows_per_pass({"sse2"}) is None and fp32_matmul_rows_per_pass(set()) is None  # not measured
     int4 = QuantizationSpec(QuantMethod.RTN, bits=4)
-    assert verify_node_limit(int4, "CPUExecutionProvider") is None  # other kernels
+    assert verify_node_limit(int4, "CPUExecutionProvider") is None  # onnxruntime's MatMulNBits
+    assert verify_node_limit(int4, "CPUExecutionProvider", "avx2") == 4  # our kernels' AVX2 tiles: 4 rows a pass
+    assert verify_node_limit(int4, "CPUExecutionProvider", "avx512vnni") is None  # not measured to pay
+    assert verify_node_limit(int4, "CUDAExecutionProvider", "avx2") is None
     assert verify_node_limit(QuantizationSpec(), "CUDAExecutionProvider") is None
 
 
@@ -470,3 +473,15 @@ def test_an_int8_activation_engine_speculates_to_its_plain_greedy_tokens(engine_
     assert [answers(spec.generate(p, params))[0] for p in prompts] == expected
     assert answers(spec.generate(prompts, params)) == expected
     assert spec.engine.speculation_stats.mean_accepted > 1  # drafts were accepted, not only verified
+
+
+def test_an_int4_target_on_the_avx2_tiles_verifies_trees_of_4_nodes(engine_factory, tiny_draft_head, monkeypatch):
+    monkeypatch.setenv("LLM_ENGINE_BUILDER_KERNEL_ISA", "avx2")
+    spec = LLM(engine_factory("gqa", quant="int4", draft_head=tiny_draft_head[0], beam_width=3, draft_len=4))
+    assert spec.engine.max_verify_nodes == 4
+    assert (
+        LLM(
+            engine_factory("gqa", quant="int4", draft_head=tiny_draft_head[0]), max_verify_nodes=None
+        ).engine.max_verify_nodes
+        is None
+    )
