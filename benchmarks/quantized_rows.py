@@ -25,6 +25,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from engines.backends.onnxruntime import kernel_library_tiles  # noqa: E402
 from plugins import int4_matmul, native_ops  # noqa: E402
 from runner.core.machine import cpu_model  # noqa: E402
 
@@ -96,14 +97,6 @@ def measure(library: Path, threads: int, repeats: int) -> dict:
     return results
 
 
-def isa_of(library: Path) -> str:
-    import ctypes
-
-    isa = ctypes.CDLL(str(library)).QuantizedMatMulIsa
-    isa.restype = ctypes.c_char_p
-    return isa().decode()
-
-
 @click.command()
 @click.option("--threads", type=int, default=2, show_default=True)
 @click.option("--repeats", type=int, default=200, show_default=True, help="Calls per pass for the smallest shape.")
@@ -111,7 +104,7 @@ def isa_of(library: Path) -> str:
 def main(threads: int, repeats: int, json_path: Path | None) -> None:
     library = native_ops.compile_library(Path(tempfile.mkdtemp()))
     report = {"machine": cpu_model(), "threads": threads, "rows": ROWS, "isas": {}}
-    isas = [isa_of(library)]
+    isas = [kernel_library_tiles(library)]
     if isas[0] != "avx2":
         isas.append("avx2")
     for isa in isas:

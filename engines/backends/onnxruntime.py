@@ -4,6 +4,7 @@ the graph reads and updates them in place."""
 from __future__ import annotations
 
 import ctypes
+from pathlib import Path
 
 import numpy as np
 
@@ -96,7 +97,13 @@ def quantized_matmul_tiles(artifact: Artifact) -> str | None:
     step = artifact.manifest.graphs.get("step")
     if step is None or not step.native_library or not {"Int4MatMul", "Int8MatMul"} & set(step.native_ops):
         return None
-    isa = ctypes.CDLL(str(artifact.path(step.native_library))).QuantizedMatMulIsa
+    return kernel_library_tiles(artifact.path(step.native_library))
+
+
+def kernel_library_tiles(library: Path) -> str:
+    """The tiles a kernel library's quantized matmuls take on this CPU (its QuantizedMatMulIsa): "avx2" or
+    "avx512vnni", as a kernel created now would (LLM_ENGINE_BUILDER_KERNEL_ISA=avx2 included)."""
+    isa = ctypes.CDLL(str(library)).QuantizedMatMulIsa
     isa.restype = ctypes.c_char_p
     return isa().decode()
 

@@ -477,11 +477,6 @@ def test_an_int8_activation_engine_speculates_to_its_plain_greedy_tokens(engine_
 
 def test_an_int4_target_on_the_avx2_tiles_verifies_trees_of_4_nodes(engine_factory, tiny_draft_head, monkeypatch):
     monkeypatch.setenv("LLM_ENGINE_BUILDER_KERNEL_ISA", "avx2")
-    spec = LLM(engine_factory("gqa", quant="int4", draft_head=tiny_draft_head[0], beam_width=3, draft_len=4))
-    assert spec.engine.max_verify_nodes == 4
-    assert (
-        LLM(
-            engine_factory("gqa", quant="int4", draft_head=tiny_draft_head[0]), max_verify_nodes=None
-        ).engine.max_verify_nodes
-        is None
-    )
+    engine = engine_factory("gqa", quant="int4", draft_head=tiny_draft_head[0], beam_width=3, draft_len=4)
+    assert LLM(engine).engine.max_verify_nodes == 4
+    assert LLM(engine, max_verify_nodes=None).engine.max_verify_nodes is None
