@@ -66,9 +66,10 @@ PROMPT_LOOKUP_MAX_NGRAM = 3
 # A lookup draft needs its context's last 2 tokens to have occurred before: after a 1-token match, drafts are
 # mostly rejected and every tree node costs verify time (docs/measurements.md)
 PROMPT_LOOKUP_MIN_NGRAM = 2
-# The draft graph's linears: int8 groups of 128 with int8 compute (in fp32 the beam search reads the head's whole
-# table at every draft step, several times slower: docs/measurements.md).
-DRAFT_QUANT = QuantSpec(8, 128, 4)
+# The draft graph's linears: int8 groups of 32 with int8 compute (in fp32 the beam search reads the head's whole
+# table at every draft step, several times slower), which our Int8MatMul kernel takes where the step graph's backend
+# is onnxruntime on this CPU: a draft call 0.25-0.85 ms faster at 1-4 rows than MatMulNBits (docs/measurements.md).
+DRAFT_QUANT = QuantSpec(8, 32, 4)
 # The head distilled for the embedded default model by `builder train-drafter` (see docs/speculative-decoding.md).
 SHIPPED_DRAFT_HEAD = Path(__file__).parent / "speculation" / "drafters" / "smollm2-135m-instruct.redrafter.safetensors"
 
@@ -269,7 +270,7 @@ def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> B
         graphs[SAMPLER_GRAPH] = export_sampler_graph(checkpoint.config.vocab_size, options.tree_depth, staging)
         if drafter is not None:
             progress.step(4, f"exporting the ReDrafter draft graph from {draft_head_path}")
-            graphs[DRAFT_GRAPH] = export_draft_graph(drafter, staging)
+            graphs[DRAFT_GRAPH] = _draft_graph(options, drafter, staging, log)
         if options.speculative == "draft-model":
             progress.step(4, f"building the draft model {options.draft_model} ({options.draft_quant})")
             draft_options = _draft_model_options(options, staging / DRAFT_ENGINE, shapes.max_seq_len)
@@ -706,20 +707,30 @@ def _minimums_into_int4_matmul(model) -> None:
             linear.native_minimums = spec.bits == 4 and spec.block_size == 32 and spec.accuracy_level == 4
 
 
-def _native_kernels(wanted: dict[str, bool], step: GraphSpec, staging: Path, log: Callable[[str], None]) -> GraphSpec:
-    """The step graph with the nodes our kernels cover rewritten to them and their library beside it, or as it is
+def _native_kernels(wanted: dict[str, bool], graph: GraphSpec, staging: Path, log: Callable[[str], None]) -> GraphSpec:
+    """The graph with the nodes our kernels cover rewritten to them and their library beside it, or as it is
     (onnxruntime's own ops) where that cannot be had."""
     counts: dict[str, int] = {}
     if wanted["DecodeAttention"]:
-        counts["DecodeAttention"] = decode_attention.use_in_graph(staging / step.file)
+        counts["DecodeAttention"] = decode_attention.use_in_graph(staging / graph.file)
     if wanted["QuantizedMatMul"]:
-        counts.update(int4_matmul.use_in_graph(staging / step.file))
+        counts.update(int4_matmul.use_in_graph(staging / graph.file))
     used = [op for op, count in counts.items() if count]
     for op in used:
-        log(f"      {op}: our kernel in {counts[op]} nodes")
+        log(f"      {op}: our kernel in {counts[op]} nodes of {graph.file}")
     if not used:
-        return step
-    return replace(step, native_library=_kernel_library(staging).name, native_ops=used)
+        return graph
+    return replace(graph, native_library=_kernel_library(staging).name, native_ops=used)
+
+
+def _draft_graph(options: BuildOptions, drafter: BeamSearchDrafter, staging: Path, log: Callable[[str], None]):
+    """The ReDrafter draft graph, its int8 linears on our Int8MatMul where the engine runs on onnxruntime's CPU
+    provider and the step graph may use our kernels (a GPU engine's draft keeps MatMulNBits, which CUDA runs)."""
+    draft = export_draft_graph(drafter, staging)
+    if options.backend != "onnxruntime" or options.dtype != "fp32" or options.draft_quant != "int8":
+        return draft
+    kernels = _native_kernel_choice(replace(options, native_decode_attention=False), lambda line: None)
+    return _native_kernels(kernels, draft, staging, log)
 
 
 def _kernel_library(staging: Path) -> Path:

@@ -1,4 +1,4 @@
-"""Build options: defaults that depend on other options."""
+"""Build options: defaults that depend on other options; the draft graph's kernels."""
 
 from __future__ import annotations
 
@@ -21,3 +21,30 @@ def test_draft_length_defaults_per_speculation_method(method, drafts, nodes):
 def test_an_explicit_draft_length_is_kept():
     assert BuildOptions("default", Path("out"), speculative="draft-model", draft_len=6).draft_len == 6
     assert BuildOptions("default", Path("out"), speculative="redrafter", draft_len=1).tree_nodes == 1 + 2 * 1 + 4
+
+
+def test_the_draft_graphs_int8_linears_run_our_kernel_and_draft_as_onnxruntimes_would(engine_factory, tiny_draft_head):
+    import numpy as np
+    import onnx
+
+    from runner.llm import LLM
+
+    ours = engine_factory("gqa", prefill_chunk=8, draft_head=tiny_draft_head[0], beam_width=3, draft_len=4)
+    kept = engine_factory(
+        "gqa", prefill_chunk=8, draft_head=tiny_draft_head[0], beam_width=3, draft_len=4, native_quantized_matmul=False
+    )
+    ops = {
+        engine: {node.op_type for node in onnx.load(str(engine / "draft.onnx"), load_external_data=False).graph.node}
+        for engine in (ours, kept)
+    }
+    assert "Int8MatMul" in ops[ours] and "MatMulNBits" not in ops[ours]
+    assert "MatMulNBits" in ops[kept] and "Int8MatMul" not in ops[kept]
+
+    rng = np.random.default_rng(0)
+    hidden = rng.standard_normal((3, 64)).astype(np.float32)
+    last_tokens = [5, 17, 90]
+    (beams, scores), (kept_beams, kept_scores) = (
+        LLM(engine).engine.executor.draft(hidden, last_tokens) for engine in (ours, kept)
+    )
+    np.testing.assert_array_equal(beams, kept_beams)
+    np.testing.assert_allclose(scores, kept_scores, atol=1e-4)
