@@ -66,14 +66,17 @@ PROMPT_LOOKUP_MAX_NGRAM = 3
 # A lookup draft needs its context's last 2 tokens to have occurred before: after a 1-token match, drafts are
 # mostly rejected and every tree node costs verify time (docs/measurements.md)
 PROMPT_LOOKUP_MIN_NGRAM = 2
-# The draft graph's linears: int8 groups of 32 with int8 compute (in fp32 the beam search reads the head's whole
-# table at every draft step, several times slower), which our Int8MatMul kernel takes where the step graph's backend
-# is onnxruntime on this CPU: a draft call 0.25-0.85 ms faster at 1-4 rows than MatMulNBits (docs/measurements.md).
-DRAFT_QUANT = QuantSpec(8, 32, 4)
+# The ReDrafter draft graph's linears: groups of 32 with int8 compute (in fp32 the beam search reads the head's whole
+# table at every draft step, several times slower), which our Int4MatMul / Int8MatMul kernels take where the engine
+# runs on onnxruntime's CPU provider. int4 is the default: it drafts as well as int8 for the shipped head (1.92
+# against 1.91 tokens per verify step) at a quarter less per draft call (docs/measurements.md).
+DRAFT_QUANTS = {"int8": QuantSpec(8, 32, 4), "int4": QuantSpec(4, 32, 4)}
 # The head distilled for the embedded default model by `builder train-drafter` (see docs/speculative-decoding.md).
 SHIPPED_DRAFT_HEAD = Path(__file__).parent / "speculation" / "drafters" / "smollm2-135m-instruct.redrafter.safetensors"
 
 
+# The draft's weights when the build does not say: the ReDrafter head's linears (above), a draft model's engine.
+DEFAULT_DRAFT_QUANT = {"redrafter": "int4", "draft-model": "int8"}
 # Drafts per beam when the build does not say. A chain (prompt lookup, a draft model) pays one draft call per token
 # (a draft model) or nothing (lookup) and one verify node each, so it can go deeper than ReDrafter's beams; the draft
 # model's best length grows with how often it agrees with the target, and 4 is the middle ground for an unknown pair
@@ -104,8 +107,8 @@ class BuildOptions:
     # per step but their verify costs more than it brings on a CPU: docs/measurements.md)
     beam_width: int = 2
     draft_len: int | None = None  # drafts per beam; default DEFAULT_DRAFT_LEN[speculative]
-    # the draft's linears: "int8" (fused MatMulNBits, int8 compute) or "none"; a draft model may also be "int4"
-    draft_quant: str = "int8"
+    # the draft's linears: "int4" or "int8" (fused, int8 compute) or "none"; default DEFAULT_DRAFT_QUANT[speculative]
+    draft_quant: str | None = None
     draft_model: str | None = None  # draft-model: the checkpoint of a smaller model with the target's vocabulary
     verify_tokens: int | None = None  # the longest chunk a verify call scores (default: the speculative tree, else 8)
     prompt_lookup_len: int = 4  # redrafter: also draft this many tokens by prompt lookup, as one more beam
@@ -126,6 +129,8 @@ class BuildOptions:
     def __post_init__(self) -> None:
         if self.draft_len is None:
             object.__setattr__(self, "draft_len", DEFAULT_DRAFT_LEN.get(self.speculative, 0))
+        if self.draft_quant is None:
+            object.__setattr__(self, "draft_quant", DEFAULT_DRAFT_QUANT.get(self.speculative, "int8"))
 
     def draft_head_path(self) -> Path | None:
         if self.speculative not in SPECULATION_METHODS:
@@ -724,10 +729,11 @@ def _native_kernels(wanted: dict[str, bool], graph: GraphSpec, staging: Path, lo
 
 
 def _draft_graph(options: BuildOptions, drafter: BeamSearchDrafter, staging: Path, log: Callable[[str], None]):
-    """The ReDrafter draft graph, its int8 linears on our Int8MatMul where the engine runs on onnxruntime's CPU
-    provider and the step graph may use our kernels (a GPU engine's draft keeps MatMulNBits, which CUDA runs)."""
+    """The ReDrafter draft graph, its quantized linears on our Int4MatMul / Int8MatMul where the engine runs on
+    onnxruntime's CPU provider and the step graph may use our kernels (a GPU engine's draft keeps MatMulNBits, which
+    CUDA runs)."""
     draft = export_draft_graph(drafter, staging)
-    if options.backend != "onnxruntime" or options.dtype != "fp32" or options.draft_quant != "int8":
+    if options.backend != "onnxruntime" or options.dtype != "fp32" or options.draft_quant not in DRAFT_QUANTS:
         return draft
     kernels = _native_kernel_choice(replace(options, native_decode_attention=False), lambda line: None)
     return _native_kernels(kernels, draft, staging, log)
@@ -801,10 +807,10 @@ def _load_drafter(path: Path, config, options: BuildOptions) -> tuple[BeamSearch
         raise ValueError("--prompt-lookup-len must be 0 (off) or more")
     if not 0 <= options.min_draft_prob < 1:
         raise ValueError("--min-draft-prob must be in [0, 1)")
-    if options.draft_quant not in ("none", "int8"):
-        raise ValueError(f"unknown draft quantization {options.draft_quant!r}; choose none or int8")
-    if options.draft_quant == "int8":
-        head.quantize(DRAFT_QUANT)
+    if options.draft_quant not in ("none", *DRAFT_QUANTS):
+        raise ValueError(f"unknown draft quantization {options.draft_quant!r}; choose none, int8 or int4")
+    if options.draft_quant in DRAFT_QUANTS:
+        head.quantize(DRAFT_QUANTS[options.draft_quant])
     drafter = BeamSearchDrafter(head, options.beam_width, options.draft_len)
     speculation = SpeculationSpec(
         SpeculationMethod.REDRAFTER,

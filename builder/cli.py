@@ -117,10 +117,9 @@ def main() -> None:
 @click.option(
     "--draft-quant",
     type=click.Choice(["int8", "int4", "none"]),
-    default="int8",
-    show_default=True,
-    help="The draft's matmuls: int8 (fused, int8 compute; drafts only propose, so output is unchanged); "
-    "int4 for a draft model.",
+    default=None,
+    help="The draft's matmuls, fused with int8 compute (drafts only propose, so output is unchanged): the ReDrafter "
+    "head's linears (default int4) or the draft model's engine (default int8).",
 )
 @click.option(
     "--kv-cache-dtype",

@@ -49,7 +49,7 @@ def engine_factory(tmp_path_factory, checkpoint_factory):
         speculative: str = "none",
         prompt_lookup_len: int = 4,
         draft_model: str | None = None,
-        draft_quant: str = "int8",
+        draft_quant: str | None = None,  # the build's default for the speculation method
         kv_cache_dtype: str = "auto",
         native_decode_attention: bool = True,
         native_quantized_matmul: bool = True,
