@@ -71,12 +71,12 @@ PROMPT_LOOKUP_MIN_NGRAM = 2
 # runs on onnxruntime's CPU provider. int4 is the default: it drafts as well as int8 for the shipped head (1.92
 # against 1.91 tokens per verify step) at a quarter less per draft call (docs/measurements.md).
 DRAFT_QUANTS = {"int8": QuantSpec(8, 32, 4), "int4": QuantSpec(4, 32, 4)}
+# The draft's weights when the build does not say: the ReDrafter head's linears (above), a draft model's engine.
+DEFAULT_DRAFT_QUANT = {"redrafter": "int4", "draft-model": "int8"}
 # The head distilled for the embedded default model by `builder train-drafter` (see docs/speculative-decoding.md).
 SHIPPED_DRAFT_HEAD = Path(__file__).parent / "speculation" / "drafters" / "smollm2-135m-instruct.redrafter.safetensors"
 
 
-# The draft's weights when the build does not say: the ReDrafter head's linears (above), a draft model's engine.
-DEFAULT_DRAFT_QUANT = {"redrafter": "int4", "draft-model": "int8"}
 # Drafts per beam when the build does not say. A chain (prompt lookup, a draft model) pays one draft call per token
 # (a draft model) or nothing (lookup) and one verify node each, so it can go deeper than ReDrafter's beams; the draft
 # model's best length grows with how often it agrees with the target, and 4 is the middle ground for an unknown pair
@@ -728,7 +728,9 @@ def _native_kernels(wanted: dict[str, bool], graph: GraphSpec, staging: Path, lo
     return replace(graph, native_library=_kernel_library(staging).name, native_ops=used)
 
 
-def _draft_graph(options: BuildOptions, drafter: BeamSearchDrafter, staging: Path, log: Callable[[str], None]):
+def _draft_graph(
+    options: BuildOptions, drafter: BeamSearchDrafter, staging: Path, log: Callable[[str], None]
+) -> GraphSpec:
     """The ReDrafter draft graph, its quantized linears on our Int4MatMul / Int8MatMul where the engine runs on
     onnxruntime's CPU provider and the step graph may use our kernels (a GPU engine's draft keeps MatMulNBits, which
     CUDA runs)."""

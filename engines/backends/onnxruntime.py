@@ -45,7 +45,7 @@ class OnnxRuntimeBackend:
         for profiled in (options, side_options) if profile_prefix else ():
             profiled.enable_profiling = True
             profiled.profile_file_prefix = profile_prefix
-        for graph_options in (options, side_options):  # the draft graph's int8 linears run our Int8MatMul too
+        for graph_options in (options, side_options):  # the draft graph's quantized linears run our kernels too
             register_native_libraries(graph_options, artifact)
         self.quantized_matmul_tiles = quantized_matmul_tiles(artifact)
         self.sessions = {}
