@@ -40,10 +40,12 @@ class Answer:
     tokens: list[int]  # the greedy answer
     beams: np.ndarray  # [len(tokens), W, K]: the draft graph's beams at the step whose root is tokens[j]
     scores: np.ndarray  # [len(tokens), W, K]: the head's log-probability of each beam's first k tokens
+    chains: list[list[int]]  # per j: the prompt-lookup draft at that step
 
 
 def answer(engine, text: str, new_tokens: int) -> Answer:
     from runner.sampling.params import SamplingParams
+    from runner.speculative.drafts import prompt_lookup_draft
 
     codec, executor = engine.codec, engine.executor
     prompt = codec.encode(codec.apply_chat_template([{"role": "user", "content": text}]))
@@ -56,14 +58,12 @@ def answer(engine, text: str, new_tokens: int) -> Answer:
     states = hidden[len(prompt) - 1 : len(prompt) - 1 + len(tokens)]
     rows = max(executor.verify_phase.batch_sizes)
     drafted = [executor.draft(states[at : at + rows], tokens[at : at + rows]) for at in range(0, len(tokens), rows)]
-    return Answer(prompt, tokens, *(np.concatenate(parts) for parts in zip(*drafted)))
-
-
-def lookup_chain(spec, answer: Answer, j: int) -> list[int]:
-    from runner.speculative.drafts import prompt_lookup_draft
-
-    context = answer.prompt + answer.tokens[: j + 1]
-    return prompt_lookup_draft(context, spec.prompt_lookup_len, spec.max_ngram, spec.min_ngram)
+    spec = engine.speculation
+    chains = [
+        prompt_lookup_draft(prompt + tokens[: j + 1], spec.prompt_lookup_len, spec.max_ngram, spec.min_ngram)
+        for j in range(len(tokens))
+    ]
+    return Answer(prompt, tokens, *(np.concatenate(parts) for parts in zip(*drafted)), chains)
 
 
 def tokens_per_step(spec, answers: list[Answer], max_nodes: int | None) -> float:
@@ -74,7 +74,7 @@ def tokens_per_step(spec, answers: list[Answer], max_nodes: int | None) -> float
     for a in answers:
         j = 0
         while j < len(a.tokens) - 1:
-            drafts = ranked_drafts(lookup_chain(spec, a, j), a.beams[j], a.scores[j], spec.min_draft_prob, max_nodes)
+            drafts = ranked_drafts(a.chains[j], a.beams[j], a.scores[j], spec.min_draft_prob, max_nodes)
             tree = pack_tree(a.tokens[j], drafts, max_depth=len(a.tokens) - 1 - j)
             node = accepted = 0
             while j + accepted + 1 < len(a.tokens):
@@ -100,8 +100,7 @@ def draft_accuracy(spec, answers: list[Answer]) -> dict:
     head_hits, head_seen = np.zeros(PROBABILITY_BINS), np.zeros(PROBABILITY_BINS)
     for a in answers:
         for j in range(len(a.tokens) - 1):
-            truth = a.tokens[j + 1 :]
-            chain = lookup_chain(spec, a, j)
+            truth, chain = a.tokens[j + 1 :], a.chains[j]
             for d in range(1, min(len(chain), len(truth)) + 1):
                 chain_seen[d - 1] += 1
                 chain_hits[d - 1] += chain[:d] == truth[:d]

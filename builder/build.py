@@ -262,20 +262,25 @@ def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> B
     _log_checkpoint(checkpoint, log)
 
     _warn_if_speculation_is_inexact(options, log)
+    kernels = _native_kernel_choice(options, log)
     with _staging(out) as staging:
         if options.tensor_parallel > 1:
-            graphs, shards, quantization = _emit_rank_graphs(options, checkpoint, shapes, staging, progress, log)
+            graphs, shards, quantization = _emit_rank_graphs(
+                options, checkpoint, shapes, staging, kernels, progress, log
+            )
             target = {}
         else:
             progress.step(2, f"loading weights as {_weights_description(options)}")
             model, quantization = _load_weights(options, checkpoint, shapes, log)
-            graphs, target = _emit_step_graph(options, checkpoint.config, model, shapes, staging, progress, log)
+            graphs, target = _emit_step_graph(
+                options, checkpoint.config, model, shapes, staging, kernels, progress, log
+            )
             shards = []
             del model  # the float weights are in the graph's file now; the side graphs need far less
         graphs[SAMPLER_GRAPH] = export_sampler_graph(checkpoint.config.vocab_size, options.tree_depth, staging)
         if drafter is not None:
             progress.step(4, f"exporting the ReDrafter draft graph from {draft_head_path}")
-            graphs[DRAFT_GRAPH] = _draft_graph(options, drafter, staging, log)
+            graphs[DRAFT_GRAPH] = _draft_graph(options, drafter, kernels, staging, log)
         if options.speculative == "draft-model":
             progress.step(4, f"building the draft model {options.draft_model} ({options.draft_quant})")
             draft_options = _draft_model_options(options, staging / DRAFT_ENGINE, shapes.max_seq_len)
@@ -292,13 +297,13 @@ def _emit_rank_graphs(
     checkpoint,
     shapes: BuildShapes,
     staging: Path,
+    kernels: dict[str, bool],
     progress: _Progress,
     log: Callable[[str], None],
 ) -> tuple[dict[str, GraphSpec], list[ShardSpec], QuantizationSpec]:
     """One step graph per rank (builder/tensor_parallel.py), each traced from a model that holds only that rank's
     share of the weights, streamed from the checkpoint once per rank; rank 0's is the manifest's step graph. Each
     rank is built in a process of its own (builder/child_process.py), so the build's peak memory is one rank's."""
-    kernels = _native_kernel_choice(options, log)
     shards, quantization = [], None
     for share in tensor_parallel.plan_shares(checkpoint.config, options.tensor_parallel):
         job = (options, share, shapes, staging, kernels, progress.total, progress.start)
@@ -365,6 +370,7 @@ def _emit_step_graph(
     model,
     shapes: BuildShapes,
     staging: Path,
+    kernels: dict[str, bool],
     progress: _Progress,
     log: Callable[[str], None],
 ) -> tuple[dict[str, GraphSpec], dict[str, str]]:
@@ -380,7 +386,6 @@ def _emit_step_graph(
         engine = staging / tensorrt.ENGINE_FILE
         target = tensorrt.build_engine_file(staging / step.file, phases, config, shapes.max_seq_len, engine)
         return {STEP_GRAPH: replace(step, file=engine.name)}, target
-    kernels = _native_kernel_choice(options, log)
     if kernels["QuantizedMatMul"]:
         _minimums_into_int4_matmul(model)
     progress.step(3, "tracing the step and sampler graphs with torch.export and emitting ONNX")
@@ -679,11 +684,11 @@ def _write_manifest(
 
 
 def _native_kernel_choice(options: BuildOptions, log: Callable[[str], None]) -> dict[str, bool]:
-    """Which of our kernels the step graph will run (the options' wish where this machine can build and run them),
-    saying why where one is left out."""
+    """Which of our kernels the engine's ONNX graphs will run (the options' wish where this machine can build and run
+    them; none where another backend runs the step graph), saying why where one is left out."""
     wanted = {"DecodeAttention": options.native_decode_attention, "QuantizedMatMul": options.native_quantized_matmul}
-    if not any(wanted.values()):
-        return wanted
+    if options.backend != "onnxruntime" or not any(wanted.values()):
+        return dict.fromkeys(wanted, False)
     reason = native_ops.unavailable_reason()
     if reason is not None:
         log(f"      kernels: onnxruntime's own ops ({reason})")
@@ -729,16 +734,20 @@ def _native_kernels(wanted: dict[str, bool], graph: GraphSpec, staging: Path, lo
 
 
 def _draft_graph(
-    options: BuildOptions, drafter: BeamSearchDrafter, staging: Path, log: Callable[[str], None]
+    options: BuildOptions,
+    drafter: BeamSearchDrafter,
+    kernels: dict[str, bool],
+    staging: Path,
+    log: Callable[[str], None],
 ) -> GraphSpec:
-    """The ReDrafter draft graph, its quantized linears on our Int4MatMul / Int8MatMul where the engine runs on
-    onnxruntime's CPU provider and the step graph may use our kernels (a GPU engine's draft keeps MatMulNBits, which
-    CUDA runs)."""
+    """The ReDrafter draft graph, its quantized linears on our Int4MatMul / Int8MatMul where the step graph may use
+    them and the engine runs on onnxruntime's CPU provider (a GPU engine's draft keeps MatMulNBits, which CUDA runs)."""
     draft = export_draft_graph(drafter, staging)
-    if options.backend != "onnxruntime" or options.dtype != "fp32" or options.draft_quant not in DRAFT_QUANTS:
+    if options.dtype != "fp32" or options.draft_quant not in DRAFT_QUANTS:
         return draft
-    kernels = _native_kernel_choice(replace(options, native_decode_attention=False), lambda line: None)
-    return _native_kernels(kernels, draft, staging, log)
+    return _native_kernels(
+        {"DecodeAttention": False, "QuantizedMatMul": kernels["QuantizedMatMul"]}, draft, staging, log
+    )
 
 
 def _kernel_library(staging: Path) -> Path:
