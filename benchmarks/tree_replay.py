@@ -45,7 +45,7 @@ class Answer:
 
 def answer(engine, text: str, new_tokens: int) -> Answer:
     from runner.sampling.params import SamplingParams
-    from runner.speculative.drafts import prompt_lookup_draft
+    from runner.speculative.drafts import PromptLookup
 
     codec, executor = engine.codec, engine.executor
     prompt = codec.encode(codec.apply_chat_template([{"role": "user", "content": text}]))
@@ -59,10 +59,8 @@ def answer(engine, text: str, new_tokens: int) -> Answer:
     rows = max(executor.verify_phase.batch_sizes)
     drafted = [executor.draft(states[at : at + rows], tokens[at : at + rows]) for at in range(0, len(tokens), rows)]
     spec = engine.speculation
-    chains = [
-        prompt_lookup_draft(prompt + tokens[: j + 1], spec.prompt_lookup_len, spec.max_ngram, spec.min_ngram)
-        for j in range(len(tokens))
-    ]
+    lookup = PromptLookup(spec.max_ngram, spec.min_ngram)
+    chains = [lookup.draft(prompt + tokens[: j + 1], spec.prompt_lookup_len) for j in range(len(tokens))]
     return Answer(prompt, tokens, *(np.concatenate(parts) for parts in zip(*drafted)), chains)
 
 

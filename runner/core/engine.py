@@ -25,7 +25,7 @@ from runner.sampling.bad_words import BadWords
 from runner.sampling.logprobs import TokenLogprob, token_logprobs
 from runner.sampling.params import SamplingParams
 from runner.sampling.structured import GrammarCompiler, TokenConstraint
-from runner.speculative.drafts import SpeculationStats, TokenTree, pack_tree, prompt_lookup_draft, ranked_drafts
+from runner.speculative.drafts import PromptLookup, SpeculationStats, TokenTree, pack_tree, ranked_drafts
 from runner.speculative.policy import SpeculationPolicy
 
 
@@ -440,30 +440,42 @@ class LLMEngine:
         started = time.perf_counter()
         spec = self.speculation
         lookup_len = spec.draft_len if spec.method == SpeculationMethod.PROMPT_LOOKUP else spec.prompt_lookup_len
-        chains = [
-            prompt_lookup_draft(r.prompt_token_ids + r.output_token_ids, lookup_len, spec.max_ngram, spec.min_ngram)
-            if lookup_len
-            else []
-            for r, _ in requests
-        ]
-        beams, scores = np.zeros((len(requests), 0, 0), np.int64), None
+        chains = [self._lookup_chain(request, lookup_len) for request, _ in requests]
+        beams = [np.zeros((0, 0), np.int64)] * len(requests)
+        scores = [None] * len(requests)
         if spec.method == SpeculationMethod.DRAFT_MODEL:  # its greedy continuation is a chain as the lookup draft is
             chains = self.draft_model.draft([request for request, _ in requests])
         elif spec.method == SpeculationMethod.REDRAFTER:
-            beams, scores = self.executor.draft(
-                np.stack([hidden for _, hidden in requests]), [r.output_token_ids[-1] for r, _ in requests]
-            )
+            # the chain ranks first, so a chain that fills the tree leaves no node to the head: no draft call for it
+            headed = [i for i, chain in enumerate(chains) if not self._fills_tree(chain)]
+            if headed:
+                drafted = self.executor.draft(
+                    np.stack([requests[i][1] for i in headed]), [requests[i][0].output_token_ids[-1] for i in headed]
+                )
+                for i, row_beams, row_scores in zip(headed, *drafted):
+                    beams[i], scores[i] = row_beams, row_scores
         for index, ((request, _), chain) in enumerate(zip(requests, chains)):
             request.drafts = ranked_drafts(
                 chain,
                 beams[index],
-                None if scores is None else scores[index],
+                scores[index],
                 spec.min_draft_prob,
                 self.max_verify_nodes,
             )
             if request.masked:  # a grammar or bad words: a draft ends where they stop allowing it
                 request.drafts = [request.draft_prefix(list(beam)) for beam in request.drafts]
         self.speculation_stats.draft_seconds += time.perf_counter() - started
+
+    def _lookup_chain(self, request: Request, lookup_len: int) -> list[int]:
+        """The prompt-lookup draft of a request's context ([] where the engine drafts no lookup chain)."""
+        if not lookup_len:
+            return []
+        if request.lookup is None:
+            request.lookup = PromptLookup(self.speculation.max_ngram, self.speculation.min_ngram)
+        return request.lookup.draft(request.prompt_token_ids + request.output_token_ids, lookup_len)
+
+    def _fills_tree(self, chain: list[int]) -> bool:
+        return self.max_verify_nodes is not None and len(chain) + 1 >= self.max_verify_nodes
 
     def _emit(self, request: Request, token: int, logprob: TokenLogprob | None) -> TokenEvent:
         """Append a chosen token: logprobs, detokenization, stop strings/tokens and length limits."""

@@ -12,6 +12,7 @@ from runner.sampling.bad_words import BadWords
 from runner.sampling.logprobs import TokenLogprob
 from runner.sampling.params import SamplingParams
 from runner.sampling.structured import TokenConstraint
+from runner.speculative.drafts import PromptLookup
 
 
 class FinishReason(str, Enum):
@@ -97,6 +98,7 @@ class Request:
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # computed so far (params.prompt_logprobs)
     drafts: list | np.ndarray | None = None  # speculative engines: draft beams (token id sequences) for the next step
     draft_computed: int = 0  # draft-model engines: context tokens in the draft model's cache
+    lookup: PromptLookup | None = None  # engines with prompt lookup: its index of the request's n-grams
     constraint: TokenConstraint | None = None  # structured outputs: where the request is in its grammar
     bad_words: BadWords | None = None  # token sequences it must not complete
     cache_salt: str | None = None  # prefix caching reuses K/V only from requests with the same salt

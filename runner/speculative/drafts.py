@@ -86,19 +86,30 @@ def ranked_drafts(
     return [list(path) for path in sorted(leaves, key=lambda leaf: [rank[leaf[:d]] for d in range(1, len(leaf) + 1)])]
 
 
-def prompt_lookup_draft(tokens: list[int], draft_len: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
-    """Prompt lookup: the tokens that followed the latest earlier occurrence of the context's last n tokens (the
-    longest n from `max_ngram` down to `min_ngram` that occurs), at most `draft_len` of them; [] when nothing
-    matches."""
-    context = np.asarray(tokens)
-    for n in range(min(max_ngram, len(tokens) - 1), min_ngram - 1, -1):
-        suffix = context[-n:]
-        windows = np.lib.stride_tricks.sliding_window_view(context[:-1], n)  # every n-gram that has a successor
-        starts = np.flatnonzero((windows == suffix).all(axis=1))
-        if len(starts):
-            follow = int(starts[-1]) + n
-            return context[follow : follow + draft_len].tolist()
-    return []
+class PromptLookup:
+    """Prompt-lookup drafts over a growing token sequence (a request's prompt and output so far): the tokens that
+    followed the latest earlier occurrence of the sequence's last n tokens, for the longest n from `max_ngram` down to
+    `min_ngram` that occurs. An index of every n-gram's latest occurrence is brought up to date with the tokens
+    appended since the last call, so a step costs the same at any context length (a scan of the whole context took
+    0.08 ms a row at 100 tokens, 0.42 at 2,000 and 1.1 at 8,000, every step)."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        self.sizes = range(max_ngram, min_ngram - 1, -1)  # longest first
+        self.latest: dict[tuple[int, ...], int] = {}  # n-gram -> start of its latest occurrence followed by a token
+        self.indexed = 1  # the n-grams followed by tokens[1:indexed] are in `latest`
+
+    def draft(self, tokens: list[int], draft_len: int) -> list[int]:
+        """At most `draft_len` tokens; [] when nothing matches. `tokens` extends those of the previous call."""
+        for follower in range(self.indexed, len(tokens)):
+            for n in self.sizes:
+                if n <= follower:
+                    self.latest[tuple(tokens[follower - n : follower])] = follower - n
+        self.indexed = max(self.indexed, len(tokens))
+        for n in self.sizes:
+            start = self.latest.get(tuple(tokens[-n:])) if n < len(tokens) else None
+            if start is not None:
+                return tokens[start + n : start + n + draft_len]
+        return []
 
 
 @dataclass

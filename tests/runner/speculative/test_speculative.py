@@ -13,7 +13,7 @@ from runner import LLM, SamplingParams
 from runner.core.engine import verify_node_limit
 from runner.core.machine import fp32_matmul_rows_per_pass
 from runner.sampling.bad_words import BadWords
-from runner.speculative.drafts import pack_tree, prompt_lookup_draft, ranked_drafts
+from runner.speculative.drafts import PromptLookup, pack_tree, ranked_drafts
 from tests.reference_sampling import processed_probs
 
 PROMPTS = ["hello world", "The quick brown fox", "Engines compile graphs", "0123456789 hello", "runners batch"]
@@ -32,16 +32,41 @@ def test_pack_tree_merges_shared_prefixes():
     assert pack_tree(1, beams, max_depth=0).tokens == [1]
 
 
+def lookup(tokens: list[int], draft_len: int, min_ngram: int = 1) -> list[int]:
+    return PromptLookup(3, min_ngram).draft(tokens, draft_len)
+
+
 def test_prompt_lookup_continues_the_latest_longest_match():
-    assert prompt_lookup_draft([1, 2, 3, 4, 5, 1, 2, 3], 3) == [4, 5, 1]  # trigram match
-    assert prompt_lookup_draft([1, 2, 9, 7, 2, 8, 9, 2], 2) == [8, 9]  # the latest "2" wins
-    assert prompt_lookup_draft([5, 6, 5], 4) == [6, 5]  # fewer tokens left than draft_len
-    assert prompt_lookup_draft([7, 8, 9], 3) == [] and prompt_lookup_draft([1], 3) == []
+    assert lookup([1, 2, 3, 4, 5, 1, 2, 3], 3) == [4, 5, 1]  # trigram match
+    assert lookup([1, 2, 9, 7, 2, 8, 9, 2], 2) == [8, 9]  # the latest "2" wins
+    assert lookup([5, 6, 5], 4) == [6, 5]  # fewer tokens left than draft_len
+    assert lookup([7, 8, 9], 3) == [] and lookup([1], 3) == [] and lookup([], 3) == []
     assert pack_tree(3, [[4, 5, 1]], max_depth=2).tokens == [3, 4, 5]
     assert pack_tree(3, [[]], max_depth=4).tokens == [3]
     # from two tokens of context on: "2" alone has occurred before, "9 2" has not
-    assert prompt_lookup_draft([1, 2, 9, 7, 2, 8, 9, 2], 2, min_ngram=2) == []
-    assert prompt_lookup_draft([1, 2, 3, 4, 5, 1, 2, 3], 3, min_ngram=2) == [4, 5, 1]
+    assert lookup([1, 2, 9, 7, 2, 8, 9, 2], 2, min_ngram=2) == []
+    assert lookup([1, 2, 3, 4, 5, 1, 2, 3], 3, min_ngram=2) == [4, 5, 1]
+
+
+def scanned_lookup(tokens: list[int], draft_len: int, max_ngram: int, min_ngram: int) -> list[int]:
+    """The lookup by a scan of the whole context, longest n first, the latest occurrence that has a successor."""
+    for n in range(min(max_ngram, len(tokens) - 1), min_ngram - 1, -1):
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start : start + n] == tokens[-n:]:
+                return tokens[start + n : start + n + draft_len]
+    return []
+
+
+@pytest.mark.parametrize("max_ngram, min_ngram", [(3, 1), (3, 2), (4, 2)])
+def test_prompt_lookups_index_grows_with_the_context_and_matches_a_scan(max_ngram, min_ngram):
+    rng = np.random.default_rng(max_ngram + min_ngram)
+    tokens = rng.integers(0, 6, 40).tolist()  # a small vocabulary: many repeated n-grams
+    index = PromptLookup(max_ngram, min_ngram)
+    length = 1
+    while length <= len(tokens):  # the context grows by 1-4 tokens a call, as a verify step accepts drafts
+        context = tokens[:length]
+        assert index.draft(context, 4) == scanned_lookup(context, 4, max_ngram, min_ngram), length
+        length += int(rng.integers(1, 5))
 
 
 def test_ranked_drafts_take_the_chain_then_the_likeliest_head_prefixes_up_to_the_node_limit():
@@ -158,8 +183,11 @@ def test_greedy_speculative_output_equals_plain_greedy(plain, spec_engine_dir, o
     assert speculation.prompt_lookup_len == 4 and speculation.min_ngram == 2  # beams + a prompt-lookup beam
     assert speculation.min_draft_prob == 0.1  # the head's unlikely drafts are left out of the tree
     whole, limited = (LLM(spec_engine_dir, speculative_max_rows=None, max_verify_nodes=limit) for limit in (None, 3))
-    tree_sizes = []
-    verify = limited.engine.executor.verify
+    tree_sizes, drafted_rows, chains = [], [], []
+    verify, draft = limited.engine.executor.verify, limited.engine.executor.draft
+    lookup_chain = limited.engine._lookup_chain
+    limited.engine.executor.draft = lambda hidden, tokens: (drafted_rows.append(len(tokens)), draft(hidden, tokens))[1]
+    limited.engine._lookup_chain = lambda request, length: (chains.append(lookup_chain(request, length)), chains[-1])[1]
     limited.engine.executor.verify = lambda rows, trees, starts: (
         tree_sizes.extend(len(t) for t, _ in trees),
         verify(rows, trees, starts),
@@ -175,6 +203,9 @@ def test_greedy_speculative_output_equals_plain_greedy(plain, spec_engine_dir, o
         # interleave with verify steps), rows accept different numbers of drafts
         assert [o.token_ids for o in spec.generate(PROMPTS * 2, params)] == expected * 2
     assert max(tree_sizes) == 3  # the limit holds (outputs equal plain decoding with it, above)
+    # a lookup chain of 2 fills a 3-node tree: the head drafts only for the other rows
+    filled = sum(len(chain) >= 2 for chain in chains)
+    assert filled > 0 and sum(drafted_rows) == len(chains) - filled
     histogram = oracle.engine.speculation_stats.accepted_histogram
     assert oracle.engine.speculation_stats.mean_accepted > 2.0 and set(histogram) == {0, 1, 2, 3, 4}, histogram
 
