@@ -57,10 +57,14 @@ class CacheRows:
     def keep(self, row: int, start: int, nodes: list[int]) -> None:
         """A verify call wrote its tree's nodes at start + node index; keep the accepted `nodes` (root first, in path
         order) as the positions start, start + 1, ... Node indices only grow along a path, so no copy overwrites a
-        node still to be moved."""
-        source = [start + node for node in nodes]
+        node still to be moved. Leading nodes already in place (the root, and a chain packed first) are not copied:
+        a step that accepts nothing, or only those, copies nothing."""
+        moved = next((depth for depth, node in enumerate(nodes) if node != depth), len(nodes))
+        if moved == len(nodes):
+            return
+        source = [start + node for node in nodes[moved:]]
         for buffer in (self.keys[:, row], self.values[:, row]):  # [layers, kv_heads, positions, head_dim]
-            buffer[:, :, start : start + len(nodes)] = buffer[:, :, source]
+            buffer[:, :, start + moved : start + len(nodes)] = buffer[:, :, source]
 
     def copy_prefix(self, source_row: int, target_row: int, length: int) -> None:
         """Copy the K/V of positions [0, length) of one row into another (prefix caching)."""

@@ -60,6 +60,15 @@ def test_keep_moves_the_accepted_nodes_down_in_path_order():
     np.testing.assert_array_equal(cache.keys[:, 1, :, 1:4], contents[:, 1, :, [1, 3, 4]].transpose(1, 2, 0, 3))
     np.testing.assert_array_equal(cache.values[:, 1, :, 0], contents[:, 1, :, 0] + 1)  # before the tree: untouched
     np.testing.assert_array_equal(cache.keys[:, 0, :, :5], contents[:, 0])  # other rows untouched
+    # a path along the first nodes (a chain) is already in place: nothing moves
+    cache, contents = filled_cache()
+    cache.keep(1, 1, [0, 1, 2])
+    cache.keep(1, 4, [0])
+    np.testing.assert_array_equal(cache.keys[:, :2, :, :5], contents)
+    cache.keep(1, 1, [0, 1, 3])  # only the last node moves
+    np.testing.assert_array_equal(cache.keys[:, 1, :, 3], contents[:, 1, :, 4])
+    np.testing.assert_array_equal(cache.keys[:, 1, :, :3], contents[:, 1, :, :3])
+    np.testing.assert_array_equal(cache.values[:, 1, :, 3], contents[:, 1, :, 4] + 1)
 
 
 def test_copy_prefix_copies_the_first_positions_of_one_row_into_another():
