@@ -323,20 +323,25 @@ class LLMEngine:
     def _burst_steps(self, step) -> int:
         """How many decode calls this step may make in a row: more than one only where every row takes the step
         graph's argmax as its token (greedy, nothing adjusts the logits), no prompt is computed or waits for a row,
-        and the engine does not speculate; no more than any row has room for."""
+        and a speculative engine decodes plain in this step and the steps after it (its policy says for how many); no
+        more than any row has room for."""
         if (
             self.num_scheduler_steps < 2
             or not step.decode
             or step.prefill is not None
             or self.scheduler.waiting
-            or self.speculation is not None
+            or self._verifies_next
             or any(r.masked or not self.sampler.may_walk(r) for r in step.decode)
         ):
             return 1
         rooms = (
             min(r.params.max_tokens - len(r.output_token_ids), self.max_seq_len - r.num_tokens) for r in step.decode
         )
-        return min(self.num_scheduler_steps, *rooms)
+        most = min(self.num_scheduler_steps, *rooms)
+        if self.speculation is None:
+            return most
+        # the step after the burst is a step of its own: its hidden states are where drafting would start
+        return self.speculation_policy.plain_burst(len(step.decode), most)
 
     def _decode_burst(self, requests: list[Request], steps: int) -> list[TokenEvent]:
         """Up to `steps` greedy tokens for each request from decode calls in a row (Executor.decode_greedy), emitted
@@ -359,6 +364,8 @@ class LLMEngine:
                 if not request.finished:  # a stop string or the length limit ended it earlier in the burst
                     request.num_computed += 1
                     events.append(self._emit(request, token, None))
+        if self.speculation is not None:
+            self.speculation_stats.plain_rows += len(events)
         return events
 
     def _prefill(self, request: Request, count: int) -> Scored:

@@ -82,6 +82,21 @@ class SpeculationPolicy:
         retry.countdown = retry.interval
         return not better
 
+    def plain_burst(self, rows: int, most: int) -> int:
+        """How many decode calls in a row a step of `rows` rows that decodes plain may make: 1, or up to `most` where
+        the steps after it would decode plain too (the wait before the next retry of the other kind, taken now; a
+        burst of calls costs less per token than as many steps)."""
+        if self.max_rows is not None:
+            return most if rows > self.max_rows else 1
+        retry = self._retries.get(rows)
+        if retry is None or retry.choice is not False:
+            return 1
+        steps = min(most, retry.countdown - 1)
+        if steps < 2:
+            return 1
+        retry.countdown -= steps
+        return steps
+
     def record_plain(self, rows: int, seconds: float) -> None:
         self._plain.setdefault(rows, _Timed()).record(seconds)
 

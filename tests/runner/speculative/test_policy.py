@@ -44,3 +44,18 @@ def test_rows_counts_are_judged_apart_and_the_choice_follows_the_times():
     assert alone[4:] == ["verify"] * 16
     # the verify steps slow down (say, longer contexts): the choice turns
     assert choices(policy, 1, 30, plain_seconds=0.005, verify_seconds=0.020, emitted=2)[-10:] == ["plain"] * 10
+
+
+def test_a_plain_choice_lends_its_steps_up_to_the_next_retry_to_a_burst_of_decode_calls():
+    policy = SpeculationPolicy(explore_every=8, max_explore_every=8)
+    assert policy.plain_burst(4, 8) == 1  # nothing timed yet
+    # four rows: plain wins; 2 steps of each kind timed, then plain chosen with 7 more plain steps before the retry
+    assert choices(policy, 4, 5, plain_seconds=0.010, verify_seconds=0.025, emitted=4 * 2)[4] == "plain"
+    assert policy.plain_burst(4, 5) == 5 and policy.plain_burst(4, 5) == 1  # 2 left: a burst of 1 is no burst
+    then = choices(policy, 4, 3, plain_seconds=0.010, verify_seconds=0.025, emitted=4 * 2)
+    assert then == ["plain", "verify", "plain"]  # the retry comes when it would have
+    # where verifying wins there is no burst; a fixed row limit bursts the steps it keeps plain
+    assert choices(policy, 1, 5, plain_seconds=0.010, verify_seconds=0.011, emitted=2)[4] == "verify"
+    assert policy.plain_burst(1, 8) == 1
+    fixed = SpeculationPolicy(max_rows=2)
+    assert fixed.plain_burst(2, 8) == 1 and fixed.plain_burst(3, 8) == 8

@@ -233,12 +233,16 @@ def test_loaded_steps_decode_plain_and_speculation_resumes_when_load_drops(engin
         engine_factory("gqa", prefill_chunk=8, draft_head=tiny_draft_head[0], beam_width=3, draft_len=4),
         speculative_max_rows=1,
     )
+    bursts = []
+    decode_greedy = spec.engine.executor.decode_greedy
+    spec.engine.executor.decode_greedy = lambda rows, *args: (bursts.append(len(rows)), decode_greedy(rows, *args))[1]
     lengths = [8, 40, 12]  # the 40-token answer ends alone
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
     outputs = spec.generate(PROMPTS[:3], params)
     assert [o.token_ids for o in outputs] == [o.token_ids for o in plain.generate(PROMPTS[:3], params)]
     stats = spec.engine.speculation_stats
     assert stats.plain_rows > 0 and stats.verify_steps > 0
+    assert bursts and min(bursts) > 1  # plain steps of several rows ran as decode calls in a row
     assert stats.emitted_tokens + stats.plain_rows + 3 == sum(lengths)  # every token by one path (first ones: prefill)
     with pytest.raises(ValueError, match="speculative_max_rows"):
         LLM(engine_factory("gqa"), speculative_max_rows=0)
