@@ -90,8 +90,8 @@ class PromptLookup:
     """Prompt-lookup drafts over a growing token sequence (a request's prompt and output so far): the tokens that
     followed the latest earlier occurrence of the sequence's last n tokens, for the longest n from `max_ngram` down to
     `min_ngram` that occurs. An index of every n-gram's latest occurrence is brought up to date with the tokens
-    appended since the last call, so a step costs the same at any context length (a scan of the whole context took
-    0.08 ms a row at 100 tokens, 0.42 at 2,000 and 1.1 at 8,000, every step)."""
+    appended since the last call, so no step scans the context: 0.01 ms a row and step at 100 tokens, 0.025 at 8,000
+    (the engine's copy of the context included), where a scan took 0.08, 0.42 at 2,000 and 1.1 at 8,000."""
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
         self.sizes = range(max_ngram, min_ngram - 1, -1)  # longest first
