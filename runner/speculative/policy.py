@@ -14,10 +14,12 @@ list the lookup drafts copy, a poem the head cannot guess), and a recent mean th
 would stop verification for the easy answers after it, which no verify step would then measure.
 
 Each kind is tried at each row count before it is compared (the first timing of each is not kept: it includes
-binding the call's buffers), and the losing kind is retried after `explore_every` steps at that row count, so a
-change in load or context length is seen; each retry that confirms the choice doubles the wait (up to
-`max_explore_every`), since a retried loser costs its loss. Either choice emits the same tokens (verification is
-exact); only speed depends on it.
+binding the call's buffers), and nothing is compared before `min_verified_rows` rows have verified: a row emits 1 to
+draft_len + 1 tokens a verify step, and the first steps of an answer often accept nothing, so two steps that did not
+would stop verification for the next `explore_every` steps of an engine where it pays. The losing kind is retried
+after `explore_every` steps at that row count, so a change in load or context length is seen; each retry that
+confirms the choice doubles the wait (up to `max_explore_every`), since a retried loser costs its loss. Either
+choice emits the same tokens (verification is exact); only speed depends on it.
 """
 
 from __future__ import annotations
@@ -52,9 +54,10 @@ class _Timed:
 @dataclass
 class SpeculationPolicy:
     """`max_rows`: a fixed rule instead of the cost model: verify in steps of at most this many generating rows
-    (None: the cost model decides)."""
+    (None: the cost model decides). `min_verified_rows`: rows verified before tokens per verify step is trusted."""
 
     max_rows: int | None = None
+    min_verified_rows: int = 16
     explore_every: int = 32
     max_explore_every: int = 512
     verified_rows: int = 0  # rows of verify steps so far
@@ -68,8 +71,8 @@ class SpeculationPolicy:
         if self.max_rows is not None:
             return rows <= self.max_rows
         plain, verify = self._plain.setdefault(rows, _Timed()), self._verify.setdefault(rows, _Timed())
-        if plain.seconds is None or verify.seconds is None or self.tokens_per_verify is None:
-            return plain.seconds is not None  # each kind timed twice, plain first
+        if plain.seconds is None or verify.seconds is None or self.verified_rows < self.min_verified_rows:
+            return plain.seconds is not None  # each kind timed twice, plain first, then verify to the minimum
         better = self.tokens_per_verify / verify.seconds > 1.0 / plain.seconds
         retry = self._retries.setdefault(rows, _Retry(self.explore_every, self.explore_every))
         if retry.choice is not None and retry.choice != better:  # the choice turned: watch closely again

@@ -24,7 +24,7 @@ def test_a_fixed_row_limit_ignores_times():
 
 
 def test_each_kind_is_timed_twice_then_the_faster_is_kept_and_the_other_retried_ever_less_often():
-    policy = SpeculationPolicy(explore_every=8, max_explore_every=16)
+    policy = SpeculationPolicy(explore_every=8, max_explore_every=16, min_verified_rows=2)
     # verify: 2 tokens per row in 15 ms; plain: 1 in 10 ms -> verifying emits 1.33x the tokens per second
     chosen = choices(policy, 1, 60, plain_seconds=0.010, verify_seconds=0.015, emitted=2)
     assert chosen[:4] == ["plain", "plain", "verify", "verify"]
@@ -34,8 +34,20 @@ def test_each_kind_is_timed_twice_then_the_faster_is_kept_and_the_other_retried_
     assert policy.estimates()[1] == {"plain_seconds": 0.010, "verify_seconds": 0.015}
 
 
+def test_verification_is_judged_only_once_enough_rows_have_verified():
+    policy = SpeculationPolicy(explore_every=1000, min_verified_rows=6)
+    # the first verify steps accept nothing (1 token a row): verifying would lose, but 2 steps of 2 rows are too few
+    early = choices(policy, 2, 4, plain_seconds=0.010, verify_seconds=0.012, emitted=2)
+    assert early == ["plain", "plain", "verify", "verify"] and policy.verifies(2)
+    policy.record_verify(2, 0.012, 2 * 3)  # then a step accepts 2 drafts a row: 10 tokens in 6 rows now
+    assert policy.tokens_per_verify == 10 / 6 and policy.verifies(2)  # 1.67 tokens in 1.2x the time: verify pays
+    # with the same 2 steps that accept nothing and no minimum, the policy turns to plain at once
+    hasty = SpeculationPolicy(explore_every=1000, min_verified_rows=1)
+    assert choices(hasty, 2, 5, plain_seconds=0.010, verify_seconds=0.012, emitted=2)[4] == "plain"
+
+
 def test_rows_counts_are_judged_apart_and_the_choice_follows_the_times():
-    policy = SpeculationPolicy(explore_every=1000)
+    policy = SpeculationPolicy(explore_every=1000, min_verified_rows=2)
     # four rows: a verify step (1.8 tokens a row) costs 2.5x a decode step -> plain wins
     loaded = choices(policy, 4, 20, plain_seconds=0.010, verify_seconds=0.025, emitted=4 * 2)
     assert loaded[4:] == ["plain"] * 16
@@ -47,7 +59,7 @@ def test_rows_counts_are_judged_apart_and_the_choice_follows_the_times():
 
 
 def test_a_plain_choice_lends_its_steps_up_to_the_next_retry_to_a_burst_of_decode_calls():
-    policy = SpeculationPolicy(explore_every=8, max_explore_every=8)
+    policy = SpeculationPolicy(explore_every=8, max_explore_every=8, min_verified_rows=2)
     assert policy.plain_burst(4, 8) == 1  # nothing timed yet
     # four rows: plain wins; 2 steps of each kind timed, then plain chosen with 7 more plain steps before the retry
     assert choices(policy, 4, 5, plain_seconds=0.010, verify_seconds=0.025, emitted=4 * 2)[4] == "plain"
