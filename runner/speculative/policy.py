@@ -13,6 +13,13 @@ Tokens per verify step is the mean since the engine started, not a recent one: a
 list the lookup drafts copy, a poem the head cannot guess), and a recent mean that fell during one hard answer
 would stop verification for the easy answers after it, which no verify step would then measure.
 
+A ReDrafter head's training record gives what to expect before anything is measured: its tokens per verify step on
+held-out prompts, which the measured mean starts from as if `prior_rows` rows had emitted it. The verify steps an
+engine times first are few and not a fair sample (consecutive steps of one answer's opening, which often accept
+nothing), and on a mean of those alone verification can lose its place, then be retried ever less often, each retry
+moving the mean little (on the Zen 3 VM, one benchmark run of six kept an int4 ReDrafter engine plain through 20
+answers that way: 24 verify steps in all, 20 of them at openings that accepted nothing).
+
 Each kind is tried at each row count before it is compared (the first timing of each is not kept: it includes
 binding the call's buffers), and nothing is compared before `min_verified_rows` rows have verified: a row emits 1 to
 draft_len + 1 tokens a verify step, and the first steps of an answer often accept nothing, so two steps that did not
@@ -58,6 +65,8 @@ class SpeculationPolicy:
 
     max_rows: int | None = None
     min_verified_rows: int = 16
+    prior_tokens_per_verify: float | None = None  # expected before any verify step (None: nothing expected)
+    prior_rows: int = 32  # the weight of that expectation, in verified rows
     explore_every: int = 32
     max_explore_every: int = 512
     verified_rows: int = 0  # rows of verify steps so far
@@ -111,8 +120,11 @@ class SpeculationPolicy:
 
     @property
     def tokens_per_verify(self) -> float | None:
-        """Tokens a row emits per verify step, over every verify step so far."""
-        return self.verified_tokens / self.verified_rows if self.verified_rows else None
+        """Tokens a row emits per verify step, over every verify step so far and the prior."""
+        prior_rows = self.prior_rows if self.prior_tokens_per_verify is not None else 0
+        rows = self.verified_rows + prior_rows
+        tokens = self.verified_tokens + prior_rows * (self.prior_tokens_per_verify or 0.0)
+        return tokens / rows if rows else None
 
     def estimates(self) -> dict[int, dict[str, float | None]]:
         """Per row count: the moving averages the choice compares (for reports and /metrics)."""
@@ -123,3 +135,11 @@ class SpeculationPolicy:
             }
             for rows in sorted(set(self._plain) | set(self._verify))
         }
+
+
+def head_tokens_per_verify(speculation) -> float | None:
+    """A ReDrafter head's tokens per verify step on its validation prompts, for the engine's beams and draft length,
+    as its training record gives them (the head's own beams; prompt lookup adds to that at run time); None where the
+    record has none (other methods, heads trained before it was kept)."""
+    record = (speculation.head or {}).get("validation_tokens_per_step", {})
+    return record.get(f"beams{speculation.beam_width}_len{speculation.draft_len}")

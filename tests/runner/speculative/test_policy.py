@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from runner.speculative.policy import SpeculationPolicy
+from engines.format import SpeculationMethod, SpeculationSpec
+from runner.speculative.policy import SpeculationPolicy, head_tokens_per_verify
 
 
 def choices(policy: SpeculationPolicy, rows: int, steps: int, plain_seconds: float, verify_seconds: float, emitted):
@@ -44,6 +45,26 @@ def test_verification_is_judged_only_once_enough_rows_have_verified():
     # with the same 2 steps that accept nothing and no minimum, the policy turns to plain at once
     hasty = SpeculationPolicy(explore_every=1000, min_verified_rows=1)
     assert choices(hasty, 2, 5, plain_seconds=0.010, verify_seconds=0.012, emitted=2)[4] == "plain"
+
+
+def test_the_heads_expected_tokens_per_verify_step_outweigh_an_opening_that_accepts_nothing():
+    # 16 rows that emit 1 token each, verify steps taking 1.2x a decode step's time
+    informed = SpeculationPolicy(explore_every=1000, prior_tokens_per_verify=2.0, prior_rows=32)
+    assert informed.tokens_per_verify == 2.0
+    assert choices(informed, 1, 19, plain_seconds=0.010, verify_seconds=0.012, emitted=1)[-1] == "verify"
+    assert informed.tokens_per_verify == (2.0 * 32 + 17) / (32 + 17)
+    # the measured mean decides in the end: the same steps for long enough turn the choice to plain
+    assert choices(informed, 1, 200, plain_seconds=0.010, verify_seconds=0.012, emitted=1)[-1] == "plain"
+    uninformed = SpeculationPolicy(explore_every=1000)
+    assert choices(uninformed, 1, 19, plain_seconds=0.010, verify_seconds=0.012, emitted=1)[-1] == "plain"
+
+
+def test_the_expectation_comes_from_the_heads_training_record_for_the_engines_tree_shape():
+    record = {"validation_tokens_per_step": {"beams2_len2": 1.88, "beams3_len4": 2.17}}
+    spec = SpeculationSpec(SpeculationMethod.REDRAFTER, draft_len=2, max_tree_nodes=9, beam_width=2, head=record)
+    assert head_tokens_per_verify(spec) == 1.88
+    assert head_tokens_per_verify(SpeculationSpec(SpeculationMethod.REDRAFTER, 3, 9, beam_width=2, head=record)) is None
+    assert head_tokens_per_verify(SpeculationSpec(SpeculationMethod.PROMPT_LOOKUP, 4, 5)) is None
 
 
 def test_rows_counts_are_judged_apart_and_the_choice_follows_the_times():
