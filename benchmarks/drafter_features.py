@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.provenance import source_commit  # noqa: E402
+from engines.format import tree_shape_key  # noqa: E402
 
 
 def layer_traces(target, prompts: list[str], max_new_tokens: int, layers: list[int], batch: int):
@@ -98,7 +99,7 @@ def train_and_measure(head, inputs_of, train, held, draft_ids, draft_table, opti
     with torch.no_grad():
         projected = inputs_of(hidden)
     table = {
-        f"beams{w}_len{k}": round(
+        tree_shape_key(w, k): round(
             1.0 + accepted_drafts(recurrent, projected, inputs, labels, w, k).float().mean().item(), 3
         )
         for w, k in ((1, 1), (2, 2), (3, 2), (2, 3), (3, 4), (4, 4))

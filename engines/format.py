@@ -204,6 +204,18 @@ class SpeculationSpec:
         """Its fields that are set, the head's training record aside (for reports)."""
         return {k: v for k, v in asdict(self).items() if v is not None and k != "head"}
 
+    def head_tokens_per_verify(self) -> float | None:
+        """A ReDrafter head's tokens per verify step on its validation prompts, for these beams and draft length, as its
+        training record gives them (the head's own beams; prompt lookup adds to that at run time); None where the
+        record has none (other methods, heads trained before it was kept)."""
+        record = (self.head or {}).get("validation_tokens_per_step", {})
+        return record.get(tree_shape_key(self.beam_width, self.draft_len))
+
+
+def tree_shape_key(beams: int, draft_len: int) -> str:
+    """How a draft head's training record names a tree of `beams` beams of `draft_len` drafts."""
+    return f"beams{beams}_len{draft_len}"
+
 
 @dataclass(frozen=True)
 class ShardSpec:

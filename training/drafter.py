@@ -43,6 +43,7 @@ import torch
 
 from builder.speculation.draft_head import BeamSearchDrafter, DraftHead, DraftHeadConfig, save_draft_head
 from builder.speculation.drafter_prompts import drafter_prompts, validation_prompts
+from engines.format import tree_shape_key
 
 IGNORE = -100
 
@@ -421,9 +422,9 @@ def train_drafter(options: DrafterTrainingOptions, log: Callable[[str], None] = 
     accepted = {
         (w, k): accepted_drafts(head, *held_split, w, k) for w in (1, 2, 3, 4) for k in range(1, options.horizon + 1)
     }
-    acceptance = {f"beams{w}_len{k}": round(1.0 + a.float().mean().item(), 3) for (w, k), a in accepted.items()}
+    acceptance = {tree_shape_key(w, k): round(1.0 + a.float().mean().item(), 3) for (w, k), a in accepted.items()}
     per_depth = {
-        f"beams{w}_len{options.horizon}": acceptance_by_depth(accepted[w, options.horizon], options.horizon)
+        tree_shape_key(w, options.horizon): acceptance_by_depth(accepted[w, options.horizon], options.horizon)
         for w in (1, 2, 3, 4)
     }
     facts = {

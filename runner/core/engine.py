@@ -26,7 +26,7 @@ from runner.sampling.logprobs import TokenLogprob, token_logprobs
 from runner.sampling.params import SamplingParams
 from runner.sampling.structured import GrammarCompiler, TokenConstraint
 from runner.speculative.drafts import PromptLookup, SpeculationStats, TokenTree, pack_tree, ranked_drafts
-from runner.speculative.policy import SpeculationPolicy, head_tokens_per_verify
+from runner.speculative.policy import SpeculationPolicy
 
 
 class PromptError(ValueError):
@@ -101,7 +101,7 @@ class LLMEngine:
         fixed_rows = {"auto": None, None: rows}.get(args.speculative_max_rows, args.speculative_max_rows)
         self.speculation_policy = SpeculationPolicy(
             max_rows=fixed_rows,
-            prior_tokens_per_verify=None if self.speculation is None else head_tokens_per_verify(self.speculation),
+            prior_tokens_per_verify=None if self.speculation is None else self.speculation.head_tokens_per_verify(),
         )
         self._verifies_next = False  # whether drafts were made for the next step (the policy's choice)
         self._draft_seconds = 0.0  # the time drafting for the next step took (part of its cost)

@@ -121,9 +121,9 @@ class SpeculationPolicy:
     @property
     def tokens_per_verify(self) -> float | None:
         """Tokens a row emits per verify step, over every verify step so far and the prior."""
-        prior_rows = self.prior_rows if self.prior_tokens_per_verify is not None else 0
-        rows = self.verified_rows + prior_rows
-        tokens = self.verified_tokens + prior_rows * (self.prior_tokens_per_verify or 0.0)
+        rows, tokens = self.verified_rows, self.verified_tokens
+        if self.prior_tokens_per_verify is not None:
+            rows, tokens = rows + self.prior_rows, tokens + self.prior_rows * self.prior_tokens_per_verify
         return tokens / rows if rows else None
 
     def estimates(self) -> dict[int, dict[str, float | None]]:
@@ -135,11 +135,3 @@ class SpeculationPolicy:
             }
             for rows in sorted(set(self._plain) | set(self._verify))
         }
-
-
-def head_tokens_per_verify(speculation) -> float | None:
-    """A ReDrafter head's tokens per verify step on its validation prompts, for the engine's beams and draft length,
-    as its training record gives them (the head's own beams; prompt lookup adds to that at run time); None where the
-    record has none (other methods, heads trained before it was kept)."""
-    record = (speculation.head or {}).get("validation_tokens_per_step", {})
-    return record.get(f"beams{speculation.beam_width}_len{speculation.draft_len}")

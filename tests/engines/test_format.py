@@ -124,3 +124,13 @@ def test_typed_sections_round_trip_through_json_and_report_what_is_set():
     assert "head" not in speculation.facts() and speculation.facts()["graph"] == "draft"
     with pytest.raises(ValueError, match="'rtn4'"):
         QuantizationSpec.from_dict({"method": "rtn4"})
+
+
+def test_a_heads_expected_tokens_per_verify_step_is_read_for_the_engines_tree_shape():
+    record = {"validation_tokens_per_step": {"beams2_len2": 1.88, "beams3_len4": 2.17}}
+    two_by_two, two_by_three = (
+        SpeculationSpec(SpeculationMethod.REDRAFTER, draft_len=k, max_tree_nodes=9, beam_width=2, head=record)
+        for k in (2, 3)
+    )
+    assert two_by_two.head_tokens_per_verify() == 1.88 and two_by_three.head_tokens_per_verify() is None
+    assert SpeculationSpec(SpeculationMethod.PROMPT_LOOKUP, 4, 5).head_tokens_per_verify() is None

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from engines.format import SpeculationMethod, SpeculationSpec
-from runner.speculative.policy import SpeculationPolicy, head_tokens_per_verify
+from runner.speculative.policy import SpeculationPolicy
 
 
 def choices(policy: SpeculationPolicy, rows: int, steps: int, plain_seconds: float, verify_seconds: float, emitted):
@@ -57,14 +56,6 @@ def test_the_heads_expected_tokens_per_verify_step_outweigh_an_opening_that_acce
     assert choices(informed, 1, 200, plain_seconds=0.010, verify_seconds=0.012, emitted=1)[-1] == "plain"
     uninformed = SpeculationPolicy(explore_every=1000)
     assert choices(uninformed, 1, 19, plain_seconds=0.010, verify_seconds=0.012, emitted=1)[-1] == "plain"
-
-
-def test_the_expectation_comes_from_the_heads_training_record_for_the_engines_tree_shape():
-    record = {"validation_tokens_per_step": {"beams2_len2": 1.88, "beams3_len4": 2.17}}
-    spec = SpeculationSpec(SpeculationMethod.REDRAFTER, draft_len=2, max_tree_nodes=9, beam_width=2, head=record)
-    assert head_tokens_per_verify(spec) == 1.88
-    assert head_tokens_per_verify(SpeculationSpec(SpeculationMethod.REDRAFTER, 3, 9, beam_width=2, head=record)) is None
-    assert head_tokens_per_verify(SpeculationSpec(SpeculationMethod.PROMPT_LOOKUP, 4, 5)) is None
 
 
 def test_rows_counts_are_judged_apart_and_the_choice_follows_the_times():

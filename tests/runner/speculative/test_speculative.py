@@ -262,6 +262,7 @@ def test_the_cost_model_picks_each_steps_kind_from_measured_times_and_keeps_plai
     stats, policy = spec.engine.speculation_stats, spec.engine.speculation_policy
     assert stats.plain_rows > 0 and stats.verify_steps > 0  # each kind is timed before they are compared
     assert stats.emitted_tokens + stats.plain_rows + 3 == sum(lengths)
+    assert policy.prior_tokens_per_verify == spec.engine.speculation.head["validation_tokens_per_step"]["beams3_len4"]
     timed = policy.estimates()
     assert timed[1]["plain_seconds"] > 0 and timed[1]["verify_seconds"] > 0 and policy.tokens_per_verify >= 1
 
