@@ -259,9 +259,10 @@ SERVED_ENGINE_OPTIONS = [
         type=click.IntRange(min=0),
         default=None,
         help="The most nodes (root included) of a speculative engine's draft trees; 0: the engine's whole "
-        "trees. Default: for an fp32 target, the tokens this CPU's fp32 matmul kernel takes in one "
-        "pass over the weights (6 on x86-64 with AVX2 or AVX-512: a 7th costs a second pass); for an int4 "
-        "target on a CPU without VNNI, the 4 rows of our kernels' AVX2 tiles.",
+        "trees. Default: the rows verified together share the tokens the target's matmul kernel takes in one "
+        "pass over the weights (fp32: 6 on x86-64 with AVX2 or AVX-512, a 7th costs a second pass; int4 on a CPU "
+        "without VNNI: the 4 rows of our kernels' AVX2 tiles): one row's tree has them all, two rows' trees half "
+        "each, and steps whose trees would have no room for a draft decode plain.",
     ),
     click.option(
         "--shared-prefill-chunk",
@@ -366,8 +367,10 @@ def open_served_engine(
     if llm_engine.executor.min_rows > 1:
         click.echo(PADDED_ROWS_NOTE, err=True)
     if llm_engine.speculation is not None and llm_engine.max_verify_nodes is not None:
+        shared = llm_engine.speculation_policy.call_tokens is not None
         click.echo(
-            f"note: draft trees of at most {llm_engine.max_verify_nodes} nodes (a verify call past the matmul "
+            f"note: draft trees of at most {llm_engine.max_verify_nodes} nodes"
+            f"{', shared by the rows verified together' if shared else ''} (a verify call past the matmul "
             "kernel's pass costs a second one; --max-verify-nodes 0: the engine's whole trees)",
             err=True,
         )

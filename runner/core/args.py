@@ -39,13 +39,15 @@ class EngineArgs:
     running request (runner/core/prefix_cache.py).
     `speculative_max_rows`: "auto": a speculative engine verifies drafts in a step where its measured step times
     say that emits more tokens per second than a plain decode step (runner/speculative/policy.py); N: in steps with
-    at most N generating rows; None: in every step.
+    at most N generating rows; None: in every step (whose trees have room for a draft, see `max_verify_nodes`).
     `chat_template`: a Jinja chat template used instead of the artifact's (vLLM's --chat-template).
     `generation_config`: see GenerationConfig.
     `max_model_len`: serve shorter sequences (prompt + output) than the engine was built for (vLLM's flag).
     `max_verify_nodes`: a speculative engine's draft trees have at most this many nodes, root included (None: as
-    many as the engine was built for; "auto": the tokens the target's matmul kernel takes in one pass over the weights
-    on this CPU where that is measured to pay, see engine.verify_node_limit).
+    many as the engine was built for; "auto": the rows verified together share the tokens the target's matmul kernel
+    takes in one pass over the weights on this CPU where that is measured to pay, see engine.matmul_rows_per_pass:
+    one row's tree has them all, two rows' trees half each, and a step whose trees would have no room for a draft
+    decodes plain).
     `shared_prefill_chunk`: prompt tokens per step while other requests generate (they wait for each chunk), at most
     the engine's largest chunk, which a prompt takes while none does (None: always the largest).
     `num_scheduler_steps`: the most decode calls a step makes in a row where every row is a plain greedy one and

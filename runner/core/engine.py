@@ -99,22 +99,24 @@ class LLMEngine:
         self.speculative_max_rows = args.speculative_max_rows
         # "auto": the cost model decides each step; None: every step verifies (no step has more rows than the cache)
         fixed_rows = {"auto": None, None: rows}.get(args.speculative_max_rows, args.speculative_max_rows)
+        # "auto": the tokens of a verify call, all rows' trees together, are kept within the target's matmul pass
+        call_tokens = None
+        if args.max_verify_nodes == "auto":
+            tiles = getattr(backend, "quantized_matmul_tiles", None)
+            call_tokens = matmul_rows_per_pass(manifest.quantization, backend.provider, tiles)
         self.speculation_policy = SpeculationPolicy(
             max_rows=fixed_rows,
+            call_tokens=call_tokens,
+            max_tree_nodes=None if args.max_verify_nodes == "auto" else args.max_verify_nodes,
             prior_tokens_per_verify=None if self.speculation is None else self.speculation.head_tokens_per_verify(),
         )
         self._verifies_next = False  # whether drafts were made for the next step (the policy's choice)
         self._draft_seconds = 0.0  # the time drafting for the next step took (part of its cost)
-        max_verify_nodes = args.max_verify_nodes
-        if max_verify_nodes == "auto":
-            tiles = getattr(backend, "quantized_matmul_tiles", None)
-            max_verify_nodes = verify_node_limit(manifest.quantization, backend.provider, tiles)
-        self.max_verify_nodes = max_verify_nodes
         self.draft_model = None  # draft-model engines: the draft model, an engine of its own (draft_model.py)
         if self.speculation is not None and self.speculation.method == SpeculationMethod.DRAFT_MODEL:
             draft_len = self.speculation.draft_len
-            if max_verify_nodes is not None:
-                draft_len = min(draft_len, max_verify_nodes - 1)
+            if self.max_verify_nodes is not None:
+                draft_len = min(draft_len, self.max_verify_nodes - 1)
             self.draft_model = DraftModel(
                 self.artifact.path(self.speculation.engine), draft_len, args.threads, args.verify_checksums
             )
@@ -123,6 +125,12 @@ class LLMEngine:
         self._grammars: GrammarCompiler | None = None  # made on the first structured-output request
         self._grammars_lock = threading.Lock()  # requests are made on the server's threads
         self._grammar_timeout = args.grammar_timeout
+
+    @property
+    def max_verify_nodes(self) -> int | None:
+        """The most nodes, root included, of a draft tree when one row verifies (None: the engine's trees whole);
+        rows verified together share a matmul pass's tokens (SpeculationPolicy.tree_nodes)."""
+        return self.speculation_policy.tree_nodes(1)
 
     @property
     def max_seq_len(self) -> int:
@@ -442,6 +450,7 @@ class LLMEngine:
         tokens (prompt lookup)."""
         for request, _ in requests:
             request.drafts = []
+        tree_nodes = self.speculation_policy.tree_nodes(len(requests))  # the rows the next step verifies
         # a masked request's tree gets its masks on the logits (`_verify`), which would change the logprobs it asked
         # for (those are the model's own): such a request goes without drafts
         requests = [(r, hidden) for r, hidden in requests if not (r.masked and r.params.logprobs is not None)]
@@ -457,7 +466,7 @@ class LLMEngine:
             chains = self.draft_model.draft([request for request, _ in requests])
         elif spec.method == SpeculationMethod.REDRAFTER:
             # the chain ranks first, so a chain that fills the tree leaves no node to the head: no draft call for it
-            headed = [i for i, chain in enumerate(chains) if not self._fills_tree(chain)]
+            headed = [i for i, chain in enumerate(chains) if tree_nodes is None or len(chain) + 1 < tree_nodes]
             if headed:
                 drafted = self.executor.draft(
                     np.stack([requests[i][1] for i in headed]), [requests[i][0].output_token_ids[-1] for i in headed]
@@ -470,7 +479,7 @@ class LLMEngine:
                 beams[index],
                 scores[index],
                 spec.min_draft_prob,
-                self.max_verify_nodes,
+                tree_nodes,
             )
             if request.masked:  # a grammar or bad words: a draft ends where they stop allowing it
                 request.drafts = [request.draft_prefix(list(beam)) for beam in request.drafts]
@@ -483,9 +492,6 @@ class LLMEngine:
         if request.lookup is None:
             request.lookup = PromptLookup(self.speculation.max_ngram, self.speculation.min_ngram)
         return request.lookup.draft(request.prompt_token_ids + request.output_token_ids, lookup_len)
-
-    def _fills_tree(self, chain: list[int]) -> bool:
-        return self.max_verify_nodes is not None and len(chain) + 1 >= self.max_verify_nodes
 
     def _emit(self, request: Request, token: int, logprob: TokenLogprob | None) -> TokenEvent:
         """Append a chosen token: logprobs, detokenization, stop strings/tokens and length limits."""
@@ -541,12 +547,15 @@ class LLMEngine:
             yield from self.step()
 
 
-def verify_node_limit(quantization: QuantizationSpec, provider: str, quantized_tiles: str | None = None) -> int | None:
-    """The most nodes a draft tree should have on this CPU: the tokens the target's matmul kernel multiplies in one
-    pass over the weights, beyond which a verify call makes a second pass. fp32: onnxruntime's matmul kernel
-    (runner/core/machine.py, docs/measurements.md); our quantized kernels on their AVX2 tiles (`quantized_tiles`, as
-    the engine's kernel library reports them): 4 rows. None for other quantized kernels (our VNNI tiles, onnxruntime's
-    MatMulNBits: a limit there is not measured to pay), on GPUs and on CPUs not measured."""
+def matmul_rows_per_pass(
+    quantization: QuantizationSpec, provider: str, quantized_tiles: str | None = None
+) -> int | None:
+    """The most tokens a verify call should score on this CPU, all rows' trees together: the rows of activations the
+    target's matmul kernel multiplies in one pass over the weights, beyond which it makes a second pass. fp32:
+    onnxruntime's matmul kernel (runner/core/machine.py, docs/measurements.md); our quantized kernels on their AVX2
+    tiles (`quantized_tiles`, as the engine's kernel library reports them): 4 rows. None for other quantized kernels
+    (our VNNI tiles, onnxruntime's MatMulNBits: a limit there is not measured to pay), on GPUs and on CPUs not
+    measured."""
     if provider != "CPUExecutionProvider":
         return None
     if quantization.method == QuantMethod.NONE:

@@ -74,6 +74,7 @@ def test_speculative_engines_draft_constrained_requests_with_a_mask_per_tree_nod
     spec = LLM(
         engine_factory("gqa", prefill_chunk=8, draft_model="gqa", draft_len=3, draft_quant="none"),
         speculative_max_rows=None,
+        max_verify_nodes=None,  # whole trees for both rows
     )
     prompts = ["hello hello hello", "The quick brown fox"]
     pattern = r"[^0-9]{0,30}[0-9]"

@@ -30,8 +30,13 @@ def test_each_kind_is_timed_twice_then_the_faster_is_kept_and_the_other_retried_
     assert chosen[:4] == ["plain", "plain", "verify", "verify"]
     # retried after 8 comparisons, then after 16, 16 (each retry confirmed the choice)
     assert [i + 1 for i, kind in enumerate(chosen) if kind == "plain"] == [1, 2, 12, 28, 44, 60]
-    assert policy.tokens_per_verify == 2.0
-    assert policy.estimates()[1] == {"plain_seconds": 0.010, "verify_seconds": 0.015}
+    assert policy.tokens_per_verify() == 2.0
+    assert policy.estimates()[1] == {
+        "tree_nodes": None,
+        "plain_seconds": 0.010,
+        "verify_seconds": 0.015,
+        "tokens_per_verify": 2.0,
+    }
 
 
 def test_verification_is_judged_only_once_enough_rows_have_verified():
@@ -40,7 +45,7 @@ def test_verification_is_judged_only_once_enough_rows_have_verified():
     early = choices(policy, 2, 4, plain_seconds=0.010, verify_seconds=0.012, emitted=2)
     assert early == ["plain", "plain", "verify", "verify"] and policy.verifies(2)
     policy.record_verify(2, 0.012, 2 * 3)  # then a step accepts 2 drafts a row: 10 tokens in 6 rows now
-    assert policy.tokens_per_verify == 10 / 6 and policy.verifies(2)  # 1.67 tokens in 1.2x the time: verify pays
+    assert policy.tokens_per_verify(2) == 10 / 6 and policy.verifies(2)  # 1.67 tokens in 1.2x the time: verify pays
     # with the same 2 steps that accept nothing and no minimum, the policy turns to plain at once
     hasty = SpeculationPolicy(explore_every=1000, min_verified_rows=1)
     assert choices(hasty, 2, 5, plain_seconds=0.010, verify_seconds=0.012, emitted=2)[4] == "plain"
@@ -49,9 +54,9 @@ def test_verification_is_judged_only_once_enough_rows_have_verified():
 def test_the_heads_expected_tokens_per_verify_step_outweigh_an_opening_that_accepts_nothing():
     # 16 rows that emit 1 token each, verify steps taking 1.2x a decode step's time
     informed = SpeculationPolicy(explore_every=1000, prior_tokens_per_verify=2.0, prior_rows=32)
-    assert informed.tokens_per_verify == 2.0
+    assert informed.tokens_per_verify() == 2.0
     assert choices(informed, 1, 19, plain_seconds=0.010, verify_seconds=0.012, emitted=1)[-1] == "verify"
-    assert informed.tokens_per_verify == (2.0 * 32 + 17) / (32 + 17)
+    assert informed.tokens_per_verify() == (2.0 * 32 + 17) / (32 + 17)
     # the measured mean decides in the end: the same steps for long enough turn the choice to plain
     assert choices(informed, 1, 200, plain_seconds=0.010, verify_seconds=0.012, emitted=1)[-1] == "plain"
     uninformed = SpeculationPolicy(explore_every=1000)
@@ -83,3 +88,24 @@ def test_a_plain_choice_lends_its_steps_up_to_the_next_retry_to_a_burst_of_decod
     assert policy.plain_burst(1, 8) == 1
     fixed = SpeculationPolicy(max_rows=2)
     assert fixed.plain_burst(2, 8) == 1 and fixed.plain_burst(3, 8) == 8
+
+
+def test_rows_verified_together_share_a_calls_tokens_and_a_tree_without_room_for_a_draft_decodes_plain():
+    policy = SpeculationPolicy(call_tokens=6, min_verified_rows=2)
+    assert [policy.tree_nodes(rows) for rows in (1, 2, 3, 4)] == [6, 3, 2, 1]
+    assert not policy.verifies(4) and policy.plain_burst(4, 8) == 8  # plain without timing anything
+    assert not SpeculationPolicy(max_rows=None, call_tokens=4).can_verify(3)
+    assert SpeculationPolicy(max_tree_nodes=4).tree_nodes(8) == 4  # a fixed limit holds at every row count
+    assert SpeculationPolicy().tree_nodes(8) is None and SpeculationPolicy().can_verify(8)
+
+
+def test_tokens_per_verify_step_is_kept_per_tree_size_and_the_prior_is_one_rows_trees():
+    policy = SpeculationPolicy(call_tokens=4, prior_tokens_per_verify=2.0, prior_rows=32, explore_every=1000)
+    assert policy.tokens_per_verify(1) == 2.0 and policy.tokens_per_verify(2) is None  # 2-node trees: nothing known
+    # two rows of 2-node trees: 1.5 tokens a row, in 1.3x a decode step of two rows -> verifying pays (1.15x)
+    chosen = choices(policy, 2, 24, plain_seconds=0.010, verify_seconds=0.013, emitted=3)
+    assert chosen[:4] == ["plain", "plain", "verify", "verify"] and chosen[-1] == "verify"
+    assert policy.tokens_per_verify(2) == 1.5 and policy.tokens_per_verify(1) == 2.0  # one row's mean untouched
+    policy.record_verify(1, 0.010, 1)
+    assert policy.tokens_per_verify(1) == (64 + 1) / 33
+    assert policy.estimates()[2]["tree_nodes"] == 2 and policy.estimates()[2]["tokens_per_verify"] == 1.5

@@ -10,7 +10,7 @@ from scipy import stats
 
 from engines.format import QuantizationSpec, QuantMethod
 from runner import LLM, SamplingParams
-from runner.core.engine import verify_node_limit
+from runner.core.engine import matmul_rows_per_pass
 from runner.core.machine import fp32_matmul_rows_per_pass
 from runner.sampling.bad_words import BadWords
 from runner.speculative.drafts import PromptLookup, pack_tree, ranked_drafts
@@ -97,11 +97,11 @@ def test_the_node_limit_follows_the_fp32_matmul_kernels_pass():
     assert fp32_matmul_rows_per_pass({"avx2", "fma", "avx512f"}) == 6  # 12 per pass only from 12 rows on
     assert fp32_matmul_rows_per_pass({"sse2"}) is None and fp32_matmul_rows_per_pass(set()) is None  # not measured
     int4 = QuantizationSpec(QuantMethod.RTN, bits=4)
-    assert verify_node_limit(int4, "CPUExecutionProvider") is None  # onnxruntime's MatMulNBits
-    assert verify_node_limit(int4, "CPUExecutionProvider", "avx2") == 4  # our kernels' AVX2 tiles: 4 rows a pass
-    assert verify_node_limit(int4, "CPUExecutionProvider", "avx512vnni") is None  # not measured to pay
-    assert verify_node_limit(int4, "CUDAExecutionProvider", "avx2") is None
-    assert verify_node_limit(QuantizationSpec(), "CUDAExecutionProvider") is None
+    assert matmul_rows_per_pass(int4, "CPUExecutionProvider") is None  # onnxruntime's MatMulNBits
+    assert matmul_rows_per_pass(int4, "CPUExecutionProvider", "avx2") == 4  # our kernels' AVX2 tiles: 4 rows a pass
+    assert matmul_rows_per_pass(int4, "CPUExecutionProvider", "avx512vnni") is None  # not measured to pay
+    assert matmul_rows_per_pass(int4, "CUDAExecutionProvider", "avx2") is None
+    assert matmul_rows_per_pass(QuantizationSpec(), "CUDAExecutionProvider") is None
 
 
 @pytest.fixture(scope="module")
@@ -264,7 +264,7 @@ def test_the_cost_model_picks_each_steps_kind_from_measured_times_and_keeps_plai
     assert stats.emitted_tokens + stats.plain_rows + 3 == sum(lengths)
     assert policy.prior_tokens_per_verify == spec.engine.speculation.head["validation_tokens_per_step"]["beams3_len4"]
     timed = policy.estimates()
-    assert timed[1]["plain_seconds"] > 0 and timed[1]["verify_seconds"] > 0 and policy.tokens_per_verify >= 1
+    assert timed[1]["plain_seconds"] > 0 and timed[1]["verify_seconds"] > 0 and policy.tokens_per_verify() >= 1
 
 
 def test_sequence_end_limits_the_tree(engine_factory, tiny_draft_head):
@@ -383,6 +383,7 @@ def test_a_model_drafting_for_itself_has_its_drafts_accepted(plain, engine_facto
     spec = LLM(
         engine_factory("gqa", prefill_chunk=8, draft_model="gqa", draft_len=3, draft_quant="none"),
         speculative_max_rows=None,
+        max_verify_nodes=None,  # whole trees for the 4 rows too
     )
     params = SamplingParams(max_tokens=41, temperature=0.0, ignore_eos=True)
     prompts = PROMPTS[:3] + [LONG_PROMPT]
@@ -511,8 +512,27 @@ def test_an_int8_activation_engine_speculates_to_its_plain_greedy_tokens(engine_
     assert spec.engine.speculation_stats.mean_accepted > 1  # drafts were accepted, not only verified
 
 
-def test_an_int4_target_on_the_avx2_tiles_verifies_trees_of_4_nodes(engine_factory, tiny_draft_head, monkeypatch):
+def test_an_int4_target_on_the_avx2_tiles_verifies_4_tokens_a_call_shared_by_its_rows(
+    engine_factory, tiny_draft_head, monkeypatch
+):
     monkeypatch.setenv("LLM_ENGINE_BUILDER_KERNEL_ISA", "avx2")
     engine = engine_factory("gqa", quant="int4", draft_head=tiny_draft_head[0], beam_width=3, draft_len=4)
-    assert LLM(engine).engine.max_verify_nodes == 4
+    spec = LLM(engine, speculative_max_rows=None)
+    assert spec.engine.max_verify_nodes == 4
     assert LLM(engine, max_verify_nodes=None).engine.max_verify_nodes is None
+    assert LLM(engine, max_verify_nodes=3).engine.speculation_policy.tree_nodes(2) == 3  # a fixed limit: every step
+    calls = []  # (rows, nodes of the largest tree) of each verify call
+    verify = spec.engine.executor.verify
+    spec.engine.executor.verify = lambda rows, trees, starts: (
+        calls.append((len(rows), max(len(t) for t, _ in trees))),
+        verify(rows, trees, starts),
+    )[1]
+    prompts, lengths = [PROMPTS[0], PROMPTS[1], LONG_PROMPT], [24, 12, 40]  # three rows, then two, then one
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+    plain = LLM(engine_factory("gqa", quant="int4"))
+    expected = [o.token_ids for o in plain.generate(prompts, params)]
+    assert [o.token_ids for o in spec.generate(prompts, params)] == expected
+    assert {rows for rows, _ in calls} == {1, 2}  # three rows' trees would have had no room for a draft
+    assert all(rows * nodes <= 4 for rows, nodes in calls) and (2, 2) in calls
+    assert max(nodes for rows, nodes in calls if rows == 1) > 2  # a row alone has the call's tokens to itself
+    assert spec.engine.speculation_stats.plain_rows > 0
