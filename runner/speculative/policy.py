@@ -14,9 +14,8 @@ How many nodes a row's tree may have depends on the rows verified together where
 fixed number of tokens per pass over the weights (`call_tokens`: 6 for onnxruntime's fp32 kernel on x86-64, 4 on our
 int4 kernels' AVX2 tiles): a verify call of more tokens makes a second pass, so the tokens of all rows share that
 budget. One row's tree gets all of it, two rows' trees half each, and where a tree would have no room for a draft
-the step decodes plain. On the Zen 3 VM (greedy chat answers, every step verifying) two rows of 2-node trees made
-1.05-1.09x of plain on the int4 target where 4-node trees made 0.86x; on the fp32 target 3-node trees 1.24x at two
-rows (6-node 1.07x), 2-node trees 1.17x at three rows (6-node 1.00x), and 2-node trees 0.95x at four rows.
+the step decodes plain. On the Zen 3 VM, every step verifying, two rows of 3-node trees made 1.24x of plain on the
+fp32 target where 6-node trees made 1.07x, and four rows of 2-node trees 0.95x (docs/speculative-decoding.md).
 
 Tokens per verify step is the mean since the engine started, not a recent one: acceptance swings with the text (a
 list the lookup drafts copy, a poem the head cannot guess), and a recent mean that fell during one hard answer
