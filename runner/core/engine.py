@@ -98,6 +98,7 @@ class LLMEngine:
         self.speculation = manifest.speculation  # None for a plain engine
         self.speculative_max_rows = args.speculative_max_rows
         # "auto": the cost model decides each step; None: every step verifies (no step has more rows than the cache)
+        # whose trees have room for a draft (SpeculationPolicy.can_verify)
         fixed_rows = {"auto": None, None: rows}.get(args.speculative_max_rows, args.speculative_max_rows)
         # "auto": the tokens of a verify call, all rows' trees together, are kept within the target's matmul pass
         call_tokens = None
