@@ -115,11 +115,8 @@ class LLMEngine:
         self._draft_seconds = 0.0  # the time drafting for the next step took (part of its cost)
         self.draft_model = None  # draft-model engines: the draft model, an engine of its own (draft_model.py)
         if self.speculation is not None and self.speculation.method == SpeculationMethod.DRAFT_MODEL:
-            draft_len = self.speculation.draft_len
-            if self.max_verify_nodes is not None:
-                draft_len = min(draft_len, self.max_verify_nodes - 1)
             self.draft_model = DraftModel(
-                self.artifact.path(self.speculation.engine), draft_len, args.threads, args.verify_checksums
+                self.artifact.path(self.speculation.engine), args.threads, args.verify_checksums
             )
         self.speculation_stats = SpeculationStats()
         self._ids = itertools.count()
@@ -328,6 +325,8 @@ class LLMEngine:
             started = time.perf_counter()
             self._draft(to_draft)
             self._draft_seconds = time.perf_counter() - started
+            if self.draft_model is not None:  # owed by the context (a prompt, plain steps), not by verifying
+                self._draft_seconds -= self.draft_model.catch_up_seconds
         else:  # drafts for a step that will not verify them are wasted; old ones would follow another position
             for request, _ in to_draft:
                 request.drafts = []
@@ -464,7 +463,8 @@ class LLMEngine:
         beams = [np.zeros((0, 0), np.int64)] * len(requests)
         scores = [None] * len(requests)
         if spec.method == SpeculationMethod.DRAFT_MODEL:  # its greedy continuation is a chain as the lookup draft is
-            chains = self.draft_model.draft([request for request, _ in requests])
+            draft_len = spec.draft_len if tree_nodes is None else min(spec.draft_len, tree_nodes - 1)
+            chains = self.draft_model.draft([request for request, _ in requests], draft_len)
         elif spec.method == SpeculationMethod.REDRAFTER:
             # the chain ranks first, so a chain that fills the tree leaves no node to the head: no draft call for it
             headed = [i for i, chain in enumerate(chains) if tree_nodes is None or len(chain) + 1 < tree_nodes]

@@ -98,6 +98,7 @@ class Request:
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # computed so far (params.prompt_logprobs)
     drafts: list | np.ndarray | None = None  # speculative engines: draft beams (token id sequences) for the next step
     draft_computed: int = 0  # draft-model engines: context tokens in the draft model's cache
+    drafts_cached: int = 0  # draft-model engines: tokens of the last draft in its cache after them
     lookup: PromptLookup | None = None  # engines with prompt lookup: its index of the request's n-grams
     constraint: TokenConstraint | None = None  # structured outputs: where the request is in its grammar
     bad_words: BadWords | None = None  # token sequences it must not complete

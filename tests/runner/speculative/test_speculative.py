@@ -4,6 +4,8 @@ sampled output distributed as the target's."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from scipy import stats
@@ -394,6 +396,59 @@ def test_a_model_drafting_for_itself_has_its_drafts_accepted(plain, engine_facto
     assert stats.verify_steps == 10 * len(prompts) and stats.accepted_histogram == {3: 10 * len(prompts)}
 
 
+def test_a_draft_model_drafts_only_what_the_steps_trees_have_room_for(plain, engine_factory):
+    """Rows verified together share the target's matmul pass: with 6 tokens a call, one row's tree has room for 5
+    drafts (3, the engine's draft length, here), two rows' 2 each, three rows' 1 each, and four rows decode plain; the
+    draft model drafts no token that no tree has room for. Drafting for itself, it is still right every time (its
+    cache holds exactly the context whatever each round drafted)."""
+    spec = LLM(
+        engine_factory("gqa", prefill_chunk=8, draft_model="gqa", draft_len=3, draft_quant="none"),
+        speculative_max_rows=None,
+        max_verify_nodes=None,
+    )
+    spec.engine.speculation_policy.call_tokens = 6  # the fp32 kernel's pass on x86-64, on any machine
+    drafted = []  # (rows, tokens drafted per row) of each draft round
+    draft = spec.engine.draft_model.draft
+
+    def recording(requests, draft_len):
+        chains = draft(requests, draft_len)
+        drafted.append((len(requests), {len(chain) for chain in chains}))
+        return chains
+
+    spec.engine.draft_model.draft = recording
+    prompts, lengths = PROMPTS[:4], [24, 40, 56, 80]  # four rows, then three, two, one
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+    expected = [o.token_ids for o in plain.generate(prompts, params)]
+    assert [o.token_ids for o in spec.generate(prompts, params)] == expected
+    assert {rows for rows, _ in drafted} == {1, 2, 3}
+    for rows, lengths_drafted in drafted:
+        assert lengths_drafted == {min(3, 6 // rows - 1)}, (rows, lengths_drafted)
+    stats = spec.engine.speculation_stats
+    # every draft accepted, but where an answer's end cut its last tree (by at most 3 drafts)
+    drafts = sum(rows * lengths_drafted.pop() for rows, lengths_drafted in drafted)
+    assert stats.plain_rows > 0 and stats.emitted_tokens - stats.verify_steps >= drafts - 3 * len(prompts)
+
+
+def test_the_cost_model_does_not_charge_a_draft_models_catch_up_to_verifying(engine_factory, monkeypatch):
+    """A draft model computes a new request's prompt, and the tokens of steps that decoded plain, in its first round
+    after them: owed by the context, not by verifying. Charged to that round's verify step, it made verification look
+    dearer after every plain stretch (so it stayed plain). Here catching up takes 0.2 s, and no verify step is timed
+    at that."""
+    spec = LLM(engine_factory("gqa", prefill_chunk=8, draft_model="mqa", draft_len=3), speculative_max_rows=None)
+    draft_executor = spec.engine.draft_model.executor
+    prefill = draft_executor.prefill
+    monkeypatch.setattr(draft_executor, "prefill", lambda *args: (time.sleep(0.2), prefill(*args))[1])
+    timed = []
+    record_verify = spec.engine.speculation_policy.record_verify
+    monkeypatch.setattr(
+        spec.engine.speculation_policy,
+        "record_verify",
+        lambda rows, seconds, emitted: (timed.append(seconds), record_verify(rows, seconds, emitted))[1],
+    )
+    spec.generate([LONG_PROMPT], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    assert timed and max(timed) < 0.2
+
+
 def test_draft_model_must_share_the_targets_tokenizer(checkpoint_factory, tmp_path):
     from builder.build import BuildOptions, build_engine
     from tests.builder.test_loaders import copy_with_config
@@ -424,8 +479,8 @@ def test_draft_model_drafts_are_its_own_greedy_continuation(engine_factory):
     drafted: list[tuple[list[int], list[int]]] = []
     draft = spec.engine.draft_model.draft
 
-    def recording(requests):
-        beams = draft(requests)
+    def recording(requests, draft_len):
+        beams = draft(requests, draft_len)
         drafted.extend((r.prompt_token_ids + r.output_token_ids, beam) for r, beam in zip(requests, beams))
         return beams
 
@@ -441,16 +496,13 @@ def test_draft_model_drafts_are_its_own_greedy_continuation(engine_factory):
     )
     mismatches = 0
     for (context, beam), alone_output in zip(checked, continuations):
-        if alone_output.token_ids == beam:
+        alone_tokens = alone_output.token_ids[: len(beam)]  # rows verified together draft fewer tokens each
+        if alone_tokens == beam:
             continue
         mismatches += 1
-        first = next(i for i, (a, b) in enumerate(zip(beam, alone_output.token_ids)) if a != b)
+        first = next(i for i, (a, b) in enumerate(zip(beam, alone_tokens)) if a != b)
         logits = _scored_logits(alone, context + beam[:first])
-        assert abs(logits[beam[first]] - logits[alone_output.token_ids[first]]) < 0.05, (
-            context,
-            beam,
-            alone_output.token_ids,
-        )
+        assert abs(logits[beam[first]] - logits[alone_tokens[first]]) < 0.05, (context, beam, alone_tokens)
     assert mismatches <= len(checked) // 10
 
 
