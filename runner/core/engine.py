@@ -111,8 +111,8 @@ class LLMEngine:
             max_tree_nodes=None if args.max_verify_nodes == "auto" else args.max_verify_nodes,
             prior_tokens_per_verify=None if self.speculation is None else self.speculation.head_tokens_per_verify(),
         )
-        self._verifies_next = False  # whether drafts were made for the next step (the policy's choice)
-        self._draft_seconds = 0.0  # the time drafting for the next step took (part of its cost)
+        self._verifies_next = False  # whether the next step verifies drafts (the policy's choice)
+        self._to_draft: list[tuple[Request, np.ndarray]] = []  # its rows, with the hidden state drafting starts from
         self.draft_model = None  # draft-model engines: the draft model, an engine of its own (draft_model.py)
         if self.speculation is not None and self.speculation.method == SpeculationMethod.DRAFT_MODEL:
             self.draft_model = DraftModel(
@@ -242,6 +242,7 @@ class LLMEngine:
         pending: list[_Pending] = []  # rows whose next tokens the sampler graph chooses this step
         events: list[TokenEvent] = []
         verifying = bool(step.decode) and self._verifies_next
+        draft_seconds = self._draft_chosen_rows() if verifying else 0.0
         started = time.perf_counter()
         if verifying:
             pending += self._verify(step.decode)
@@ -307,29 +308,39 @@ class LLMEngine:
             if self.speculation is not None and not request.finished:
                 to_draft.append((request, row.hidden[result.path[-1]]))  # drafting resumes where acceptance stopped
         if self.speculation is not None:
-            self._plan_next_step(step.decode, verifying, decode_seconds + sample_seconds, verified_tokens, to_draft)
+            seconds = draft_seconds + decode_seconds + sample_seconds
+            self._plan_next_step(step.decode, verifying, seconds, verified_tokens, to_draft)
         return events
 
     def _plan_next_step(
         self, decoded: list[Request], verified: bool, seconds: float, emitted: int, to_draft: list
     ) -> None:
         """Time this step's generating rows for the speculation policy, then let it choose whether the next step
-        verifies drafts; they are drafted now only if it does (`to_draft`: every row the next step decodes)."""
+        verifies drafts (`to_draft`: every row the next step decodes); that step drafts them first."""
         if decoded and verified:
-            self.speculation_policy.record_verify(len(decoded), seconds + self._draft_seconds, emitted)
+            self.speculation_policy.record_verify(len(decoded), seconds, emitted)
         elif decoded:
             self.speculation_policy.record_plain(len(decoded), seconds)
         self._verifies_next = bool(to_draft) and self.speculation_policy.verifies(len(to_draft))
-        self._draft_seconds = 0.0
-        if self._verifies_next:
-            started = time.perf_counter()
-            self._draft(to_draft)
-            self._draft_seconds = time.perf_counter() - started
-            if self.draft_model is not None:  # owed by the context (a prompt, plain steps), not by verifying
-                self._draft_seconds -= self.draft_model.catch_up_seconds
-        else:  # drafts for a step that will not verify them are wasted; old ones would follow another position
+        self._to_draft = to_draft if self._verifies_next else []
+        if not self._verifies_next:  # old drafts would follow another position
             for request, _ in to_draft:
                 request.drafts = []
+
+    def _draft_chosen_rows(self) -> float:
+        """Draft the rows the last step chose to verify in this one, those still running; returns the seconds it took
+        that the step's cost includes. Drafting here rather than at the end of the last step lets that step return its
+        tokens first (a draft model's first round computes the prompt: a long prompt's first token waited for it)."""
+        to_draft = [(request, hidden) for request, hidden in self._to_draft if not request.finished]
+        self._to_draft = []
+        if not to_draft:
+            return 0.0
+        started = time.perf_counter()
+        self._draft(to_draft)
+        seconds = time.perf_counter() - started
+        if self.draft_model is not None:  # owed by the context (a prompt, plain steps), not by verifying
+            seconds -= self.draft_model.catch_up_seconds
+        return seconds
 
     def _burst_steps(self, step) -> int:
         """How many decode calls this step may make in a row: more than one only where every row takes the step
@@ -445,12 +456,12 @@ class LLMEngine:
         return pending
 
     def _draft(self, requests: list[tuple[Request, np.ndarray]]) -> None:
-        """New drafts for the next step: the draft graph's beams from each request's hidden state (ReDrafter), the
+        """New drafts for this step: the draft graph's beams from each request's hidden state (ReDrafter), the
         draft model's greedy continuation, and/or the continuation of the latest earlier match of the context's last
         tokens (prompt lookup)."""
         for request, _ in requests:
             request.drafts = []
-        tree_nodes = self.speculation_policy.tree_nodes(len(requests))  # the rows the next step verifies
+        tree_nodes = self.speculation_policy.tree_nodes(len(requests))  # the rows this step verifies
         # a masked request's tree gets its masks on the logits (`_verify`), which would change the logprobs it asked
         # for (those are the model's own): such a request goes without drafts
         requests = [(r, hidden) for r, hidden in requests if not (r.masked and r.params.logprobs is not None)]

@@ -449,6 +449,22 @@ def test_the_cost_model_does_not_charge_a_draft_models_catch_up_to_verifying(eng
     assert timed and max(timed) < 0.2
 
 
+def test_a_step_returns_its_tokens_before_the_next_steps_drafts_are_made(engine_factory):
+    """The step that emits a request's first token does not also draft for the step after it (a draft model's first
+    round computes the whole prompt): the step that verifies drafts first."""
+    spec = LLM(engine_factory("gqa", prefill_chunk=8, draft_model="mqa", draft_len=3), speculative_max_rows=None)
+    engine = spec.engine
+    rounds = []
+    draft = engine.draft_model.draft
+    engine.draft_model.draft = lambda requests, draft_len: (rounds.append(len(requests)), draft(requests, draft_len))[1]
+    request = engine.add_request("hello world", None, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    while not request.output_token_ids:
+        engine.step()
+    assert rounds == []
+    engine.step()
+    assert rounds == [1] and len(request.output_token_ids) > 1
+
+
 def test_draft_model_must_share_the_targets_tokenizer(checkpoint_factory, tmp_path):
     from builder.build import BuildOptions, build_engine
     from tests.builder.test_loaders import copy_with_config
