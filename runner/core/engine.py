@@ -111,8 +111,9 @@ class LLMEngine:
             max_tree_nodes=None if args.max_verify_nodes == "auto" else args.max_verify_nodes,
             prior_tokens_per_verify=None if self.speculation is None else self.speculation.head_tokens_per_verify(),
         )
-        self._verifies_next = False  # whether the next step verifies drafts (the policy's choice)
-        self._to_draft: list[tuple[Request, np.ndarray]] = []  # its rows, with the hidden state drafting starts from
+        # the rows the next step verifies (the policy's choice; none: it decodes plain), with the hidden state drafting
+        # starts from
+        self._to_draft: list[tuple[Request, np.ndarray]] = []
         self.draft_model = None  # draft-model engines: the draft model, an engine of its own (draft_model.py)
         if self.speculation is not None and self.speculation.method == SpeculationMethod.DRAFT_MODEL:
             self.draft_model = DraftModel(
@@ -241,7 +242,7 @@ class LLMEngine:
             return events
         pending: list[_Pending] = []  # rows whose next tokens the sampler graph chooses this step
         events: list[TokenEvent] = []
-        verifying = bool(step.decode) and self._verifies_next
+        verifying = bool(step.decode) and bool(self._to_draft)
         draft_seconds = self._draft_chosen_rows() if verifying else 0.0
         started = time.perf_counter()
         if verifying:
@@ -321,9 +322,9 @@ class LLMEngine:
             self.speculation_policy.record_verify(len(decoded), seconds, emitted)
         elif decoded:
             self.speculation_policy.record_plain(len(decoded), seconds)
-        self._verifies_next = bool(to_draft) and self.speculation_policy.verifies(len(to_draft))
-        self._to_draft = to_draft if self._verifies_next else []
-        if not self._verifies_next:  # old drafts would follow another position
+        verifies = bool(to_draft) and self.speculation_policy.verifies(len(to_draft))
+        self._to_draft = to_draft if verifies else []
+        if not verifies:  # old drafts would follow another position
             for request, _ in to_draft:
                 request.drafts = []
 
@@ -336,11 +337,8 @@ class LLMEngine:
         if not to_draft:
             return 0.0
         started = time.perf_counter()
-        self._draft(to_draft)
-        seconds = time.perf_counter() - started
-        if self.draft_model is not None:  # owed by the context (a prompt, plain steps), not by verifying
-            seconds -= self.draft_model.catch_up_seconds
-        return seconds
+        owed_by_context = self._draft(to_draft)
+        return time.perf_counter() - started - owed_by_context
 
     def _burst_steps(self, step) -> int:
         """How many decode calls this step may make in a row: more than one only where every row takes the step
@@ -352,7 +350,7 @@ class LLMEngine:
             or not step.decode
             or step.prefill is not None
             or self.scheduler.waiting
-            or self._verifies_next
+            or self._to_draft
             or any(r.masked or not self.sampler.may_walk(r) for r in step.decode)
         ):
             return 1
@@ -455,10 +453,11 @@ class LLMEngine:
             pending.append(_Pending(request, tree, logits, verified.hidden[index], True, argmax))
         return pending
 
-    def _draft(self, requests: list[tuple[Request, np.ndarray]]) -> None:
+    def _draft(self, requests: list[tuple[Request, np.ndarray]]) -> float:
         """New drafts for this step: the draft graph's beams from each request's hidden state (ReDrafter), the
         draft model's greedy continuation, and/or the continuation of the latest earlier match of the context's last
-        tokens (prompt lookup)."""
+        tokens (prompt lookup). Returns the seconds of it owed by the context, not by verifying: a draft model
+        catching up on a prompt or on steps that decoded plain."""
         for request, _ in requests:
             request.drafts = []
         tree_nodes = self.speculation_policy.tree_nodes(len(requests))  # the rows this step verifies
@@ -466,8 +465,9 @@ class LLMEngine:
         # for (those are the model's own): such a request goes without drafts
         requests = [(r, hidden) for r, hidden in requests if not (r.masked and r.params.logprobs is not None)]
         if not requests:
-            return
+            return 0.0
         started = time.perf_counter()
+        owed_by_context = 0.0
         spec = self.speculation
         lookup_len = spec.draft_len if spec.method == SpeculationMethod.PROMPT_LOOKUP else spec.prompt_lookup_len
         chains = [self._lookup_chain(request, lookup_len) for request, _ in requests]
@@ -476,6 +476,7 @@ class LLMEngine:
         if spec.method == SpeculationMethod.DRAFT_MODEL:  # its greedy continuation is a chain as the lookup draft is
             draft_len = spec.draft_len if tree_nodes is None else min(spec.draft_len, tree_nodes - 1)
             chains = self.draft_model.draft([request for request, _ in requests], draft_len)
+            owed_by_context = self.draft_model.catch_up_seconds
         elif spec.method == SpeculationMethod.REDRAFTER:
             # the chain ranks first, so a chain that fills the tree leaves no node to the head: no draft call for it
             headed = [i for i, chain in enumerate(chains) if tree_nodes is None or len(chain) + 1 < tree_nodes]
@@ -496,6 +497,7 @@ class LLMEngine:
             if request.masked:  # a grammar or bad words: a draft ends where they stop allowing it
                 request.drafts = [request.draft_prefix(list(beam)) for beam in request.drafts]
         self.speculation_stats.draft_seconds += time.perf_counter() - started
+        return owed_by_context
 
     def _lookup_chain(self, request: Request, lookup_len: int) -> list[int]:
         """The prompt-lookup draft of a request's context ([] where the engine drafts no lookup chain)."""

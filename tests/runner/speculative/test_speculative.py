@@ -133,6 +133,7 @@ def with_oracle_drafts(spec: LLM, plain: LLM, beams) -> LLM:
         for request, _ in requests:
             context = request.prompt_token_ids + request.output_token_ids
             request.drafts = beams(continuation(context), len(context), vocab)
+        return 0.0  # no draft model catching up
 
     spec.engine._draft = draft
     return spec
@@ -429,11 +430,9 @@ def test_a_draft_model_drafts_only_what_the_steps_trees_have_room_for(plain, eng
     assert stats.plain_rows > 0 and stats.emitted_tokens - stats.verify_steps >= drafts - 3 * len(prompts)
 
 
-def test_the_cost_model_does_not_charge_a_draft_models_catch_up_to_verifying(engine_factory, monkeypatch):
-    """A draft model computes a new request's prompt, and the tokens of steps that decoded plain, in its first round
-    after them: owed by the context, not by verifying. Charged to that round's verify step, it made verification look
-    dearer after every plain stretch (so it stayed plain). Here catching up takes 0.2 s, and no verify step is timed
-    at that."""
+def _slow_catch_up(engine_factory, monkeypatch) -> tuple[LLM, list[float]]:
+    """A draft-model engine whose draft model takes 0.2 s more per prompt chunk, and the verify step times its cost
+    model is given."""
     spec = LLM(engine_factory("gqa", prefill_chunk=8, draft_model="mqa", draft_len=3), speculative_max_rows=None)
     draft_executor = spec.engine.draft_model.executor
     prefill = draft_executor.prefill
@@ -445,8 +444,28 @@ def test_the_cost_model_does_not_charge_a_draft_models_catch_up_to_verifying(eng
         "record_verify",
         lambda rows, seconds, emitted: (timed.append(seconds), record_verify(rows, seconds, emitted))[1],
     )
+    return spec, timed
+
+
+def test_the_cost_model_does_not_charge_a_draft_models_catch_up_to_verifying(engine_factory, monkeypatch):
+    """A draft model computes a new request's prompt, and the tokens of steps that decoded plain, in its first round
+    after them: owed by the context, not by verifying. Charged to that round's verify step, it made verification look
+    dearer after every plain stretch (so it stayed plain). Here catching up takes 0.2 s, and no verify step is timed
+    at that."""
+    spec, timed = _slow_catch_up(engine_factory, monkeypatch)
     spec.generate([LONG_PROMPT], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     assert timed and max(timed) < 0.2
+
+
+def test_a_step_that_drafts_no_row_owes_no_catch_up(engine_factory, monkeypatch):
+    """A request under bad words that asks for logprobs goes without drafts, so its verify step makes no draft round:
+    the catch-up of the draft model's last round (another request's prompt, 0.2 s here) is not taken off its time."""
+    spec, timed = _slow_catch_up(engine_factory, monkeypatch)
+    spec.generate([LONG_PROMPT], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    assert spec.engine.draft_model.catch_up_seconds >= 0.2  # its one draft round computed the prompt
+    masked = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, bad_words=["hello"], logprobs=1)
+    spec.generate([PROMPTS[1]], masked)
+    assert len(timed) > 1 and min(timed) > 0
 
 
 def test_a_step_returns_its_tokens_before_the_next_steps_drafts_are_made(engine_factory):
