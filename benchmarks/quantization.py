@@ -8,6 +8,10 @@ then times all engines side by side, each in a worker process of its own with ru
 chat prompt and prefill of the ~650-token one, decode tokens/s at batch 1 (128 tokens, EOS banned, median of
 `--runs`). Then perplexity of each on CPython's LICENSE.txt (window 512, stride 256; real prose nobody here wrote,
 read from the interpreter's install). Writes benchmarks/results/quantization.json and prints the Markdown table.
+
+`--untied` measures the embedding table's storage instead: the default model with its tied table copied as a
+separate LM head (float, dequantized from the GGUF by transformers, in the Hugging Face layout), built with the table
+in blocks of its own (the default) and with `--float-embedding`.
 """
 
 from __future__ import annotations
@@ -40,6 +44,31 @@ VARIANTS = {
     "int4 GPTQ g32": ["--quant", "gptq"],
     "GGUF blocks (the default)": [],
 }
+UNTIED_VARIANTS = {
+    "fp32": ["--quant", "none"],
+    "int8 RTN g128, float table": ["--quant", "int8", "--float-embedding"],
+    "int8 RTN g128": ["--quant", "int8"],
+    "int4 RTN g32, float table": ["--quant", "int4", "--float-embedding"],
+    "int4 RTN g32": ["--quant", "int4"],
+}
+
+
+def untied_checkpoint(out: Path) -> Path:
+    """The default model in the Hugging Face layout, float32, its LM head a copy of its tied embedding table."""
+    if (out / "model.safetensors").is_file():
+        return out
+    import torch
+    import transformers
+
+    from builder.loaders.default import default_gguf_path
+
+    gguf = default_gguf_path()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.detach().clone())
+    model.float().save_pretrained(out, safe_serialization=True)
+    transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(out)
+    return out
 
 
 def perplexity_of(engine: str, threads: int) -> dict:
@@ -52,9 +81,9 @@ def perplexity_of(engine: str, threads: int) -> dict:
     return {"perplexity": result.perplexity, "perplexity_tokens": result.tokens_scored}
 
 
-def build(name: str, flags: list[str], out: Path) -> dict:
+def build(name: str, source: str, flags: list[str], out: Path) -> dict:
     proc = subprocess.run(
-        [sys.executable, "-m", "builder.cli", "build", "default", "--out", str(out), "--overwrite", *flags],
+        [sys.executable, "-m", "builder.cli", "build", source, "--out", str(out), "--overwrite", *flags],
         capture_output=True,
         text=True,
         check=False,
@@ -91,8 +120,9 @@ def table(results: dict) -> list[str]:
 @click.option("--runs", type=int, default=5, show_default=True)
 @click.option("--worker", default=None, hidden=True, help="Serve timed runs of this engine (interleave protocol).")
 @click.option("--perplexity", "perplexity_engine", default=None, hidden=True)
+@click.option("--untied", is_flag=True, help="Measure an untied copy of the default model's table storage.")
 @click.option("--out", type=click.Path(path_type=Path), default=ROOT / "benchmarks" / "results" / "quantization.json")
-def main(out_dir, threads, runs, worker, perplexity_engine, out) -> None:
+def main(out_dir, threads, runs, worker, perplexity_engine, untied, out) -> None:
     prompts_file = ROOT / "engines-out" / "benchmark-prompts.json"
     if worker:
         generate, info = contender_ours(worker, threads)
@@ -101,11 +131,13 @@ def main(out_dir, threads, runs, worker, perplexity_engine, out) -> None:
     if perplexity_engine:
         print(json.dumps(perplexity_of(perplexity_engine, threads)))
         return
-    engines = {name: out_dir / re.sub(r"\W+", "-", name) for name in VARIANTS}
+    variants = UNTIED_VARIANTS if untied else VARIANTS
+    source = str(untied_checkpoint(out_dir / "untied-checkpoint")) if untied else "default"
+    engines = {name: out_dir / re.sub(r"\W+", "-", name) for name in variants}
     results = {}
-    for name, flags in VARIANTS.items():
+    for name, flags in variants.items():
         click.echo(f"{name}: building", err=True)
-        results[name] = build(name, flags, engines[name])
+        results[name] = build(name, source, flags, engines[name])
     prompts = write_prompts(str(engines["fp32"]), prompts_file)
     workers = {
         name: [sys.executable, __file__, "--worker", str(engine), "--threads", str(threads)]
@@ -126,8 +158,9 @@ def main(out_dir, threads, runs, worker, perplexity_engine, out) -> None:
     commit = source_commit()
     machine = f"{cpu_model()}, {threads} threads"
     versions = {name: version(name) for name in ("onnxruntime", "torch", "onnx")}
+    model = "untied copy of the default model" if untied else "Default model"
     lines = [
-        f"Default model (SmolLM2-135M-Instruct Q4_1 GGUF), {machine}, commit {commit}, batch 1, greedy, "
+        f"{model} (SmolLM2-135M-Instruct Q4_1 GGUF), {machine}, commit {commit}, batch 1, greedy, "
         f"{NEW_TOKENS} new tokens, median of {runs} interleaved runs.",
         "",
     ]

@@ -25,11 +25,22 @@ from builder.quantization.gptq import GPTQOptions, calibration_tokens, gptq_mode
 from builder.quantization.kv_quant import KVCalibration, calibrate_kv_scales, calibration_windows
 from builder.sampler_graph import TOP_LOGPROBS
 from builder.speculation.draft_head import BeamSearchDrafter, load_draft_head
-from builder.weights import auto_quantization, kept_block_specs, linear_sources, load_model
+from builder.weights import (
+    EMBEDDING,
+    FLOAT_TYPES,
+    auto_quantization,
+    embedding_spec,
+    holds_block_kind,
+    kept_block_specs,
+    linear_sources,
+    load_model,
+    store_embedding,
+)
 from engines.format import (
     BACKENDS,
     COLLECTIVES,
     SCHEMA_VERSION,
+    EmbeddingBlocks,
     GPTQFacts,
     GraphSpec,
     KVCacheQuantization,
@@ -49,7 +60,7 @@ from engines.model_config import ModelConfig
 from engines.resources import children_peak_rss_mb, peak_rss_mb
 from plugins import blockwise_matmul, decode_attention, int4_matmul, native_ops
 from plugins.attention import check_head_dim
-from plugins.quant_linear import QuantizedLinear, QuantSpec
+from plugins.quant_linear import QuantizedEmbedding, QuantizedLinear, QuantSpec
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 QUANT_BITS = {"int8": 8, "int4": 4, "gptq": 4}
@@ -98,6 +109,8 @@ class BuildOptions:
     quant: str = "auto"
     group_size: int | None = None  # default: 32 for int4, 128 for int8 (the fastest MatMulNBits kernels here)
     quantize_lm_head: bool = True
+    # the token embedding table in blocks too, unless it is the float LM head itself (weights.embedding_spec)
+    quantize_embedding: bool = True
     int8_compute: bool = True  # quantized matmuls quantize activations to int8 (onnxruntime accuracy_level 4)
     keep_source_blocks: bool = True  # GGUF Q4_0/Q4_1/Q8_0 weights that map exactly are taken as they are
     gptq: GPTQOptions = field(default_factory=GPTQOptions)
@@ -271,7 +284,7 @@ def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> B
             target = {}
         else:
             progress.step(2, f"loading weights as {_weights_description(options)}")
-            model, quantization = _load_weights(options, checkpoint, shapes, log)
+            model, quantization = _load_weights(options, checkpoint, _embedding_quant(options, checkpoint), shapes, log)
             graphs, target = _emit_step_graph(
                 options, checkpoint.config, model, shapes, staging, kernels, progress, log
             )
@@ -326,8 +339,10 @@ def emit_rank_graph(
     progress, rank, ranks = _Progress(total_steps, log, start), share.rank, options.tensor_parallel
     progress.step(2, f"rank {rank}/{ranks}: loading its share of the weights as {_weights_description(options)}")
     checkpoint = load_checkpoint(options.source)
-    rank_source = _rank_checkpoint(checkpoint, share, options.quant_spec() if options.quantize_lm_head else None)
-    model, quantization = _load_weights(options, rank_source, shapes, log, share)
+    rank_source = _rank_checkpoint(checkpoint, share)
+    # a rank's own config is untied (its head is a share), so the table's storage follows the whole checkpoint's
+    embedding_quant = _embedding_quant(options, checkpoint)
+    model, quantization = _load_weights(options, rank_source, embedding_quant, shapes, log, share)
     tensor_parallel.add_collectives(model, share, checkpoint.config.vocab_size)
     if kernels["QuantizedMatMul"]:
         _minimums_into_int4_matmul(model)
@@ -345,15 +360,15 @@ def _share_bounds(share: tensor_parallel.Share) -> tuple[tuple[int, int], ...]:
     return share.kv_heads, share.heads, share.intermediate, share.vocab
 
 
-def _rank_checkpoint(checkpoint, share: tensor_parallel.Share, head_quant: QuantSpec | None):
+def _rank_checkpoint(checkpoint, share: tensor_parallel.Share):
     """The checkpoint as one rank reads it: its config and its share of every tensor (a tied LM head is asked for
-    by the embedding's name; `head_quant`: the head's quantization, see tensor_parallel.shard_tensors)."""
+    by the embedding's name)."""
     config = checkpoint.config
     tied = config.tie_word_embeddings
 
     def read_tensors(keep=frozenset()):
         wanted = {"model.embed_tokens.weight" if tied and name == "lm_head.weight" else name for name in keep}
-        return tensor_parallel.shard_tensors(checkpoint.read_tensors(frozenset(wanted)), config, share, head_quant)
+        return tensor_parallel.shard_tensors(checkpoint.read_tensors(frozenset(wanted)), config, share)
 
     return replace(
         checkpoint,
@@ -560,16 +575,27 @@ def _weights_description(options: BuildOptions) -> str:
     if quant is None:
         return options.dtype
     head = "quantized" if options.quantize_lm_head else "float"
+    embedding = "quantized" if options.quantize_embedding else "float"
     activations = "int8" if quant.accuracy_level == 4 else "fp32"
     return (
-        f"{options.quant} (group {quant.block_size}, LM head {head}, {activations} activations in the quantized "
-        f"matmuls), rest {options.dtype}"
+        f"{options.quant} (group {quant.block_size}, LM head {head}, embedding table {embedding}, {activations} "
+        f"activations in the quantized matmuls), rest {options.dtype}"
     )
+
+
+def _embedding_quant(options: BuildOptions, checkpoint) -> QuantSpec | None:
+    """The blocks the build stores the embedding table in (weights.embedding_spec), or None for float."""
+    if not options.quantize_embedding:
+        return None
+    formats = checkpoint.block_formats if options.keep_source_blocks and options.quant != "gptq" else {}
+    tied = checkpoint.config.tie_word_embeddings
+    return embedding_spec(options.quant_spec(), tied, options.quantize_lm_head, formats)
 
 
 def _load_weights(
     options: BuildOptions,
     checkpoint,
+    embedding_quant: QuantSpec | None,
     shapes: BuildShapes,
     log: Callable[[str], None],
     share: tensor_parallel.Share | None = None,
@@ -589,19 +615,33 @@ def _load_weights(
         )
         log(f"      GPTQ calibration: {quantization.gptq.calibration}")
         model = gptq_model(model, tokens, quant, options.quantize_lm_head, options.gptq, log)
+        if embedding_quant is not None:
+            store_embedding(model, embedding_quant)
     else:
         kept = {}
         if options.keep_source_blocks:
             kept = kept_block_specs(config, quant, options.quantize_lm_head, checkpoint.block_formats)
         sources = linear_sources(config, options.quantize_lm_head)
-        keep = frozenset(name for module in kept for name in sources[module])
-        tensors = checkpoint.read_tensors(keep)
+        keep = {name for module in kept for name in sources[module]}
+        if _keeps_blocks(embedding_quant, checkpoint):
+            keep.add(f"{EMBEDDING}.weight")
+        tensors = checkpoint.read_tensors(frozenset(keep))
         model = load_model(
-            config, tensors, DTYPES[options.dtype], quant, options.quantize_lm_head, kept, rotary_positions, head_rows
+            config,
+            tensors,
+            DTYPES[options.dtype],
+            quant,
+            options.quantize_lm_head,
+            kept,
+            rotary_positions,
+            head_rows,
+            embedding_quant,
         )
         if quant is not None:
             quantization = _kept_blocks(quantization, kept, sources, checkpoint, log)
-            quantization = replace(quantization, embedding_from_head=model.embedding_from_head)
+    if quant is not None:
+        embedding = _embedding_facts(model, checkpoint, log)
+        quantization = replace(quantization, embedding_from_head=model.embedding_from_head, embedding=embedding)
     if options.kv_cache_dtype == "int8":
         calibration = options.kv_calibration
         windows = calibration_windows(_encoder(checkpoint.tokenizer), calibration, shapes.max_seq_len)
@@ -610,6 +650,36 @@ def _load_weights(
         quantization = replace(quantization, kv_cache=kv_cache)
         log(f"      int8 KV cache, scales calibrated on {calibration.describe()}")
     return model, quantization
+
+
+def _keeps_blocks(embedding_quant: QuantSpec | None, checkpoint) -> str | None:
+    """The GGUF type of the embedding's blocks where the table holds them as they are (weights.embedding_spec)."""
+    kind = checkpoint.block_formats.get(f"{EMBEDDING}.weight")
+    return kind if embedding_quant is not None and holds_block_kind(embedding_quant, kind) else None
+
+
+def _embedding_facts(model, checkpoint, log: Callable[[str], None]) -> EmbeddingBlocks | None:
+    """The manifest's record of an embedding table stored in blocks of its own, with a line for the log."""
+    if model.embedding_from_head:
+        log("      embedding table: read from the quantized LM head's blocks (no copy)")
+        return None
+    table = model.model.embed_tokens
+    if not isinstance(table, QuantizedEmbedding):
+        log("      embedding table: float")
+        return None
+    spec, kept = table.spec, _keeps_blocks(table.spec, checkpoint)
+    kind = checkpoint.weight_types.get(f"{EMBEDDING}.weight")
+    facts = EmbeddingBlocks(
+        bits=spec.bits,
+        group_size=spec.block_size,
+        minimums=spec.minimums,
+        source_blocks=kept,
+        rounded_from=None if kept or kind in (None, *FLOAT_TYPES) else kind,
+        bytes=table.stored_bytes(),
+    )
+    origin = f"the file's {kept} blocks" if kept else f"rounded to nearest from {facts.rounded_from or 'float'}"
+    log(f"      embedding table: int{spec.bits} blocks of {spec.block_size}, {origin}, {facts.bytes / 2**20:.1f} MiB")
+    return facts
 
 
 def _kept_blocks(

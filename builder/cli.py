@@ -52,6 +52,13 @@ def main() -> None:
 )
 @click.option("--quant-lm-head/--float-lm-head", default=True, show_default=True, help="Quantize the LM head too.")
 @click.option(
+    "--quant-embedding/--float-embedding",
+    default=True,
+    show_default=True,
+    help="Store the token embedding table in blocks too (a GGUF's own where they fit; a tied model reads its "
+    "quantized LM head's); a lookup dequantizes only its tokens' rows.",
+)
+@click.option(
     "--int8-compute/--fp32-compute",
     default=True,
     show_default=True,
@@ -192,6 +199,7 @@ def build(
     quant,
     group_size,
     quant_lm_head,
+    quant_embedding,
     int8_compute,
     gptq_damping,
     gptq_act_order,
@@ -234,6 +242,7 @@ def build(
         quant=quant,
         group_size=int(group_size) if group_size else None,
         quantize_lm_head=quant_lm_head,
+        quantize_embedding=quant_embedding,
         int8_compute=int8_compute,
         keep_source_blocks=keep_gguf_blocks,
         gptq=gptq,

@@ -25,7 +25,7 @@ from engines.model_config import ModelConfig
 from plugins.attention import attend_in_place, group_query_attention
 from plugins.linear import make_linear
 from plugins.norm import add_rms_norm, add_then_rms_norm, rms_norm
-from plugins.quant_linear import QuantizedLinear, QuantSpec
+from plugins.quant_linear import QuantizedEmbedding, QuantizedLinear, QuantSpec
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -174,10 +174,15 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, quant: QuantSpec | None) -> None:
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, quant: QuantSpec | None, embedding_quant: QuantSpec | None
+    ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.embed_tokens.weight.requires_grad_(False)
+        if embedding_quant is None:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+            self.embed_tokens.weight.requires_grad_(False)
+        else:
+            self.embed_tokens = QuantizedEmbedding(config.vocab_size, config.hidden_size, dtype, embedding_quant)
         self.layers = nn.ModuleList(DecoderLayer(config, dtype, quant) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -193,19 +198,21 @@ class LlamaForCausalLM(nn.Module):
         quantize_lm_head: bool = False,
         max_positions: int | None = None,
         head_rows: int | None = None,
+        embedding_quant: QuantSpec | None = None,
     ) -> None:
         """`head_rows`: the LM head's rows, where it computes only a share of the vocabulary (a tensor-parallel
-        rank's; builder/tensor_parallel.py); default all of it."""
+        rank's; builder/tensor_parallel.py); default all of it. `embedding_quant`: the blocks the embedding table is
+        stored in, unless it is the float LM head itself (tied, unquantized); None: float."""
         super().__init__()
         self.config = config
         self.dtype = dtype
-        self.model = Backbone(config, dtype, quant)
-        # A quantized LM head is its own (quantized) copy even when tied: the embedding stays float for lookups.
+        # A quantized LM head is its own (quantized) copy even when tied.
         head_quant = quant if quantize_lm_head else None
         untied = not config.tie_word_embeddings or head_quant is not None
+        self.model = Backbone(config, dtype, quant, embedding_quant if untied else None)
         rows = head_rows or config.vocab_size
         self.lm_head = make_linear(config.hidden_size, rows, False, dtype, head_quant) if untied else None
-        # a tied quantized head is also the embedding table (weights.load_model)
+        # a tied quantized head with a quantized table is also that table (weights.load_model)
         self.embedding_from_head = False
         cos, sin = rotary_tables(config, max_positions or config.max_position_embeddings, dtype)
         self.register_buffer("rope_cos", cos, persistent=False)

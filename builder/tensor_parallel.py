@@ -26,7 +26,6 @@ import torch
 from builder.loaders.gguf_blocks import BLOCK, BlockQuantized
 from engines.model_config import ModelConfig
 from plugins.collectives import all_gather, all_reduce
-from plugins.quant_linear import QuantSpec, dequantize_blockwise, quantize_blockwise
 
 
 @dataclass(frozen=True)
@@ -91,12 +90,11 @@ def shard_tensors(
     tensors: Iterable[tuple[str, torch.Tensor | BlockQuantized]],
     config: ModelConfig,
     share: Share,
-    head_quant: QuantSpec | None = None,
 ) -> Iterator[tuple[str, torch.Tensor | BlockQuantized]]:
     """The checkpoint's tensors cut to `share`, one at a time (names as the checkpoint's, plus `lm_head.weight`
-    from a tied embedding). A row-parallel bias is added once, after the sum: rank 0 keeps it, the others zeros.
-    `head_quant`: how the LM head is quantized where it is; a single-rank engine reads a tied embedding from the
-    head's blocks, so a float embedding is given the values of those blocks here (one rounding, as the engine's)."""
+    from a tied embedding, which every rank also gets whole: a rank stores it as a single-rank engine would, in
+    the head's blocks where that engine reads it from its quantized head, weights.embedding_spec). A row-parallel
+    bias is added once, after the sum: rank 0 keeps it, the others zeros."""
     head_dim = config.head_dim
     cuts = {
         "self_attn.q_proj": ("rows", share.heads, head_dim),
@@ -109,13 +107,7 @@ def shard_tensors(
     }
     for name, tensor in tensors:
         if name == "model.embed_tokens.weight":
-            if isinstance(tensor, BlockQuantized):
-                embedding = tensor.dequantize()
-            elif config.tie_word_embeddings and head_quant is not None:
-                embedding = as_head_blocks(tensor, head_quant)
-            else:
-                embedding = tensor
-            yield name, embedding
+            yield name, tensor
             if config.tie_word_embeddings:
                 yield "lm_head.weight", _rows(tensor, share.vocab, 1)
             continue
@@ -135,12 +127,6 @@ def shard_tensors(
             continue
         cut = _rows if axis == "rows" else _columns
         yield name, cut(tensor, (first, end), unit)
-
-
-def as_head_blocks(weight: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
-    """`weight` rounded to the blocks a quantized linear of `spec` stores, read back as float."""
-    packed, scales = quantize_blockwise(weight, spec.bits, spec.block_size)  # [N, blocks, bytes], [N * blocks]
-    return dequantize_blockwise(packed, scales, weight.shape[1], spec.bits)
 
 
 def _rows(tensor, bounds: tuple[int, int], unit: int):

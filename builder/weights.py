@@ -17,10 +17,11 @@ from builder.loaders.checkpoint import CheckpointError
 from builder.loaders.gguf_blocks import BLOCK, EXACT_FORMS, BlockQuantized
 from builder.model import LlamaForCausalLM
 from engines.model_config import ModelConfig
-from plugins.quant_linear import QuantizedLinear, QuantSpec
+from plugins.quant_linear import QuantizedEmbedding, QuantizedLinear, QuantSpec
 
 # Checkpoint entries that carry no model weight (rotary tables some exporters save).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+EMBEDDING = "model.embed_tokens"  # the token embedding table's module
 _FUSED_PATTERN = re.compile(r"(.*)\.(self_attn\.[qkv]_proj|mlp\.gate_proj|mlp\.up_proj)\.(weight|bias)")
 
 
@@ -56,7 +57,7 @@ def linear_sources(config: ModelConfig, quantize_lm_head: bool) -> dict[str, lis
             module = rows.get(projection, (projection,))[0]
             sources.setdefault(f"{prefix}.{module}", []).append(f"{prefix}.{projection}.weight")
     if quantize_lm_head:
-        sources["lm_head"] = ["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
+        sources["lm_head"] = [f"{EMBEDDING}.weight" if config.tie_word_embeddings else "lm_head.weight"]
     return sources
 
 
@@ -95,6 +96,40 @@ def kept_block_specs(
     return kept
 
 
+def embedding_spec(
+    quant: QuantSpec | None, tied: bool, quantize_lm_head: bool, block_formats: Mapping[str, str]
+) -> QuantSpec | None:
+    """The blocks the token embedding table is stored in, or None where it stays float: where the build quantizes
+    nothing, or where the table is the float LM head itself (tied, `--float-lm-head`). The checkpoint's own blocks
+    where they map exactly as a linear's do (kept_block_specs; a tied model's quantized head holds the same ones),
+    else `quant`'s blocks rounded to nearest. `block_formats`: the checkpoint's GGUF types by weight name (empty
+    where no blocks are kept)."""
+    if quant is None or (tied and not quantize_lm_head):
+        return None
+    form = EXACT_FORMS.get(block_formats.get(f"{EMBEDDING}.weight", ""))
+    if quant.block_size == BLOCK and form is not None and form[0] >= quant.bits:
+        return replace(quant, bits=form[0], minimums=form[1])
+    return replace(quant, minimums=False)
+
+
+def holds_block_kind(spec: QuantSpec | None, kind: str | None) -> bool:
+    """Whether `spec`'s layout holds GGUF blocks of this type as they are (None, float, holds none)."""
+    return spec is not None and spec.block_size == BLOCK and EXACT_FORMS.get(kind or "") == (spec.bits, spec.minimums)
+
+
+def store_embedding(model: LlamaForCausalLM, spec: QuantSpec) -> None:
+    """Store the float embedding table of a model quantized after loading (GPTQ's) in `spec`'s blocks: the tied
+    quantized head's, which it then reads, or blocks of its own."""
+    if model.config.tie_word_embeddings and isinstance(model.lm_head, QuantizedLinear):
+        model.embedding_from_head = True
+        model.model.embed_tokens = None
+        return
+    table = model.model.embed_tokens.weight
+    embedding = QuantizedEmbedding(table.shape[0], table.shape[1], model.dtype, spec)
+    embedding.load_rows(0, table)
+    model.model.embed_tokens = embedding
+
+
 def _set_parameter(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
     owner, _, leaf = name.rpartition(".")
     setattr(model.get_submodule(owner), leaf, nn.Parameter(tensor, requires_grad=False))
@@ -109,22 +144,26 @@ def load_model(
     kept: Mapping[str, QuantSpec] | None = None,
     max_positions: int | None = None,
     head_rows: int | None = None,
+    embedding_quant: QuantSpec | None = None,
 ) -> LlamaForCausalLM:
     """Build the model on the meta device and give each parameter its checkpoint tensor as it streams by.
     Quantized projections quantize each tensor (or fused slice) on arrival: no float copy of them is kept.
     Linears in `kept` (see kept_block_specs) take their checkpoint blocks as they are; `tensors` must then yield
     those weights as BlockQuantized. `max_positions`: rows of the rotary tables (every position a call may span).
-    `head_rows`: the LM head's rows where it holds a share of the vocabulary (a tensor-parallel rank's)."""
+    `head_rows`: the LM head's rows where it holds a share of the vocabulary (a tensor-parallel rank's).
+    `embedding_quant`: the embedding table's blocks (embedding_spec; None: float); GGUF blocks that layout holds
+    go in as they are."""
     kept = kept or {}
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, dtype, quant, quantize_lm_head, max_positions, head_rows)
+        model = LlamaForCausalLM(config, dtype, quant, quantize_lm_head, max_positions, head_rows, embedding_quant)
         for name, spec in kept.items():
             old = model.get_submodule(name)
             model.set_submodule(
                 name, QuantizedLinear(old.in_features, old.out_features, old.bias is not None, dtype, spec)
             )
-    if config.tie_word_embeddings and isinstance(model.lm_head, QuantizedLinear):
-        # a tied quantized head is the embedding table too (the file's own blocks, or RTN's): no float copy is made
+    head_from_table = config.tie_word_embeddings and isinstance(model.lm_head, QuantizedLinear)
+    if head_from_table and embedding_quant is not None:
+        # a tied quantized head is the embedding table too (the file's own blocks, or RTN's): no copy is made
         model.embedding_from_head = True
         model.model.embed_tokens = None
     quantized = {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
@@ -133,19 +172,21 @@ def load_model(
     # every weight to load and its row count (a quantized linear's weight lives in its qweight/scales buffers)
     expected = {n: p.shape for n, p in model.named_parameters()}
     if model.embedding_from_head:
-        expected["model.embed_tokens.weight"] = (config.vocab_size, config.hidden_size)  # read into the head only
+        expected[f"{EMBEDDING}.weight"] = (config.vocab_size, config.hidden_size)  # read into the head only
     expected.update({f"{n}.weight": (m.out_features, m.in_features) for n, m in quantized.items()})
     rows = fused_rows(config)
     filled: dict[str, int] = {}  # weight -> rows (or whole tensors) loaded
     for name, tensor in tensors:
         blocks = tensor if isinstance(tensor, BlockQuantized) else None
-        if model.embedding_from_head and name == "model.embed_tokens.weight":
+        if head_from_table and name == f"{EMBEDDING}.weight":
             if blocks is not None and "lm_head" in kept:
                 quantized["lm_head"].load_quantized_rows(0, *blocks.to_matmul_nbits())
             else:
                 quantized["lm_head"].load_rows(0, tensor if blocks is None else blocks.dequantize())
-            filled[name] = filled["lm_head.weight"] = tensor.shape[0]
-            continue
+            filled["lm_head.weight"] = tensor.shape[0]
+            if model.embedding_from_head:
+                filled[name] = tensor.shape[0]
+                continue
         if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and config.tie_word_embeddings):
             continue
         target, start, stop = name, 0, None
@@ -161,7 +202,11 @@ def load_model(
         if tuple(tensor.shape) != tuple(want):
             raise CheckpointError(f"tensor {name!r} has shape {tuple(tensor.shape)}, config implies {tuple(want)}")
         owner_name, _, leaf = target.rpartition(".")
-        takes_blocks = blocks is not None and owner_name in kept and leaf == "weight"
+        takes_blocks = (
+            blocks is not None
+            and leaf == "weight"
+            and (owner_name in kept or owner_name == EMBEDDING and holds_block_kind(embedding_quant, blocks.kind))
+        )
         if blocks is not None and not takes_blocks:
             tensor = blocks.dequantize()
         if takes_blocks:

@@ -25,7 +25,7 @@ from engines.model_config import ModelConfig
 # 3: a sampler graph chooses every token (sampling and speculative acceptance in the engine);
 # 2: attention is one fused node per layer writing the cache in place (present_* bound to past_*), K stored
 # [B, kv_heads, L, head_dim] like V, attention_bias replaces tree_mask; 1: new K/V were graph outputs.
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 # onnxruntime: ONNX graphs with onnxruntime's and our own kernels; aoti: the step graph compiled by AOTInductor (its
 # side graphs stay ONNX); tensorrt: a TensorRT engine built from the step graph's ONNX (builder/tensorrt.py)
 BACKENDS = ("onnxruntime", "aoti", "tensorrt")
@@ -139,6 +139,18 @@ class KVCacheQuantization:
 
 
 @dataclass(frozen=True)
+class EmbeddingBlocks:
+    """A token embedding table the step graph stores in blocks of its own (not a tied head's), read a row a token."""
+
+    bits: int
+    group_size: int
+    minimums: bool  # Q4_1-style per-block minimums
+    source_blocks: str | None  # the GGUF type whose blocks it holds as they are; None: rounded to nearest here
+    rounded_from: str | None  # the GGUF type it was rounded from (None: from float, or not rounded)
+    bytes: int  # its blocks, scales and minimums in the graph's weights
+
+
+@dataclass(frozen=True)
 class QuantizationSpec:
     """What the build did to the weights (and the KV cache). Fields past `method` are None / empty for NONE."""
 
@@ -155,6 +167,7 @@ class QuantizationSpec:
     requantized_from: dict[str, int] = field(default_factory=dict)  # GGUF type -> weights quantized again from float
     block_offsets: bool = False  # Q4_1-style per-block minimums (the blocks are scale * q + minimum)
     embedding_from_head: bool = False  # the tied quantized LM head's blocks are the embedding table (no float copy)
+    embedding: EmbeddingBlocks | None = None  # the table's own blocks; None: float, or the head's (above)
     kv_cache: KVCacheQuantization | None = None
 
     def facts(self) -> dict[str, Any]:
@@ -165,12 +178,13 @@ class QuantizationSpec:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> QuantizationSpec:
-        gptq, kv_cache = data.get("gptq"), data.get("kv_cache")
+        gptq, kv_cache, embedding = data.get("gptq"), data.get("kv_cache"), data.get("embedding")
         return cls(
             **{
                 **data,
                 "method": QuantMethod(data["method"]),
                 "gptq": None if gptq is None else GPTQFacts(**gptq),
+                "embedding": None if embedding is None else EmbeddingBlocks(**embedding),
                 "kv_cache": None if kv_cache is None else KVCacheQuantization(**kv_cache),
             }
         )

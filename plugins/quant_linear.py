@@ -238,6 +238,24 @@ class QuantizedLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+class QuantizedEmbedding(QuantizedLinear):
+    """A token embedding table [vocab, hidden] held in a quantized linear's blocks and read by rows: a lookup
+    dequantizes only the rows of the call's tokens (`rows`), as llama.cpp reads a GGUF's quantized token_embd, so no
+    float copy of the table exists. Loaded as a linear with `out_features` = vocab (`load_rows`,
+    `load_quantized_rows`); it is never multiplied."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype, spec: QuantSpec) -> None:
+        super().__init__(embedding_dim, num_embeddings, False, dtype, spec)
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.rows(ids).to(self.dtype)
+
+    def stored_bytes(self) -> int:
+        """The table's bytes as the graph stores it (blocks, scales and minimums)."""
+        return sum(buffer.numel() * buffer.element_size() for buffer in self.buffers())
+
+
 def _register_schema() -> None:
     register_contrib_op(
         "MatMulNBits",

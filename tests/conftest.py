@@ -55,6 +55,7 @@ def engine_factory(tmp_path_factory, checkpoint_factory):
         native_quantized_matmul: bool = True,
         backend: str = "onnxruntime",
         tensor_parallel: int = 1,
+        quantize_embedding: bool = True,
     ) -> Path:
         """An engine of a tiny checkpoint; a `draft_head` makes it a ReDrafter engine, a `draft_model` (a tiny
         checkpoint's name) a draft-model engine."""
@@ -80,6 +81,7 @@ def engine_factory(tmp_path_factory, checkpoint_factory):
             native_quantized_matmul,
             backend,
             tensor_parallel,
+            quantize_embedding,
         )
         if key not in built:
             out = tmp_path_factory.mktemp(f"engine_{name}") / "engine"
@@ -106,6 +108,7 @@ def engine_factory(tmp_path_factory, checkpoint_factory):
                 native_quantized_matmul=native_quantized_matmul,
                 backend=backend,
                 tensor_parallel=tensor_parallel,
+                quantize_embedding=quantize_embedding,
                 **speculation,
             )
             build_engine(options, log=lambda line: None)

@@ -121,8 +121,9 @@ def make_gguf(
     arch: str = "llama",
 ) -> Path:
     """The tiny HF checkpoint written as llama.cpp would: GGUF names, Q/K rows permuted (for the llama architecture,
-    as llama.cpp's converter does), linears and the (tied) embedding block-quantized by gguf-py's own quantizer,
-    tokenizer and chat template in the metadata; `sampling`: general.sampling.* keys (float32 values; top_k int32)."""
+    as llama.cpp's converter does), linears, the embedding and an untied head block-quantized by gguf-py's own
+    quantizer, tokenizer and chat template in the metadata; `sampling`: general.sampling.* keys (float32 values;
+    top_k int32)."""
     import gguf
     import numpy as np
     import torch
@@ -184,6 +185,8 @@ def make_gguf(
         data = tensor.to(torch.float32).numpy()
         if name == "model.embed_tokens.weight":
             gguf_name, kind = "token_embd.weight", embedding_type
+        elif name == "lm_head.weight":  # an untied head, in Q8_0 as llama.cpp's converter writes it at q8_0
+            gguf_name, kind = "output.weight", "Q8_0"
         elif name == "model.norm.weight":
             gguf_name, kind = "output_norm.weight", "F32"
         else:

@@ -156,7 +156,7 @@ def weight_bytes_per_step(engine: LLMEngine) -> int:
     """Weight bytes one decode step of the target reads: its external-data file (the builder writes every weight
     there; the few inline initializers are norm-sized) or its compiled package (AOTInductor's .pt2, TensorRT's
     .plan: the weights and, a few MiB, the compiled code), less the embedding table, of which a step reads one row
-    per token - unless the table is also the tied LM head (unquantized, or its kept blocks read as the table, when
+    per token - unless the table is also the tied LM head (unquantized, or its blocks read as the table, when
     there is no separate table). Not counted: KV-cache reads (at batch 1
     and a few hundred positions a small fraction of the weights) and a ReDrafter head's own graph."""
     manifest = engine.manifest
@@ -164,8 +164,10 @@ def weight_bytes_per_step(engine: LLMEngine) -> int:
     model = manifest.model
     quantization = manifest.quantization
     embedding_is_head = model.tie_word_embeddings and (not quantization.lm_head or quantization.embedding_from_head)
-    if not embedding_is_head:
-        total -= model.vocab_size * model.hidden_size * _DTYPE_BYTES[manifest.dtype]  # embeddings stay in dtype
+    if quantization.embedding is not None:
+        total -= quantization.embedding.bytes  # a table in blocks of its own
+    elif not embedding_is_head:
+        total -= model.vocab_size * model.hidden_size * _DTYPE_BYTES[manifest.dtype]  # a float table
     return total
 
 

@@ -169,3 +169,54 @@ def test_auto_requantizes_other_gguf_types_and_says_from_which(checkpoint_factor
     assert (facts.bits, facts.method, facts.linears_kept) == (8, "gguf-blocks+rtn", 1)
     assert facts.requantized_from == {"Q5_0": 14} and facts.embedding_from_head
     assert any("8 quantized again from the file's Q5_0=14 weights" in line for line in lines), lines
+
+
+def test_an_untied_ggufs_embedding_table_keeps_the_files_blocks(checkpoint_factory, tmp_path):
+    """Untied, the table is stored apart from the head: the file's Q8_0 blocks as they are (the codes and float16
+    scales a Gather reads, bit for bit; the engine then computes what the fp32 engine of the same file computes),
+    or, for a type without an exact form (Q5_0), int4 blocks rounded from it, as the manifest and the log say."""
+    import gguf
+    import onnx
+    from onnx import numpy_helper
+
+    source = make_gguf(tmp_path / "untied.gguf", checkpoint_factory("mqa"))
+    fp32 = build(source, tmp_path / "fp32", quant="none")
+    lines = []
+    build_engine(
+        BuildOptions(str(source), tmp_path / "auto", max_seq_len=128, max_batch=2, int8_compute=False),
+        log=lines.append,
+    )
+    engine = LLMEngine(EngineArgs(tmp_path / "auto"))
+    facts = engine.manifest.quantization
+    assert not facts.embedding_from_head and facts.source_blocks_kept == {"Q4_1": 14, "Q8_0": 1}
+    table = facts.embedding
+    assert (table.bits, table.group_size, table.minimums, table.source_blocks, table.rounded_from) == (
+        8,
+        32,
+        False,
+        "Q8_0",
+        None,
+    )
+    vocab, hidden = engine.manifest.model.vocab_size, engine.manifest.model.hidden_size
+    assert table.bytes == vocab * hidden + 4 * vocab * hidden // 32
+    assert any("embedding table: int8 blocks of 32, the file's Q8_0 blocks" in line for line in lines), lines
+    model = onnx.load(str(engine.artifact.path(engine.manifest.graphs["step"].file)))
+    constants = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    assert not [name for name, value in constants.items() if value.shape == (vocab, hidden)]  # no float table
+    raw = next(t for t in gguf.GGUFReader(str(source)).tensors if t.name == "token_embd.weight")
+    blocks = np.asarray(raw.data).reshape(vocab, -1, 34)
+    codes = constants["model.embed_tokens.qweight"].astype(np.int16) - 128
+    assert np.array_equal(codes.reshape(-1), blocks[..., 2:].view(np.int8).reshape(-1))
+    file_scales = blocks[..., 0:2].copy().view(np.float16).reshape(-1)
+    assert np.array_equal(constants["model.embed_tokens.scales"], file_scales.astype(np.float32))
+
+    prompt = fp32.codec.encode(TEXT)
+    forced = prompt[1:] + prompt[:5]
+    reference = teacher_forced_logits(fp32, prompt, forced)
+    np.testing.assert_allclose(
+        teacher_forced_logits(engine, prompt, forced), reference, rtol=0, atol=1e-4 * np.abs(reference).max()
+    )
+
+    q5 = make_gguf(tmp_path / "q5.gguf", checkpoint_factory("mqa"), embedding_type="Q5_0")
+    table = build(q5, tmp_path / "q5", quant="int4").manifest.quantization.embedding
+    assert (table.bits, table.minimums, table.source_blocks, table.rounded_from) == (4, False, None, "Q5_0")

@@ -26,12 +26,14 @@ def teacher_forced_logits(engine: LLMEngine, prompt: list[int], forced: list[int
 
 
 @pytest.mark.parametrize("quant, bits", [("int8", 8), ("int4", 4)])
-def test_quantized_engine_equals_its_quantized_reference(quant, bits, engine_factory, checkpoint_factory):
-    """With fp32 compute, the MatMulNBits engine computes what the plugin's reference op computes."""
-    engine = LLMEngine(EngineArgs(engine_factory("gqa", quant=quant, int8_compute=False)))
-    checkpoint = load_checkpoint(checkpoint_factory("gqa"))
+@pytest.mark.parametrize("name", ["gqa", "mqa"])
+def test_quantized_engine_equals_its_quantized_reference(name, quant, bits, engine_factory, checkpoint_factory):
+    """With fp32 compute, the MatMulNBits engine computes what the plugin's reference op computes, its embedding
+    table read from the tied head's blocks (gqa) or from blocks of its own (mqa, untied)."""
+    engine = LLMEngine(EngineArgs(engine_factory(name, quant=quant, int8_compute=False)))
+    checkpoint = load_checkpoint(checkpoint_factory(name))
     spec = QuantSpec(bits, engine.manifest.quantization.group_size, 0)
-    model = load_model(checkpoint.config, checkpoint.read_tensors(), torch.float32, spec, True)
+    model = load_model(checkpoint.config, checkpoint.read_tensors(), torch.float32, spec, True, embedding_quant=spec)
     prompt = engine.codec.encode(TEXT)
     config = checkpoint.config
     steps = len(prompt)
@@ -87,6 +89,26 @@ def test_quantized_rows_compute_the_same_alone_and_batched(quant, int8_compute, 
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     alone_tokens = [llm.generate(prompt_token_ids=[p], sampling_params=params)[0].token_ids for p in prompts]
     assert [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)] == alone_tokens
+
+
+def test_an_untied_quantized_engine_stores_its_embedding_table_in_blocks_unless_asked_for_float(engine_factory):
+    import onnx
+
+    from engines.format import open_artifact
+
+    def float_tables(artifact) -> list[str]:
+        model = onnx.load(str(artifact.path("model.onnx")), load_external_data=False)
+        table = [artifact.manifest.model.vocab_size, artifact.manifest.model.hidden_size]
+        return [t.name for t in model.graph.initializer if list(t.dims) == table]
+
+    blocks = open_artifact(engine_factory("mqa", quant="int4"))
+    table = blocks.manifest.quantization.embedding
+    vocab, hidden = blocks.manifest.model.vocab_size, blocks.manifest.model.hidden_size
+    assert (table.bits, table.group_size, table.minimums, table.source_blocks) == (4, 32, False, None)
+    assert table.bytes == vocab * hidden // 2 + 4 * vocab * hidden // 32 and not float_tables(blocks)
+    floats = open_artifact(engine_factory("mqa", quant="int4", quantize_embedding=False))
+    assert floats.manifest.quantization.embedding is None
+    assert float_tables(floats) == ["model.embed_tokens.weight"]
 
 
 def test_quantized_artifacts_are_smaller_and_say_how_they_were_made(engine_factory):

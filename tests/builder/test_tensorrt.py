@@ -22,7 +22,7 @@ from plugins.quant_linear import QuantSpec
 
 def load(checkpoint, quant=None):
     config = load_checkpoint(str(checkpoint))
-    return load_model(config.config, config.read_tensors(), torch.float32, quant, True, {}, 300)
+    return load_model(config.config, config.read_tensors(), torch.float32, quant, True, {}, 300, embedding_quant=quant)
 
 
 def test_float_graph_is_standard_onnx_and_matches_the_model_in_onnxruntime(tmp_path, checkpoint_factory):
@@ -73,7 +73,7 @@ def test_q4_1_linears_take_the_plugin_with_minimums(tmp_path, checkpoint_factory
     quant = QuantSpec(4, 32, 0)
     kept = kept_block_specs(checkpoint.config, quant, True, checkpoint.block_formats)
     tensors = checkpoint.read_tensors(frozenset(checkpoint.block_formats))
-    model = load_model(checkpoint.config, tensors, torch.float32, quant, True, kept, 300)
+    model = load_model(checkpoint.config, tensors, torch.float32, quant, True, kept, 300, embedding_quant=quant)
     spec = export_tensorrt_onnx(model, tmp_path, 256)
     graph = onnx.load(str(tmp_path / spec.file), load_external_data=False).graph
     nodes = Counter(node.op_type for node in graph.node if node.op_type.startswith(tensorrt_plugin.OP))

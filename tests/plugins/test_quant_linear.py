@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from plugins.native_ops import DOMAIN
-from plugins.quant_linear import QuantizedLinear, QuantSpec, dequantize_blockwise, onnx_translations, quantize_blockwise
+from plugins.quant_linear import (
+    QuantizedEmbedding,
+    QuantizedLinear,
+    QuantSpec,
+    dequantize_blockwise,
+    onnx_translations,
+    quantize_blockwise,
+)
 
 
 def numpy_reference_quantize(weight: np.ndarray, bits: int, block: int) -> tuple[np.ndarray, np.ndarray]:
@@ -163,3 +170,45 @@ def test_invalid_specs_are_refused():
         QuantSpec(3, 32)
     with pytest.raises(ValueError, match="group size"):
         QuantSpec(4, 48)
+
+
+@pytest.mark.parametrize("bits, minimums", [(4, False), (4, True), (8, False)])
+def test_an_embedding_table_in_blocks_looks_up_exactly_its_rows_in_onnxruntime(tmp_path, bits, minimums):
+    """Its lookup, exported and run by onnxruntime, gives each token's row of the table as numpy dequantizes it
+    from the same blocks (scale x (q - zero point), or scale x q + minimum), bit for bit; no float table is stored."""
+    import onnx
+    import onnxruntime as ort
+
+    vocab, hidden = 37, 96  # an odd vocabulary, three blocks a row
+    table = QuantizedEmbedding(vocab, hidden, torch.float32, QuantSpec(bits, 32, minimums=minimums))
+    weight = torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(3))
+    qweight, scales = quantize_blockwise(weight, bits, 32)
+    mins = None
+    if minimums:
+        scales = scales.half().float()
+        mins = torch.randn(vocab, 3, generator=torch.Generator().manual_seed(4)).half()
+    table.load_quantized_rows(0, qweight, scales, mins)
+
+    q, _ = numpy_reference_quantize(weight.numpy(), bits, 32)
+    if bits == 4:
+        q = np.stack([q & 15, q >> 4], -1).reshape(vocab, 3, 32)
+    q, scale = q.astype(np.float32), scales.numpy().reshape(vocab, 3, 1)
+    values = q * scale + mins.numpy().astype(np.float32)[..., None] if minimums else (q - 2 ** (bits - 1)) * scale
+    expected_table = values.reshape(vocab, hidden)
+
+    ids = torch.tensor([[5, 0, 36, 5], [12, 12, 1, 30]])
+    path = tmp_path / "embedding.onnx"
+    torch.onnx.export(
+        table.eval(),
+        (ids,),
+        str(path),
+        dynamo=True,
+        dynamic_shapes=({0: torch.export.Dim("b"), 1: torch.export.Dim("t")},),
+    )
+    graph = onnx.load(str(path)).graph
+    assert not any(i.data_type == onnx.TensorProto.FLOAT and len(i.dims) == 2 for i in graph.initializer)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for rows in (ids, ids[:1, :3]):
+        ours = session.run(None, {session.get_inputs()[0].name: rows.numpy()})[0]
+        np.testing.assert_array_equal(ours, expected_table[rows.numpy()])
+    assert table.stored_bytes() == qweight.numel() + 4 * scales.numel() + (2 * mins.numel() if minimums else 0)

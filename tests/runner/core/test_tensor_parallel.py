@@ -43,6 +43,8 @@ def tokens(llm: LLM, prompts=PROMPTS, params=GREEDY) -> list[list[int]]:
         ("three_kv_heads", {}),
         # fp32 activations: a one-row call rounds differently here, so every rank pads it to two (min_rows)
         ("three_kv_heads", {"quant": "int4", "int8_compute": False}),
+        # untied: each rank stores the whole embedding table in the same int4 blocks as the single-rank engine
+        ("untied_bias", {"quant": "int4", "int8_compute": False}),
     ],
 )
 def test_two_ranks_give_the_single_rank_engines_greedy_tokens_alone_and_batched(engine_factory, name, options):
