@@ -59,14 +59,21 @@ def untied_checkpoint(out: Path) -> Path:
         return out
     import torch
     import transformers
+    from safetensors.torch import save_file
 
     from builder.loaders.default import default_gguf_path
 
     gguf = default_gguf_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, torch_dtype=torch.float32
+    )
     model.config.tie_word_embeddings = False
     model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.detach().clone())
-    model.float().save_pretrained(out, safe_serialization=True)
+    # transformers will not save a model it read from a GGUF: its (float) tensors and config are written here
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    model.config.save_pretrained(out)
     transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(out)
     return out
 

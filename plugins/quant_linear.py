@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from plugins.native_ops import DOMAIN
@@ -185,7 +186,7 @@ class QuantizedLinear(nn.Module):
     ) -> None:
         """Rows already in this layout (e.g. GGUF blocks). In a linear with minimums, symmetric rows (Q4_0 beside
         Q4_1 in one fused weight) take minimum = -zero point x scale, which must be exact in float16."""
-        rows, n_blocks = qweight.shape[0], self.qweight.shape[1]
+        rows, n_blocks = qweight.shape[0], blocks(self.in_features, self.spec.block_size)
         if minimums is not None and self.minimums is None:
             raise ValueError("these rows carry block minimums but the linear was built without them")
         if minimums is None and self.minimums is not None:
@@ -193,8 +194,9 @@ class QuantizedLinear(nn.Module):
             minimums = symmetric.half()
             if not torch.equal(minimums.float(), symmetric):
                 raise ValueError("symmetric rows join a linear with minimums only where -zero point x scale is float16")
-        self.qweight[start : start + rows] = qweight
-        self.scales[start * n_blocks : (start + rows) * n_blocks] = scales
+        # (stored as MatMulNBits has them, or by row: QuantizedEmbedding)
+        self.qweight[start : start + rows] = qweight.reshape(rows, *self.qweight.shape[1:])
+        self.scales.view(-1)[start * n_blocks : (start + rows) * n_blocks] = scales
         if self.minimums is not None:
             self.minimums[start : start + rows] = minimums
 
@@ -240,20 +242,42 @@ class QuantizedLinear(nn.Module):
 
 class QuantizedEmbedding(QuantizedLinear):
     """A token embedding table [vocab, hidden] held in a quantized linear's blocks and read by rows: a lookup
-    dequantizes only the rows of the call's tokens (`rows`), as llama.cpp reads a GGUF's quantized token_embd, so no
-    float copy of the table exists. Loaded as a linear with `out_features` = vocab (`load_rows`,
-    `load_quantized_rows`); it is never multiplied."""
+    dequantizes only the rows of the call's tokens, as llama.cpp reads a GGUF's quantized token_embd, so no float
+    copy of the table exists. Loaded as a linear with `out_features` = vocab (`load_rows`, `load_quantized_rows`);
+    it is never multiplied."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype, spec: QuantSpec) -> None:
         super().__init__(embedding_dim, num_embeddings, False, dtype, spec)
         self.dtype = dtype
+        # by row, as the lookup gathers them: [vocab, blocks x bytes] and [vocab, blocks]
+        self.register_buffer("qweight", self.qweight.view(num_embeddings, -1))
+        self.register_buffer("scales", self.scales.view(num_embeddings, -1))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.rows(ids).to(self.dtype)
+        """Rows `ids` [...] of the table, [..., embedding_dim] in the model's dtype: scale x (q - zero point), or
+        scale x q + minimum, computed as `dequantize_blockwise` computes them."""
+        codes = F.embedding(ids, self.qweight).to(torch.int64)  # [..., blocks x bytes]
+        values = F.embedding(codes, self.byte_values()).reshape(*ids.shape, self.scales.shape[1], -1)
+        weight = values * F.embedding(ids, self.scales).unsqueeze(-1)  # [..., blocks, block]
+        if self.minimums is not None:
+            weight = weight + F.embedding(ids, self.minimums).float().unsqueeze(-1)
+        return weight.flatten(-2)[..., : self.in_features].to(self.dtype)
+
+    def byte_values(self) -> torch.Tensor:
+        """[256, values a byte holds]: each byte's values less the zero point, looked up rather than unpacked (the
+        export folds the table into a constant): unpacking nibbles by integer ops took some twenty nodes a lookup,
+        ~5% of an untied int4 model's decode step."""
+        codes = torch.arange(256, device=self.qweight.device)
+        values = torch.stack((codes % 16, codes // 16), -1) if self.spec.bits == 4 else codes.unsqueeze(-1)
+        return (values - (0 if self.spec.minimums else 1 << (self.spec.bits - 1))).float()
 
     def stored_bytes(self) -> int:
         """The table's bytes as the graph stores it (blocks, scales and minimums)."""
-        return sum(buffer.numel() * buffer.element_size() for buffer in self.buffers())
+        return sum(
+            buffer.numel() * buffer.element_size()
+            for buffer in (self.qweight, self.scales, self.minimums)
+            if buffer is not None
+        )
 
 
 def _register_schema() -> None:

@@ -202,13 +202,20 @@ def test_an_untied_ggufs_embedding_table_keeps_the_files_blocks(checkpoint_facto
     assert any("embedding table: int8 blocks of 32, the file's Q8_0 blocks" in line for line in lines), lines
     model = onnx.load(str(engine.artifact.path(engine.manifest.graphs["step"].file)))
     constants = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
-    assert not [name for name, value in constants.items() if value.shape == (vocab, hidden)]  # no float table
+    assert not [name for name, value in constants.items() if value.dtype == np.float32 and value.size >= vocab * hidden]
+    # what the lookups of the step's tokens read: the table's codes and scales (stored flat or by row)
+    reshaped = {node.output[0]: node.input[0] for node in model.graph.node if node.op_type == "Reshape"}
+    read = [
+        constants[reshaped.get(node.input[0], node.input[0])]
+        for node in model.graph.node
+        if node.op_type == "Gather" and node.input[1] == "input_ids"
+    ]
+    (codes,), (scales,) = ([value for value in read if value.dtype == kind] for kind in (np.uint8, np.float32))
     raw = next(t for t in gguf.GGUFReader(str(source)).tensors if t.name == "token_embd.weight")
     blocks = np.asarray(raw.data).reshape(vocab, -1, 34)
-    codes = constants["model.embed_tokens.qweight"].astype(np.int16) - 128
-    assert np.array_equal(codes.reshape(-1), blocks[..., 2:].view(np.int8).reshape(-1))
-    file_scales = blocks[..., 0:2].copy().view(np.float16).reshape(-1)
-    assert np.array_equal(constants["model.embed_tokens.scales"], file_scales.astype(np.float32))
+    assert codes.dtype == np.uint8 and scales.dtype == np.float32
+    assert np.array_equal((codes.astype(np.int16) - 128).reshape(-1), blocks[..., 2:].view(np.int8).reshape(-1))
+    assert np.array_equal(scales.reshape(-1), blocks[..., 0:2].copy().view(np.float16).reshape(-1).astype(np.float32))
 
     prompt = fp32.codec.encode(TEXT)
     forced = prompt[1:] + prompt[:5]
