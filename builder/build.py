@@ -575,11 +575,10 @@ def _weights_description(options: BuildOptions) -> str:
     if quant is None:
         return options.dtype
     head = "quantized" if options.quantize_lm_head else "float"
-    embedding = "quantized" if options.quantize_embedding else "float"
     activations = "int8" if quant.accuracy_level == 4 else "fp32"
     return (
-        f"{options.quant} (group {quant.block_size}, LM head {head}, embedding table {embedding}, {activations} "
-        f"activations in the quantized matmuls), rest {options.dtype}"
+        f"{options.quant} (group {quant.block_size}, LM head {head}, {activations} activations in the quantized "
+        f"matmuls), rest {options.dtype}"
     )
 
 
