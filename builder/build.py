@@ -622,7 +622,7 @@ def _load_weights(
             kept = kept_block_specs(config, quant, options.quantize_lm_head, checkpoint.block_formats)
         sources = linear_sources(config, options.quantize_lm_head)
         keep = {name for module in kept for name in sources[module]}
-        if _keeps_blocks(embedding_quant, checkpoint):
+        if _kept_embedding_blocks(embedding_quant, checkpoint):
             keep.add(f"{EMBEDDING}.weight")
         tensors = checkpoint.read_tensors(frozenset(keep))
         model = load_model(
@@ -651,7 +651,7 @@ def _load_weights(
     return model, quantization
 
 
-def _keeps_blocks(embedding_quant: QuantSpec | None, checkpoint) -> str | None:
+def _kept_embedding_blocks(embedding_quant: QuantSpec | None, checkpoint) -> str | None:
     """The GGUF type of the embedding's blocks where the table holds them as they are (weights.embedding_spec)."""
     kind = checkpoint.block_formats.get(f"{EMBEDDING}.weight")
     return kind if embedding_quant is not None and holds_block_kind(embedding_quant, kind) else None
@@ -666,7 +666,7 @@ def _embedding_facts(model, checkpoint, log: Callable[[str], None]) -> Embedding
     if not isinstance(table, QuantizedEmbedding):
         log("      embedding table: float")
         return None
-    spec, kept = table.spec, _keeps_blocks(table.spec, checkpoint)
+    spec, kept = table.spec, _kept_embedding_blocks(table.spec, checkpoint)
     kind = checkpoint.weight_types.get(f"{EMBEDDING}.weight")
     facts = EmbeddingBlocks(
         bits=spec.bits,

@@ -85,15 +85,23 @@ def kept_block_specs(
     A linear keeps its source blocks when every weight it is made of is Q4_0/Q4_1/Q8_0 with the same number of
     bits, the build asks for groups of 32, and the source has at least the requested bits (a Q8_0 LM head stays
     int8 in an int4 build: more bits than asked, never fewer). Everything else is requantized from float."""
-    if quant is None or quant.block_size != BLOCK:
+    if quant is None:
         return {}
     kept = {}
     for module, names in linear_sources(config, quantize_lm_head).items():
-        forms = [EXACT_FORMS.get(block_formats.get(name, "")) for name in names]
-        if None in forms or len({bits for bits, _ in forms}) != 1 or forms[0][0] < quant.bits:
-            continue
-        kept[module] = replace(quant, bits=forms[0][0], minimums=any(minimums for _, minimums in forms))
+        spec = _spec_holding(quant, [block_formats.get(name, "") for name in names])
+        if spec is not None:
+            kept[module] = spec
     return kept
+
+
+def _spec_holding(quant: QuantSpec, kinds: list[str]) -> QuantSpec | None:
+    """`quant` widened to hold blocks of these GGUF types as they are, or None where it cannot: every one
+    Q4_0/Q4_1/Q8_0 of one bit width, at least `quant`'s bits, and groups of 32 asked for."""
+    forms = [EXACT_FORMS.get(kind) for kind in kinds]
+    if quant.block_size != BLOCK or None in forms or len({bits for bits, _ in forms}) != 1 or forms[0][0] < quant.bits:
+        return None
+    return replace(quant, bits=forms[0][0], minimums=any(minimums for _, minimums in forms))
 
 
 def embedding_spec(
@@ -106,10 +114,8 @@ def embedding_spec(
     where no blocks are kept)."""
     if quant is None or (tied and not quantize_lm_head):
         return None
-    form = EXACT_FORMS.get(block_formats.get(f"{EMBEDDING}.weight", ""))
-    if quant.block_size == BLOCK and form is not None and form[0] >= quant.bits:
-        return replace(quant, bits=form[0], minimums=form[1])
-    return replace(quant, minimums=False)
+    kept = _spec_holding(quant, [block_formats.get(f"{EMBEDDING}.weight", "")])
+    return kept or replace(quant, minimums=False)
 
 
 def holds_block_kind(spec: QuantSpec | None, kind: str | None) -> bool:
