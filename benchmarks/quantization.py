@@ -12,6 +12,11 @@ read from the interpreter's install). Writes benchmarks/results/quantization.jso
 `--untied` measures the embedding table's storage instead: the default model with its tied table copied as a
 separate LM head (float, dequantized from the GGUF by transformers, in the Hugging Face layout), built with the table
 in blocks of its own (the default) and with `--float-embedding`.
+
+`--k-quants` measures a GGUF of mixed K-quant types instead: the default model as llama.cpp's Q4_K_M quantizes it
+(llama-cpp-python's quantizer, from the Q4_1 file: Q4_K and Q6_K where a row's inputs are a multiple of 256, Q5_0 /
+Q8_0 where not), built keeping the file's blocks (the default) and requantized to int4, next to llama.cpp running
+the same file (timed and scored in the same interleaved run).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import click
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.compare_peers import write_perplexity_text  # noqa: E402
 from benchmarks.compare_transformers import contender_ours, write_prompts  # noqa: E402
 from benchmarks.interleave import interleaved_runs, serve  # noqa: E402
 from benchmarks.provenance import source_commit  # noqa: E402
@@ -51,6 +57,33 @@ UNTIED_VARIANTS = {
     "int4 RTN g32, float table": ["--quant", "int4", "--float-embedding"],
     "int4 RTN g32": ["--quant", "int4"],
 }
+
+
+K_QUANT_VARIANTS = {
+    "fp32": ["--quant", "none"],
+    "int4 RTN g32, every weight (--requantize-gguf)": ["--quant", "int4", "--requantize-gguf"],
+    "the file's blocks (the default)": [],
+}
+LLAMA_CPP = "llama.cpp, the same file"
+
+
+def k_quants_gguf(out: Path) -> Path:
+    """The default model in llama.cpp's Q4_K_M mix (its quantizer re-quantizing the Q4_1 file's weights)."""
+    if out.is_file():
+        return out
+    import ctypes
+
+    import llama_cpp
+
+    from builder.loaders.default import default_gguf_path
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+    params.allow_requantize = True
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if llama_cpp.llama_model_quantize(str(default_gguf_path()).encode(), str(out).encode(), ctypes.byref(params)):
+        raise SystemExit("llama.cpp's quantizer failed")
+    return out
 
 
 def untied_checkpoint(out: Path) -> Path:
@@ -112,8 +145,9 @@ def table(results: dict) -> list[str]:
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in results.items():
+        build_rss = "-" if r.get("build_peak_rss_mb") is None else f"{r['build_peak_rss_mb']:.0f}"
         lines.append(
-            f"| {name} | {r['size_mb']:.0f} | {r['size_mb'] / fp32['size_mb']:.0%} | {r['build_peak_rss_mb']:.0f} "
+            f"| {name} | {r['size_mb']:.0f} | {r['size_mb'] / fp32['size_mb']:.0%} | {build_rss} "
             f"| {r['peak_rss_mb']:.0f} | {r['short']['decode_tok_s']:.1f} "
             f"| {r['short']['decode_tok_s'] / fp32['short']['decode_tok_s']:.2f}x | {r['short']['ttft_ms']:.0f} "
             f"| {r['long']['ttft_ms']:.0f} | {r['perplexity']:.3f} | {r['perplexity'] / fp32['perplexity'] - 1:+.1%} |"
@@ -128,8 +162,9 @@ def table(results: dict) -> list[str]:
 @click.option("--worker", default=None, hidden=True, help="Serve timed runs of this engine (interleave protocol).")
 @click.option("--perplexity", "perplexity_engine", default=None, hidden=True)
 @click.option("--untied", is_flag=True, help="Measure an untied copy of the default model's table storage.")
+@click.option("--k-quants", is_flag=True, help="Measure the default model in llama.cpp's Q4_K_M mix of types.")
 @click.option("--out", type=click.Path(path_type=Path), default=ROOT / "benchmarks" / "results" / "quantization.json")
-def main(out_dir, threads, runs, worker, perplexity_engine, untied, out) -> None:
+def main(out_dir, threads, runs, worker, perplexity_engine, untied, k_quants, out) -> None:
     prompts_file = ROOT / "engines-out" / "benchmark-prompts.json"
     if worker:
         generate, info = contender_ours(worker, threads)
@@ -138,8 +173,11 @@ def main(out_dir, threads, runs, worker, perplexity_engine, untied, out) -> None
     if perplexity_engine:
         print(json.dumps(perplexity_of(perplexity_engine, threads)))
         return
-    variants = UNTIED_VARIANTS if untied else VARIANTS
-    source = str(untied_checkpoint(out_dir / "untied-checkpoint")) if untied else "default"
+    variants, source = VARIANTS, "default"
+    if untied:
+        variants, source = UNTIED_VARIANTS, str(untied_checkpoint(out_dir / "untied-checkpoint"))
+    elif k_quants:
+        variants, source = K_QUANT_VARIANTS, str(k_quants_gguf(out_dir / "smollm2-135m-instruct-q4_k_m.gguf"))
     engines = {name: out_dir / re.sub(r"\W+", "-", name) for name in variants}
     results = {}
     for name, flags in variants.items():
@@ -150,7 +188,20 @@ def main(out_dir, threads, runs, worker, perplexity_engine, untied, out) -> None
         name: [sys.executable, __file__, "--worker", str(engine), "--threads", str(threads)]
         for name, engine in engines.items()
     }
+    if k_quants:  # llama.cpp through the peers benchmark's worker, on the same prompt and text ids
+        (out_dir / "prompts.json").write_text(json.dumps(prompts))
+        write_perplexity_text(str(engines["fp32"]), out_dir / "perplexity_text.json")
+        peers = [sys.executable, str(ROOT / "benchmarks" / "compare_peers.py"), "--threads", str(threads)]
+        peers += ["--ours", str(engines["fp32"]), "--work", str(out_dir), "--new-tokens", str(NEW_TOKENS)]
+        peers += ["--worker-target", source]
+        workers[LLAMA_CPP] = [*peers, "--worker-kind", "llama.cpp"]
+        results[LLAMA_CPP] = {"size_mb": Path(source).stat().st_size / 2**20, "build_peak_rss_mb": None}
     timed = interleaved_runs(workers, prompts, runs, threads, log=lambda line: click.echo(line, err=True))
+    if k_quants:
+        proc = subprocess.run([*peers, "--worker-kind", "perplexity:llama.cpp"], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"measuring llama.cpp's perplexity failed:\n{proc.stderr[-3000:]}")
+        results[LLAMA_CPP].update(timed[LLAMA_CPP], **json.loads(proc.stdout.strip().splitlines()[-1]))
     for name, engine in engines.items():
         click.echo(f"{name}: perplexity", err=True)
         proc = subprocess.run(
@@ -166,6 +217,8 @@ def main(out_dir, threads, runs, worker, perplexity_engine, untied, out) -> None
     machine = f"{cpu_model()}, {threads} threads"
     versions = {name: version(name) for name in ("onnxruntime", "torch", "onnx")}
     model = "untied copy of the default model" if untied else "Default model"
+    if k_quants:
+        model = "llama.cpp's Q4_K_M of the default model"
     lines = [
         f"{model} (SmolLM2-135M-Instruct Q4_1 GGUF), {machine}, commit {commit}, batch 1, greedy, "
         f"{NEW_TOKENS} new tokens, median of {runs} interleaved runs.",

@@ -35,6 +35,7 @@ from builder.weights import (
     linear_sources,
     load_model,
     store_embedding,
+    wider_specs,
 )
 from engines.format import (
     BACKENDS,
@@ -586,9 +587,9 @@ def _embedding_quant(options: BuildOptions, checkpoint) -> QuantSpec | None:
     """The blocks the build stores the embedding table in (weights.embedding_spec), or None for float."""
     if not options.quantize_embedding:
         return None
-    formats = checkpoint.block_formats if options.keep_source_blocks and options.quant != "gptq" else {}
+    types = checkpoint.weight_types if options.keep_source_blocks and options.quant != "gptq" else {}
     tied = checkpoint.config.tie_word_embeddings
-    return embedding_spec(options.quant_spec(), tied, options.quantize_lm_head, formats)
+    return embedding_spec(options.quant_spec(), tied, options.quantize_lm_head, types)
 
 
 def _load_weights(
@@ -617,9 +618,10 @@ def _load_weights(
         if embedding_quant is not None:
             store_embedding(model, embedding_quant)
     else:
-        kept = {}
+        kept, wider = {}, {}
         if options.keep_source_blocks:
             kept = kept_block_specs(config, quant, options.quantize_lm_head, checkpoint.block_formats)
+            wider = wider_specs(config, quant, options.quantize_lm_head, checkpoint.weight_types, kept)
         sources = linear_sources(config, options.quantize_lm_head)
         keep = {name for module in kept for name in sources[module]}
         if _kept_embedding_blocks(embedding_quant, checkpoint):
@@ -635,9 +637,10 @@ def _load_weights(
             rotary_positions,
             head_rows,
             embedding_quant,
+            wider,
         )
         if quant is not None:
-            quantization = _kept_blocks(quantization, kept, sources, checkpoint, log)
+            quantization = _kept_blocks(quantization, kept, wider, sources, checkpoint, log)
     if quant is not None:
         embedding = _embedding_facts(model, checkpoint, log)
         quantization = replace(quantization, embedding_from_head=model.embedding_from_head, embedding=embedding)
@@ -682,10 +685,11 @@ def _embedding_facts(model, checkpoint, log: Callable[[str], None]) -> Embedding
 
 
 def _kept_blocks(
-    quantization: QuantizationSpec, kept: dict, sources: dict[str, list[str]], checkpoint, log
+    quantization: QuantizationSpec, kept: dict, wider: dict, sources: dict[str, list[str]], checkpoint, log
 ) -> QuantizationSpec:
     """The quantization section with which linears kept their GGUF blocks and which were quantized from float
-    (and, for a GGUF, from which of its types: a K-quant requantized is a loss the user should see)."""
+    (and, for a GGUF, from which of its types: a K-quant requantized is a loss the user should see; and how many
+    went to int8 because the file gives them more bits than the build's)."""
     total = len(sources)
     methods = {0: QuantMethod.RTN, total: QuantMethod.GGUF_BLOCKS}
     kept_names = [name for module in kept for name in sources[module]]
@@ -696,6 +700,7 @@ def _kept_blocks(
         source_blocks_kept=dict(sorted(Counter(checkpoint.block_formats[n] for n in kept_names).items())),
         linears_kept=len(kept),
         linears_requantized=total - len(kept),
+        linears_widened=len(wider),
         requantized_from=dict(
             sorted(Counter(checkpoint.weight_types[n] for n in requantized if n in checkpoint.weight_types).items())
         ),
@@ -704,6 +709,8 @@ def _kept_blocks(
     origin = "from float"
     if quantization.requantized_from:
         origin = f"again from the file's {_key_values(quantization.requantized_from)} weights"
+    if wider:
+        origin += f", {len(wider)} of them to int8 (the file gives them more than {quantization.bits} bits)"
     log(
         f"      quantized linears: {len(kept)} keep their GGUF blocks {quantization.source_blocks_kept or ''}, "
         f"{total - len(kept)} quantized {origin} ({quantization.method})"

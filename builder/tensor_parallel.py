@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from builder.loaders.gguf_blocks import BLOCK, BlockQuantized
+from builder.loaders.gguf_blocks import BLOCK, BlockQuantized, block_inputs
 from engines.model_config import ModelConfig
 from plugins.collectives import all_gather, all_reduce
 
@@ -140,10 +140,14 @@ def _columns(tensor, bounds: tuple[int, int], unit: int):
     first, end = bounds[0] * unit, bounds[1] * unit
     if not isinstance(tensor, BlockQuantized):
         return tensor[:, first:end].clone()
-    if first % BLOCK or end % BLOCK:
-        raise ValueError(f"a {tensor.kind} weight cannot be cut at column {first}..{end}: not a block boundary")
-    blocks = tensor.rows.reshape(tensor.rows.shape[0], tensor.in_features // BLOCK, -1)
-    kept = np.ascontiguousarray(blocks[:, first // BLOCK : end // BLOCK]).reshape(tensor.rows.shape[0], -1)
+    inputs = block_inputs(tensor.kind)
+    if first % inputs or end % inputs:
+        raise ValueError(
+            f"a {tensor.kind} weight cannot be cut at column {first}..{end}: not a block boundary (build with "
+            "--requantize-gguf to quantize it again)"
+        )
+    blocks = tensor.rows.reshape(tensor.rows.shape[0], tensor.in_features // inputs, -1)
+    kept = np.ascontiguousarray(blocks[:, first // inputs : end // inputs]).reshape(tensor.rows.shape[0], -1)
     return BlockQuantized(tensor.kind, kept, end - first)
 
 

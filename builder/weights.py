@@ -68,8 +68,8 @@ WIDE_TYPES = ("Q8_0", "Q8_1", "Q8_K", "Q6_K", "Q5_0", "Q5_1", "Q5_K")  # more th
 def auto_quantization(config: ModelConfig, weight_types: Mapping[str, str]) -> str:
     """What `--quant auto` builds for a checkpoint whose layers' weights have these GGUF types (none for a Hugging
     Face checkpoint): "none" where they are float, "int4" where any is 4 bits or fewer, else "int8". With groups of
-    32, Q4_0 / Q4_1 / Q8_0 blocks then go into the engine as they are (kept_block_specs); other types are
-    requantized, K-quants of 5-6 bits to int8 only where no layer weight is 4-bit."""
+    32, Q4_0 / Q4_1 / Q4_K / Q5_0 / Q8_0 blocks then go into the engine as they are (kept_block_specs); weights of
+    other types are requantized, those of more than 4 bits (Q5_1, Q5_K, Q6_K) to int8 (wider_specs)."""
     names = [name for module, sources in linear_sources(config, False).items() for name in sources]
     types = {weight_types.get(name, "F32") for name in names}
     if types <= set(FLOAT_TYPES):
@@ -82,9 +82,10 @@ def kept_block_specs(
 ) -> dict[str, QuantSpec]:
     """Quantized linears whose checkpoint blocks map exactly onto the requested quantization -> their spec.
 
-    A linear keeps its source blocks when every weight it is made of is Q4_0/Q4_1/Q8_0 with the same number of
-    bits, the build asks for groups of 32, and the source has at least the requested bits (a Q8_0 LM head stays
-    int8 in an int4 build: more bits than asked, never fewer). Everything else is requantized from float."""
+    A linear keeps its source blocks when every weight it is made of has an exact form (gguf_blocks.EXACT_FORMS)
+    of the same number of bits, the build asks for groups of 32, and the source has at least the requested bits (a
+    Q8_0 LM head or Q5_0 layer stays int8 in an int4 build: more bits than asked, never fewer). Everything else is
+    requantized from float."""
     if quant is None:
         return {}
     kept = {}
@@ -95,32 +96,65 @@ def kept_block_specs(
     return kept
 
 
+def wider_specs(
+    config: ModelConfig,
+    quant: QuantSpec | None,
+    quantize_lm_head: bool,
+    weight_types: Mapping[str, str],
+    kept: Mapping[str, QuantSpec],
+) -> dict[str, QuantSpec]:
+    """Linears requantized from GGUF weights of more bits than `quant` has (Q5_1, Q5_K, Q6_K in an int4 build:
+    llama.cpp's Q4_K_M gives the layers that matter most Q6_K) -> int8 in `quant`'s groups: a build that keeps the
+    file's blocks never rounds a weight to fewer bits than the file gives it."""
+    if quant is None:
+        return {}
+    return {
+        module: wider
+        for module, names in linear_sources(config, quantize_lm_head).items()
+        if module not in kept and (wider := _at_least_source_bits(quant, [weight_types.get(n, "") for n in names]))
+    }
+
+
+def _at_least_source_bits(quant: QuantSpec, kinds: list[str]) -> QuantSpec | None:
+    """int8 in `quant`'s groups where `quant` has fewer bits than any of these GGUF types, else None."""
+    return replace(quant, bits=8, minimums=False) if quant.bits < 8 and set(kinds) & set(WIDE_TYPES) else None
+
+
 def _spec_holding(quant: QuantSpec, kinds: list[str]) -> QuantSpec | None:
-    """`quant` widened to hold blocks of these GGUF types as they are, or None where it cannot: every one
-    Q4_0/Q4_1/Q8_0 of one bit width, at least `quant`'s bits, and groups of 32 asked for."""
+    """`quant` widened to hold blocks of these GGUF types as they are, or None where it cannot: every one with an
+    exact form of one bit width, at least `quant`'s bits, and groups of 32 asked for."""
     forms = [EXACT_FORMS.get(kind) for kind in kinds]
-    if quant.block_size != BLOCK or None in forms or len({bits for bits, _ in forms}) != 1 or forms[0][0] < quant.bits:
+    if quant.block_size != BLOCK or None in forms or len({f.bits for f in forms}) != 1 or forms[0].bits < quant.bits:
         return None
-    return replace(quant, bits=forms[0][0], minimums=any(minimums for _, minimums in forms))
+    minimum_dtypes = {f.minimum_dtype for f in forms} - {None}
+    # float32 holds float16 minimums too (a Q4_1 slice beside a Q4_K one in a fused weight)
+    minimum_dtype = "float32" if "float32" in minimum_dtypes else "float16"
+    return replace(quant, bits=forms[0].bits, minimums=bool(minimum_dtypes), minimum_dtype=minimum_dtype)
 
 
 def embedding_spec(
-    quant: QuantSpec | None, tied: bool, quantize_lm_head: bool, block_formats: Mapping[str, str]
+    quant: QuantSpec | None, tied: bool, quantize_lm_head: bool, weight_types: Mapping[str, str]
 ) -> QuantSpec | None:
     """The blocks the token embedding table is stored in, or None where it stays float: where the build quantizes
     nothing, or where the table is the float LM head itself (tied, `--float-lm-head`). The checkpoint's own blocks
     where they map exactly as a linear's do (kept_block_specs; a tied model's quantized head holds the same ones),
-    else `quant`'s blocks rounded to nearest. `block_formats`: the checkpoint's GGUF types by weight name (empty
-    where no blocks are kept)."""
+    else `quant`'s blocks rounded to nearest, int8 where the file's type has more bits (wider_specs).
+    `weight_types`: the checkpoint's GGUF types by weight name (empty where no blocks are kept)."""
     if quant is None or (tied and not quantize_lm_head):
         return None
-    kept = _spec_holding(quant, [block_formats.get(f"{EMBEDDING}.weight", "")])
-    return kept or replace(quant, minimums=False)
+    kinds = [weight_types.get(f"{EMBEDDING}.weight", "")]
+    return _spec_holding(quant, kinds) or _at_least_source_bits(quant, kinds) or replace(quant, minimums=False)
 
 
 def holds_block_kind(spec: QuantSpec | None, kind: str | None) -> bool:
     """Whether `spec`'s layout holds GGUF blocks of this type as they are (None, float, holds none)."""
-    return spec is not None and spec.block_size == BLOCK and EXACT_FORMS.get(kind or "") == (spec.bits, spec.minimums)
+    form = EXACT_FORMS.get(kind or "")
+    return (
+        form is not None
+        and spec is not None
+        and spec.block_size == BLOCK
+        and (form.bits, form.minimum_dtype) == (spec.bits, spec.minimum_dtype if spec.minimums else None)
+    )
 
 
 def store_embedding(model: LlamaForCausalLM, spec: QuantSpec) -> None:
@@ -151,6 +185,7 @@ def load_model(
     max_positions: int | None = None,
     head_rows: int | None = None,
     embedding_quant: QuantSpec | None = None,
+    wider: Mapping[str, QuantSpec] | None = None,
 ) -> LlamaForCausalLM:
     """Build the model on the meta device and give each parameter its checkpoint tensor as it streams by.
     Quantized projections quantize each tensor (or fused slice) on arrival: no float copy of them is kept.
@@ -158,11 +193,11 @@ def load_model(
     those weights as BlockQuantized. `max_positions`: rows of the rotary tables (every position a call may span).
     `head_rows`: the LM head's rows where it holds a share of the vocabulary (a tensor-parallel rank's).
     `embedding_quant`: the embedding table's blocks (embedding_spec; None: float); GGUF blocks that layout holds
-    go in as they are."""
+    go in as they are. `wider`: linears quantized from float in another spec than `quant` (wider_specs)."""
     kept = kept or {}
     with torch.device("meta"):
         model = LlamaForCausalLM(config, dtype, quant, quantize_lm_head, max_positions, head_rows, embedding_quant)
-        for name, spec in kept.items():
+        for name, spec in {**(wider or {}), **kept}.items():
             old = model.get_submodule(name)
             model.set_submodule(
                 name, QuantizedLinear(old.in_features, old.out_features, old.bias is not None, dtype, spec)

@@ -16,6 +16,9 @@ from typing import Any
 
 from engines.model_config import ModelConfig
 
+# 9: GGUF Q4_K / Q5_0 blocks kept (Int4MatMul's minimums may be float32, as its scales then are), and the
+# linears quantized to int8 because their GGUF type has more bits than the build's (`linears_widened`);
+# 8: an untied embedding table stored in blocks of its own (`quantization.embedding`);
 # 7: our quantized matmuls' weights, scales and minimums in column tiles (plugins/int4_matmul.c);
 # 6: the backend's device and the target facts a compiled graph must find again (AOTInductor packages,
 # TensorRT engines); 5: typed quantization and speculation sections (GPTQ's facts and the int8 KV cache's
@@ -25,7 +28,7 @@ from engines.model_config import ModelConfig
 # 3: a sampler graph chooses every token (sampling and speculative acceptance in the engine);
 # 2: attention is one fused node per layer writing the cache in place (present_* bound to past_*), K stored
 # [B, kv_heads, L, head_dim] like V, attention_bias replaces tree_mask; 1: new K/V were graph outputs.
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 # onnxruntime: ONNX graphs with onnxruntime's and our own kernels; aoti: the step graph compiled by AOTInductor (its
 # side graphs stay ONNX); tensorrt: a TensorRT engine built from the step graph's ONNX (builder/tensorrt.py)
 BACKENDS = ("onnxruntime", "aoti", "tensorrt")
@@ -164,6 +167,8 @@ class QuantizationSpec:
     source_blocks_kept: dict[str, int] = field(default_factory=dict)  # GGUF block type -> linears keeping them
     linears_kept: int = 0
     linears_requantized: int = 0
+    # of those, quantized to int8 instead of `bits`: their GGUF type has more bits (Q5_K, Q6_K in an int4 build)
+    linears_widened: int = 0
     requantized_from: dict[str, int] = field(default_factory=dict)  # GGUF type -> weights quantized again from float
     block_offsets: bool = False  # Q4_1-style per-block minimums (the blocks are scale * q + minimum)
     embedding_from_head: bool = False  # the tied quantized LM head's blocks are the embedding table (no float copy)

@@ -2,9 +2,10 @@
  * com.microsoft::MatMulNBits (bits 4, accuracy_level 4: int8 activations) under the same contract
  * (plugins/quant_linear.py) except for the weights' order in memory (below), and that the scales may be float16 as
  * well as float (engines store them as float16: a weight then streams 4.5 bits from memory, not 5). Inputs: A [..., K]
- * f32; B uint8, the weights in column tiles; scales f32 or f16, in column tiles; optionally minimums f16 in column
- * tiles, for blocks of 32: then w = scale * q + minimum with q the unsigned nibble (llama.cpp's Q4_1 block, its two
- * float16s taken as they are) instead of scale * (q - 8). Output [..., N] f32. Attributes: K, N, block_size (a power
+ * f32; B uint8, the weights in column tiles; scales f32 or f16, in column tiles; optionally minimums of the scales'
+ * type in column tiles, for blocks of 32: then w = scale * q + minimum with q the unsigned nibble instead of
+ * scale * (q - 8) (llama.cpp's Q4_1 block, its two float16s taken as they are; or a Q4_K sub-block, whose scale and
+ * minimum are products d x sc and dmin x m that only float holds exactly). Output [..., N] f32. Attributes: K, N, block_size (a power
  * of 2 of at least 32 that divides K), column_tile (16: the layout below, which the node must say it holds), swiglu
  * (optional, 0 or 1).
  *
@@ -76,12 +77,12 @@ typedef struct Work {
   float *out; /* the node's output: y itself, or for swiglu silu(gate) * up of y's halves */
   const uint8_t *w;
   const void *wscale;       /* float, or float16 (scales_f16) */
-  const uint16_t *minimums; /* float16 per chunk (Q4_1: w = scale * q + minimum), or NULL */
+  const void *minimums;     /* per chunk, of the scales' type (w = scale * q + minimum), or NULL */
   float *y;
   QuantizedRows q;
   int64_t m, k, n, chunks, tiles, row_blocks, tile_groups;
   int shift; /* chunk c takes the scale of block c >> shift */
-  int scales_f16;
+  int scales_f16; /* the scales, and minimums where there are, are float16 */
   int bits; /* 4, or 8 (Int8MatMul) */
   int vnni; /* the tiles' AVX-512 VNNI variant */
 } Work;
@@ -184,7 +185,7 @@ static inline int64_t minimums_at(const Work *w, int64_t t, int64_t c) { return 
 
 /* Rows [r, r + ROWS) against tile t, 512-bit: vector s of a chunk meets int32 s of the activations (int4: its low
  * nibbles int32 2s, its high ones 2s + 1), two chains of vpdpbusd to keep the adder busy. BITS 4 or 8; MIN: the
- * chunks carry minimums; F16: the scales are float16. */
+ * chunks carry minimums; F16: the scales (and minimums) are float16. */
 INLINE_VNNI void tile_512(const Work *w, int64_t r, int64_t t, const int ROWS, const int BITS, const int MIN,
                           const int F16) {
   const int64_t chunks = w->chunks;
@@ -207,8 +208,10 @@ INLINE_VNNI void tile_512(const Work *w, int64_t r, int64_t t, const int ROWS, c
     const int64_t block = scales_at(w, t, c);
     const __m512 ws = F16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w->wscale + block)))
                           : _mm512_loadu_ps((const float *)w->wscale + block);
-    const __m512 wmin = MIN ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->minimums + minimums_at(w, t, c))))
-                            : _mm512_setzero_ps();
+    const int64_t at_minimums = minimums_at(w, t, c);
+    const __m512 wmin = !MIN ? _mm512_setzero_ps()
+                        : F16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w->minimums + at_minimums)))
+                              : _mm512_loadu_ps((const float *)w->minimums + at_minimums);
     for (int i = 0; i < ROWS; i++) {
       const int64_t at = (r + i) * chunks + c;
       const int32_t *x = w->q.x + at * 8;
@@ -276,8 +279,10 @@ INLINE_AVX2 void tile_256(const Work *w, int64_t r, int64_t t, const int ROWS, c
       const int64_t block = scales_at(w, t, c) + 8 * half;
       const __m256 ws = F16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)w->wscale + block)))
                             : _mm256_loadu_ps((const float *)w->wscale + block);
-      const __m256 wmin = MIN ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->minimums + minimums_at(w, t, c) + 8 * half)))
-                              : _mm256_setzero_ps();
+      const int64_t at_minimums = minimums_at(w, t, c) + 8 * half;
+      const __m256 wmin = !MIN ? _mm256_setzero_ps()
+                          : F16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)w->minimums + at_minimums)))
+                                : _mm256_loadu_ps((const float *)w->minimums + at_minimums);
       for (int i = 0; i < ROWS; i++) {
         const int64_t at = (r + i) * chunks + c;
         acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[i]), _mm256_mul_ps(ws, _mm256_set1_ps(w->q.scale[at])), acc[i]);
@@ -373,9 +378,10 @@ static OrtStatus *compute(void *kernel_state, OrtKernelContext *context) {
   for (size_t i = 0; i < rank[2]; i++) scale_count *= dims[2][i];
   for (size_t i = 0; count == 4 && i < rank[3]; i++) minimum_count *= dims[3][i];
   const int64_t tiles = (kernel->n + TILE_COLUMNS - 1) / TILE_COLUMNS, padded = tiles * TILE_COLUMNS;
-  if (count == 4 && (kernel->bits != 4 || kernel->block_size != 32 || element_type[3] != ELEMENT_FLOAT16 ||
+  if (count == 4 && (kernel->bits != 4 || kernel->block_size != 32 || element_type[3] != element_type[2] ||
                      minimum_count != padded * (kernel->k / 32)))
-    return refuse(api, kernel->bits, "minimums must be N * K / 32 float16s (N padded to whole tiles), for blocks of 32");
+    return refuse(api, kernel->bits, "minimums must be N * K / 32 values of the scales' type (N padded to whole tiles), "
+                                     "for blocks of 32");
   if (rank[0] < 1 || dims[0][rank[0] - 1] != kernel->k || weight_bytes != padded * kernel->k * kernel->bits / 8)
     return refuse(api, kernel->bits, "the input's last axis or the weights' size does not match K and N (N padded to whole tiles)");
   if ((element_type[2] != ELEMENT_FLOAT && element_type[2] != ELEMENT_FLOAT16) ||
@@ -462,8 +468,8 @@ static OrtStatus *create_kernel(const OrtCustomOp *op, OrtApiTable api, const Or
 
 static void destroy_kernel(void *kernel) { free(kernel); }
 static const char *op_name(const OrtCustomOp *op) { return op == &int8_matmul_op ? "Int8MatMul" : "Int4MatMul"; }
-/* scales: float or float16; minimums: float16 */
-static const int input_types[4] = {ELEMENT_FLOAT, ELEMENT_UINT8, ELEMENT_ANY, ELEMENT_FLOAT16};
+/* scales: float or float16; minimums: the scales' type */
+static const int input_types[4] = {ELEMENT_FLOAT, ELEMENT_UINT8, ELEMENT_ANY, ELEMENT_ANY};
 static int input_type(const OrtCustomOp *op, size_t index) { (void)op; return input_types[index]; }
 static size_t input_count(const OrtCustomOp *op) { (void)op; return 4; }
 static int minimums_optional(const OrtCustomOp *op, size_t index) {

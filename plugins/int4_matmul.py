@@ -11,10 +11,11 @@ call's rows share the weight stream: the column tiles are unpacked once for 4 ro
 and the per-column work is one fma per 32 values (docs/quantization.md has the times per number of rows). Results
 match onnxruntime's int8 path to float rounding (the same per-32 activation quantization).
 
-Covered: bits 4 (`Int4MatMul`) and 8 (`Int8MatMul`, which holds GGUF Q8_0 blocks), accuracy_level 4, blocks of a
-power of 2 from 32 that divides K; other nodes (fp32 compute, blocks of 16) keep MatMulNBits. Int4 blocks with
-minimums (GGUF Q4_1: w = scale * q + minimum, float16 minimums as the file holds them) are exported as Int4MatMul
-nodes with a fourth input already (plugins/quant_linear.py), which MatMulNBits cannot express exactly. The kernel
+Covered: bits 4 (`Int4MatMul`) and 8 (`Int8MatMul`, which holds GGUF Q8_0 and Q5_0 blocks), accuracy_level 4,
+blocks of a power of 2 from 32 that divides K; other nodes (fp32 compute, blocks of 16) keep MatMulNBits. Int4
+blocks with minimums (GGUF Q4_1: w = scale * q + minimum, float16 minimums as the file holds them; Q4_K: float32
+scales and minimums, the products llama.cpp computes) are exported as Int4MatMul nodes with a fourth input already
+(plugins/quant_linear.py), which MatMulNBits cannot express exactly. The kernel
 needs AVX2, FMA and F16C at run time.
 """
 
@@ -64,12 +65,13 @@ def use_in_graph(graph_file: Path) -> dict[str, int]:
     weights, scales and minimums in the kernels' column tiles (`tile_weights`, `tile_per_block`; a Gather that reads
     one, the embedding from a tied head's blocks, is rewritten to read the tiles and cast the scales back), the
     scales of int4 nodes as float16 (`half_scales`; int8 nodes' only where float16 holds them exactly, as GGUF
-    Q8_0's), and fold the MLP activation into the gate / up node (`fuse_swiglu`); returns how many nodes run each
-    op."""
+    Q8_0's; those of nodes with float32 minimums, GGUF Q4_K's, stay float32 as the kernel wants them), and fold
+    the MLP activation into the gate / up node (`fuse_swiglu`); returns how many nodes run each op."""
     from onnx import helper
 
     counts = dict.fromkeys(OPS.values(), 0)
     tiled: dict[str, tuple] = {}  # initializer -> (role, N, bits) of the node that reads it
+    minimums_of: dict[str, str] = {}  # scales -> the minimums beside them
 
     def replace(node):
         attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
@@ -84,6 +86,8 @@ def use_in_graph(graph_file: Path) -> dict[str, int]:
         bits = 8 if op == "Int8MatMul" else 4
         for role, name in zip(("weights", "scales", "minimums"), node.input[1:]):
             tiled[name] = (role, attributes["N"], bits)
+        if len(node.input) == 4:
+            minimums_of[node.input[2]] = node.input[3]
         counts[op] += 1
         kept = {key: attributes[key] for key in ("K", "N", "block_size", "swiglu") if key in attributes}
         return helper.make_node(
@@ -92,18 +96,27 @@ def use_in_graph(graph_file: Path) -> dict[str, int]:
 
     rewrite_nodes(graph_file, replace)
     _gathers_read_tiles(graph_file, {name: (role, n) for name, (role, n, _) in tiled.items()})
+    float32 = _float32_initializers(graph_file)
+    float_minimums = {scales for scales, minimums in minimums_of.items() if minimums in float32}
 
-    def convert(role: str, n: int, bits: int):
+    def convert(name: str, role: str, n: int, bits: int):
         if role == "weights":
             return lambda packed: tile_weights(packed, bits)
-        if role == "scales":
+        if role == "scales" and name not in float_minimums:
             narrow = half_scales if bits == 4 else exact_half_scales
             return lambda scales: tile_per_block(_or_as_is(narrow(scales), scales), n)
         return lambda values: tile_per_block(values, n)
 
-    rewrite_initializers(graph_file, {name: convert(*spec) for name, spec in tiled.items()})
+    rewrite_initializers(graph_file, {name: convert(name, *spec) for name, spec in tiled.items()})
     fuse_swiglu(graph_file)
     return counts
+
+
+def _float32_initializers(graph_file: Path) -> set[str]:
+    import onnx
+
+    model = onnx.load(str(graph_file), load_external_data=False)
+    return {t.name for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT}
 
 
 def tile_weights(packed: np.ndarray, bits: int) -> np.ndarray:

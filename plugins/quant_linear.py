@@ -1,6 +1,7 @@
 """Weight-only quantized linear: int4 / int8 blocks along the input dimension, one fp32 scale per block,
 symmetric (zero point 2^(bits-1), as onnxruntime assumes when none is given): w = scale * (q - 2^(bits-1)); or with
-one float16 minimum per block besides the scale: w = scale * q + minimum, llama.cpp's Q4_1 block as it is.
+one minimum per block besides the scale: w = scale * q + minimum, llama.cpp's Q4_1 block as it is (float16 minimums)
+or a Q4_K sub-block (float32 minimums: its scale and minimum are products of a float16 and a 6-bit integer).
 
 One op, in one place:
 - `quantize_blockwise` packs a float weight [N, K] into onnxruntime's MatMulNBits layout: uint8
@@ -42,7 +43,9 @@ class QuantSpec:
     # onnxruntime's accuracy_level: 4 quantizes activations to int8 on the fly and uses integer dot products
     # (several times faster on CPU, activation rounding ~1e-2 relative); 0 computes in fp32.
     accuracy_level: int = 4
-    minimums: bool = False  # one float16 minimum per block besides the scale (Q4_1 blocks): w = scale * q + min
+    minimums: bool = False  # one minimum per block besides the scale (Q4_1 blocks): w = scale * q + min
+    # what the minimums are stored as: float16 holds Q4_1's as the file does, float32 Q4_K's products dmin x m
+    minimum_dtype: str = "float16"
 
     def __post_init__(self) -> None:
         if self.bits not in SUPPORTED_BITS:
@@ -51,6 +54,8 @@ class QuantSpec:
             raise ValueError(f"group size must be one of {SUPPORTED_BLOCKS}, got {self.block_size}")
         if self.accuracy_level not in (0, 4):
             raise ValueError("accuracy_level must be 0 (fp32 compute) or 4 (int8 compute)")
+        if self.minimum_dtype not in ("float16", "float32"):
+            raise ValueError(f"minimums are float16 or float32, not {self.minimum_dtype}")
 
 
 def blocks(in_features: int, block_size: int) -> int:
@@ -167,7 +172,8 @@ class QuantizedLinear(nn.Module):
         if spec.minimums:
             if in_features % spec.block_size:
                 raise ValueError(f"block minimums need in_features ({in_features}) to be a multiple of the block size")
-            self.register_buffer("minimums", torch.zeros(out_features, n_blocks, dtype=torch.float16))
+            dtype_of_minimums = getattr(torch, spec.minimum_dtype)
+            self.register_buffer("minimums", torch.zeros(out_features, n_blocks, dtype=dtype_of_minimums))
         else:
             self.minimums = None
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
@@ -185,15 +191,16 @@ class QuantizedLinear(nn.Module):
         self, start: int, qweight: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor | None = None
     ) -> None:
         """Rows already in this layout (e.g. GGUF blocks). In a linear with minimums, symmetric rows (Q4_0 beside
-        Q4_1 in one fused weight) take minimum = -zero point x scale, which must be exact in float16."""
+        Q4_1 in one fused weight) take minimum = -zero point x scale, which must be exact in the minimums' type."""
         rows, n_blocks = qweight.shape[0], blocks(self.in_features, self.spec.block_size)
         if minimums is not None and self.minimums is None:
             raise ValueError("these rows carry block minimums but the linear was built without them")
         if minimums is None and self.minimums is not None:
             symmetric = -float(1 << (self.spec.bits - 1)) * scales.float().view(rows, n_blocks)
-            minimums = symmetric.half()
+            minimums = symmetric.to(self.minimums.dtype)
             if not torch.equal(minimums.float(), symmetric):
-                raise ValueError("symmetric rows join a linear with minimums only where -zero point x scale is float16")
+                where = f"-zero point x scale is {self.minimums.dtype}"
+                raise ValueError(f"symmetric rows join a linear with minimums only where {where}")
         # (stored as MatMulNBits has them, or by row: QuantizedEmbedding)
         self.qweight[start : start + rows] = qweight.reshape(rows, *self.qweight.shape[1:])
         self.scales.view(-1)[start * n_blocks : (start + rows) * n_blocks] = scales
@@ -292,7 +299,7 @@ def _register_schema() -> None:
         "Int4MatMul",
         inputs=["A:T1", "B:T2", "scales:T1", "minimums?:T3"],
         outputs=["Y:T1"],
-        types={"T1": ["tensor(float)"], "T2": ["tensor(uint8)"], "T3": ["tensor(float16)"]},
+        types={"T1": ["tensor(float)"], "T2": ["tensor(uint8)"], "T3": ["tensor(float16)", "tensor(float)"]},
         attributes={name: int for name in ("K", "N", "block_size")},
         domain=DOMAIN,
     )

@@ -46,6 +46,8 @@ CONFIGS = {
     "mistral": {"model_type": "mistral", "sliding_window": 4096, "tie_word_embeddings": False},
     # per-head q/k RMSNorm before the rotary embedding; head_dim 128 (its default)
     "qwen3": {"model_type": "qwen3", "rope_theta": 1000000.0},
+    # every linear's inputs a multiple of 256, as GGUF K-quants need (llama.cpp falls back to Q5_0 / Q8_0 elsewhere)
+    "k_quants": {"hidden_size": 256, "intermediate_size": 512},
 }
 
 
@@ -119,11 +121,13 @@ def make_gguf(
     embedding_type: str = "Q8_0",
     sampling: dict[str, float] | None = None,
     arch: str = "llama",
+    module_types: dict[str, str] | None = None,
 ) -> Path:
     """The tiny HF checkpoint written as llama.cpp would: GGUF names, Q/K rows permuted (for the llama architecture,
     as llama.cpp's converter does), linears, the embedding and an untied head block-quantized by gguf-py's own
-    quantizer, tokenizer and chat template in the metadata; `sampling`: general.sampling.* keys (float32 values;
-    top_k int32)."""
+    quantizer (Q4_K, which it lacks, by `quantize_q4_k`), tokenizer and chat template in the metadata; `sampling`:
+    general.sampling.* keys (float32 values; top_k int32); `module_types`: another type than `linear_type` for the
+    linears of these modules (e.g. "mlp.down_proj")."""
     import gguf
     import numpy as np
     import torch
@@ -192,13 +196,46 @@ def make_gguf(
         else:
             _, _, layer, *rest = name.split(".")
             module = ".".join(rest[:-1])
-            gguf_name, kind = f"blk.{layer}.{names[module]}.{rest[-1]}", linear_type if data.ndim == 2 else "F32"
+            kind = (module_types or {}).get(module, linear_type) if data.ndim == 2 else "F32"
+            gguf_name = f"blk.{layer}.{names[module]}.{rest[-1]}"
             if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
                 data = permute(data, heads if module == "self_attn.q_proj" else kv_heads)
         qtype = gguf.GGMLQuantizationType[kind]
-        writer.add_tensor(gguf_name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        raw = quantize_q4_k(data) if kind == "Q4_K" else gguf.quants.quantize(data, qtype)
+        writer.add_tensor(gguf_name, raw, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def quantize_q4_k(weight):
+    """Rows [N, K] (K a multiple of 256) in llama.cpp's Q4_K blocks, rounded to nearest: per 32 inputs a scale
+    (max - min) / 15 and a minimum min(w, 0), each a 6-bit multiple of its super-block's float16 d / dmin (llama.cpp
+    searches for better ones; the layout is what matters here). Returns uint8 [N, K / 256 x 144]."""
+    import numpy as np
+
+    rows, columns = weight.shape
+    sub = weight.astype(np.float32).reshape(rows, columns // 256, 8, 32)
+    low = np.minimum(sub.min(-1), 0)
+    scale = (sub.max(-1) - low) / 15
+    d = (scale.max(-1) / 63).astype(np.float16)
+    dmin = (-low.min(-1) / 63).astype(np.float16)
+    sc = np.clip(np.rint(scale / np.where(d > 0, d, 1).astype(np.float32)[..., None]), 0, 63).astype(np.uint8)
+    m = np.clip(np.rint(-low / np.where(dmin > 0, dmin, 1).astype(np.float32)[..., None]), 0, 63).astype(np.uint8)
+    step = d.astype(np.float32)[..., None] * sc
+    offset = dmin.astype(np.float32)[..., None] * m
+    q = np.clip(np.rint((sub + offset[..., None]) / np.where(step > 0, step, 1)[..., None]), 0, 15).astype(np.uint8)
+    scales = np.concatenate(  # the inverse of llama.cpp's get_scale_min_k4
+        (
+            sc[..., :4] | ((sc[..., 4:] >> 4) << 6),
+            m[..., :4] | ((m[..., 4:] >> 4) << 6),
+            (sc[..., 4:] & 0x0F) | ((m[..., 4:] & 0x0F) << 4),
+        ),
+        axis=-1,
+    )
+    pairs = q.reshape(rows, columns // 256, 4, 2, 32)
+    qs = (pairs[..., 0, :] | (pairs[..., 1, :] << 4)).reshape(rows, columns // 256, 128)
+    halves = np.stack((d, dmin), -1).view(np.uint8)
+    return np.concatenate((halves, scales, qs), axis=-1).reshape(rows, -1)

@@ -1,13 +1,17 @@
 """GGUF block-quantized weights, taken as they are into the engine's quantized linears where the formats agree.
 
-llama.cpp's blocks hold 32 consecutive inputs of one output row, fp16 scale first:
+llama.cpp's blocks hold consecutive inputs of one output row, fp16 scale first:
 - Q8_0: d, 32 x int8 q                                       w = d * q
+- Q5_0: d, 32 high bits, 16 bytes of low nibbles             w = d * (q - 16), q of 5 bits
 - Q4_0: d, 16 bytes (q[j] low nibble, q[j + 16] high nibble)  w = d * (q - 8)
 - Q4_1: d, m, 16 bytes in the same nibble order               w = d * q + m
-Our quantized linear (plugins/quant_linear.py) holds scale * (q - 2^(bits-1)), or scale * q + minimum with a float16
-minimum per block, with 32-input blocks, so all three map without loss: the integers are repacked, the fp16 scales
-widened (exactly) and Q4_1's fp16 minimum kept as it is. Any other GGUF type is dequantized and requantized by the
-build.
+- Q4_K: a super-block of 256 inputs: d, dmin, 12 bytes of eight 6-bit scales sc and minimums m, 128 bytes whose 32
+  bytes p hold sub-block 2p in their low nibbles and 2p + 1 in their high ones   w = (d * sc) * q - (dmin * m)
+Our quantized linear (plugins/quant_linear.py) holds scale * (q - 2^(bits-1)), or scale * q + minimum with one
+minimum per block, with 32-input blocks, so all of them map without loss: the integers are repacked (Q5_0's 5-bit
+values as int8), the fp16 scales widened (exactly), Q4_1's fp16 minimum kept as it is, and Q4_K's sub-block scale
+and minimum computed as llama.cpp computes them, in float32 (a float16 times a 6-bit integer: exact there, not in
+float16). Any other GGUF type (Q5_1, Q5_K, Q6_K, ...) is dequantized and requantized by the build.
 """
 
 from __future__ import annotations
@@ -20,14 +24,36 @@ import torch
 from plugins.quant_linear import pack_values
 
 BLOCK = 32
-# GGUF type -> (bits, has minimums) of the MatMulNBits form that holds it exactly
-EXACT_FORMS = {"Q8_0": (8, False), "Q4_0": (4, False), "Q4_1": (4, True)}
-_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+
+
+@dataclass(frozen=True)
+class ExactForm:
+    """The quantized-linear layout that holds a GGUF type's blocks as they are."""
+
+    bits: int
+    minimum_dtype: str | None = None  # the minimums' dtype where the blocks carry minimums
+
+
+EXACT_FORMS = {
+    "Q8_0": ExactForm(8),
+    "Q5_0": ExactForm(8),
+    "Q4_0": ExactForm(4),
+    "Q4_1": ExactForm(4, "float16"),
+    "Q4_K": ExactForm(4, "float32"),
+}
+# bytes of one block, and the inputs it covers
+_BLOCK_BYTES = {"Q8_0": (34, 32), "Q5_0": (22, 32), "Q4_0": (18, 32), "Q4_1": (20, 32), "Q4_K": (144, 256)}
+
+
+def block_inputs(kind: str) -> int:
+    """The inputs one block of this type covers (a weight can be cut along K only at their multiples)."""
+    return _BLOCK_BYTES[kind][1]
 
 
 @dataclass(frozen=True)
 class BlockQuantized:
-    """One weight still in its GGUF blocks: `rows` is uint8 [out_features, in_features / 32 * block bytes]."""
+    """One weight still in its GGUF blocks: `rows` is uint8 [out_features, in_features / block inputs x block
+    bytes]."""
 
     kind: str
     rows: np.ndarray
@@ -44,18 +70,55 @@ class BlockQuantized:
         return torch.from_numpy(np.ascontiguousarray(weight, dtype=np.float32).reshape(self.shape))
 
     def to_matmul_nbits(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(packed uint8 [N, blocks, 32 * bits / 8], fp32 scales [N * blocks], fp16 minimums [N, blocks] or None)."""
-        out_features = self.rows.shape[0]
-        blocks = self.rows.reshape(out_features, self.in_features // BLOCK, _BLOCK_BYTES[self.kind])
-        scale = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-        if self.kind == "Q8_0":
-            values = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-            minimums = None
+        """(packed uint8 [N, K / 32, 32 * bits / 8], fp32 scales [N * K / 32], minimums [N, K / 32] or None)."""
+        size, inputs = _BLOCK_BYTES[self.kind]
+        blocks = self.rows.reshape(self.rows.shape[0], self.in_features // inputs, size)
+        minimums = None
+        if self.kind == "Q4_K":
+            values, scale, minimums = _q4_k(blocks)
         else:
-            data = blocks[..., 2:] if self.kind == "Q4_0" else blocks[..., 4:]
-            values = np.concatenate((data & 0x0F, data >> 4), axis=-1)  # ggml order: first 16 low, last 16 high
-            minimums = None
-            if self.kind == "Q4_1":
-                minimums = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0])
-        bits = EXACT_FORMS[self.kind][0]
-        return pack_values(torch.from_numpy(values), bits), torch.from_numpy(scale.reshape(-1)), minimums
+            scale = _halves(blocks[..., 0:2]).astype(np.float32)
+            if self.kind == "Q8_0":
+                values = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+            elif self.kind == "Q5_0":
+                values = _q5_0_values(blocks) + np.uint8(128 - 16)  # q - 16 stored with int8's zero point
+            else:
+                data = blocks[..., 2:] if self.kind == "Q4_0" else blocks[..., 4:]
+                values = _low_then_high(data)
+                if self.kind == "Q4_1":
+                    minimums = torch.from_numpy(_halves(blocks[..., 2:4]))
+        packed = pack_values(torch.from_numpy(np.ascontiguousarray(values)), EXACT_FORMS[self.kind].bits)
+        return packed, torch.from_numpy(np.ascontiguousarray(scale).reshape(-1)), minimums
+
+
+def _halves(pairs: np.ndarray) -> np.ndarray:
+    """[..., 2] bytes -> [...] float16."""
+    return pairs.copy().view(np.float16)[..., 0]
+
+
+def _low_then_high(data: np.ndarray) -> np.ndarray:
+    """[..., 16] bytes -> their 32 nibbles in ggml's order: the 16 low ones, then the 16 high ones."""
+    return np.concatenate((data & 0x0F, data >> 4), axis=-1)
+
+
+def _q5_0_values(blocks: np.ndarray) -> np.ndarray:
+    """Q5_0 blocks [..., 22] -> their unsigned 5-bit values [..., 32]: bit j of the little-endian 32-bit word after
+    the scale is value j's fifth bit."""
+    high = blocks[..., 2:6].copy().view("<u4")  # [..., 1]
+    fifth = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+    return _low_then_high(blocks[..., 6:22]) | (fifth << 4)
+
+
+def _q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, torch.Tensor]:
+    """Q4_K super-blocks [N, K / 256, 144] -> the values [N, K / 32, 32], float32 scales d x sc [N, K / 32] and
+    minimums -(dmin x m) [N, K / 32] of their 32-input sub-blocks."""
+    out_features, supers, _ = blocks.shape
+    d, dmin = _halves(blocks[..., 0:2]).astype(np.float32), _halves(blocks[..., 2:4]).astype(np.float32)
+    packed = blocks[..., 4:16].astype(np.uint8)  # llama.cpp's get_scale_min_k4
+    sc = np.concatenate((packed[..., 0:4] & 63, (packed[..., 8:12] & 0x0F) | ((packed[..., 0:4] >> 6) << 4)), -1)
+    m = np.concatenate((packed[..., 4:8] & 63, (packed[..., 8:12] >> 4) | ((packed[..., 4:8] >> 6) << 4)), -1)
+    data = blocks[..., 16:].reshape(out_features, supers, 4, 1, 32)
+    values = np.concatenate((data & 0x0F, data >> 4), axis=-2).reshape(out_features, supers * 8, 32)
+    scale = (d[..., None] * sc.astype(np.float32)).reshape(out_features, -1)
+    minimum = -(dmin[..., None] * m.astype(np.float32)).reshape(out_features, -1)
+    return values, scale, torch.from_numpy(np.ascontiguousarray(minimum))

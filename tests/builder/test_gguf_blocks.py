@@ -1,5 +1,5 @@
-"""GGUF blocks taken as they are: Q4_0 / Q4_1 / Q8_0 map exactly onto the quantized linear, and a tiny GGUF's int4
-engine computes exactly what its fp32 engine (the same GGUF dequantized) computes."""
+"""GGUF blocks taken as they are: Q4_0 / Q4_1 / Q4_K / Q5_0 / Q8_0 map exactly onto the quantized linear, and a
+tiny GGUF's int4 engine computes exactly what its fp32 engine (the same GGUF dequantized) computes."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from builder.build import BuildOptions, build_engine
 from builder.loaders import load_checkpoint
 from builder.loaders.gguf_blocks import BlockQuantized
-from builder.weights import auto_quantization, kept_block_specs
+from builder.weights import auto_quantization, kept_block_specs, wider_specs
 from plugins.quant_linear import QuantSpec, dequantize_blockwise
 from runner.core.args import EngineArgs
 from runner.core.engine import LLMEngine
@@ -20,7 +20,7 @@ from tests.runner.tools.test_bench import initializer_bytes_read_per_step
 from tests.tiny_checkpoint import make_gguf
 
 
-@pytest.mark.parametrize("kind, bits", [("Q4_0", 4), ("Q4_1", 4), ("Q8_0", 8)])
+@pytest.mark.parametrize("kind, bits", [("Q4_0", 4), ("Q4_1", 4), ("Q5_0", 8), ("Q8_0", 8)])
 def test_blocks_convert_exactly(kind, bits):
     """Against gguf-py's own dequantizer (llama.cpp's reference for the formats)."""
     import gguf
@@ -31,6 +31,7 @@ def test_blocks_convert_exactly(kind, bits):
     qweight, scales, minimums = BlockQuantized(kind, raw, 96).to_matmul_nbits()
     assert qweight.shape == (12, 3, 32 * bits // 8) and scales.shape == (36,)
     assert (minimums is not None) == (kind == "Q4_1")
+    assert qweight.dtype == torch.uint8 and (kind != "Q5_0" or set(qweight.unique().tolist()) <= set(range(112, 144)))
     ours = dequantize_blockwise(qweight, scales, 96, bits, minimums)
     expected = gguf.quants.dequantize(raw, qtype).reshape(12, 96)
     np.testing.assert_allclose(ours.numpy(), expected, rtol=0, atol=1e-6 * np.abs(expected).max())
@@ -40,6 +41,29 @@ def test_blocks_convert_exactly(kind, bits):
     if minimums is not None:
         assert minimums.dtype == torch.float16
         assert np.array_equal(minimums.numpy(), blocks[..., 2:4].copy().view(np.float16)[..., 0])
+
+
+def random_q4_k(rows: int, in_features: int, seed: int = 0) -> np.ndarray:
+    """Q4_K super-blocks of random bytes (gguf-py has no Q4_K quantizer): any bytes are valid blocks once the two
+    float16s are finite; d and dmin small and positive as a quantizer writes them."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows, in_features // 256, 144), dtype=np.uint8)
+    blocks[..., 0:4] = (rng.random((rows, in_features // 256, 2)) * [2e-3, 1e-2]).astype(np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def test_q4_k_blocks_convert_exactly():
+    """Each 32-input sub-block: its nibbles, scale d x sc and minimum -(dmin x m) in float32, computed as llama.cpp
+    computes them, so the dequantized weight is gguf-py's bit for bit."""
+    import gguf
+
+    raw = random_q4_k(6, 512)
+    qweight, scales, minimums = BlockQuantized("Q4_K", raw, 512).to_matmul_nbits()
+    assert qweight.shape == (6, 16, 16) and scales.shape == (96,) and minimums.shape == (6, 16)
+    assert minimums.dtype == scales.dtype == torch.float32
+    expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K).reshape(6, 512)
+    np.testing.assert_array_equal(dequantize_blockwise(qweight, scales, 512, 4, minimums).numpy(), expected)
+    assert not np.array_equal(scales.numpy().astype(np.float16).astype(np.float32), scales.numpy())  # not halves
 
 
 def test_which_linears_keep_their_blocks(checkpoint_factory, tmp_path):
@@ -66,6 +90,33 @@ def test_which_linears_keep_their_blocks(checkpoint_factory, tmp_path):
     assert kept_block_specs(config, QuantSpec(8, 32), True, formats) == {"lm_head": QuantSpec(8, 32)}  # 4 < 8 bits
     mixed = formats | {"model.layers.1.self_attn.v_proj.weight": "Q8_0"}
     assert "model.layers.1.self_attn.qkv_proj" not in kept_block_specs(config, QuantSpec(4, 32), True, mixed)
+    # Q5_0 is int8 exactly: beside a Q8_0 slice in one fused weight too
+    q5_0 = mixed | {f"model.layers.1.self_attn.{p}_proj.weight": "Q5_0" for p in "qk"}
+    assert kept_block_specs(config, QuantSpec(4, 32), True, q5_0)["model.layers.1.self_attn.qkv_proj"] == QuantSpec(
+        8, 32
+    )
+    # Q4_K's sub-block scales and minimums are products of a float16 and a 6-bit integer: float32 minimums
+    q4_k = formats | {"model.layers.0.mlp.gate_proj.weight": "Q4_K", "model.layers.0.mlp.up_proj.weight": "Q4_K"}
+    kept = kept_block_specs(config, QuantSpec(4, 32), True, q4_k)
+    assert kept["model.layers.0.mlp.gate_up_proj"] == QuantSpec(4, 32, minimums=True, minimum_dtype="float32")
+    q4_k["model.layers.0.mlp.up_proj.weight"] = "Q4_1"  # float32 holds Q4_1's float16 minimums too
+    kept = kept_block_specs(config, QuantSpec(4, 32), True, q4_k)
+    assert kept["model.layers.0.mlp.gate_up_proj"] == QuantSpec(4, 32, minimums=True, minimum_dtype="float32")
+
+
+def test_a_weight_with_more_bits_than_the_build_is_quantized_to_int8(checkpoint_factory):
+    """Q6_K / Q5_K / Q5_1 have no exact form: requantized, but never to fewer bits than the file gives them."""
+    config = load_checkpoint(checkpoint_factory("gqa")).config
+    down = "model.layers.1.mlp.down_proj"
+    types = {f"{down}.weight": "Q6_K", "model.layers.0.self_attn.v_proj.weight": "Q5_1"}
+    types |= {"model.layers.0.self_attn.q_proj.weight": "Q4_K", "model.layers.0.mlp.up_proj.weight": "Q4_K"}
+    wider = wider_specs(config, QuantSpec(4, 32), True, types, {})
+    assert wider == {down: QuantSpec(8, 32), "model.layers.0.self_attn.qkv_proj": QuantSpec(8, 32)}
+    assert wider_specs(config, QuantSpec(4, 32), True, types, {down: QuantSpec(4, 32)}) == {
+        "model.layers.0.self_attn.qkv_proj": QuantSpec(8, 32)
+    }
+    assert wider_specs(config, QuantSpec(8, 128), True, types, {}) == {}
+    assert wider_specs(config, None, True, types, {}) == {}
 
 
 @pytest.fixture(scope="module")
@@ -160,21 +211,39 @@ def test_auto_quantization_follows_the_files_types(checkpoint_factory):
 
 
 def test_auto_requantizes_other_gguf_types_and_says_from_which(checkpoint_factory, tmp_path):
-    """A Q5_0 file (no exact form here): auto builds int8 (more bits than 4, never fewer), the layers requantized from
-    Q5_0 as the manifest and the build summary say, the Q8_0 head kept."""
-    source = make_gguf(tmp_path / "q5.gguf", checkpoint_factory("gqa"), linear_type="Q5_0")
+    """A Q5_1 file (no exact form here): auto builds int8 (more bits than 4, never fewer), the layers requantized from
+    Q5_1 as the manifest and the build summary say, the Q8_0 head kept. Beside Q4_0 layers (an int4 build), Q5_1 down
+    projections are requantized to int8, not int4, and run in Int8MatMul nodes."""
+    import onnx
+
+    source = make_gguf(tmp_path / "q5.gguf", checkpoint_factory("gqa"), linear_type="Q5_1")
     lines = []
     build_engine(BuildOptions(str(source), tmp_path / "e", max_seq_len=128, max_batch=2), log=lines.append)
     facts = LLMEngine(EngineArgs(tmp_path / "e")).manifest.quantization
-    assert (facts.bits, facts.method, facts.linears_kept) == (8, "gguf-blocks+rtn", 1)
-    assert facts.requantized_from == {"Q5_0": 14} and facts.embedding_from_head
-    assert any("8 quantized again from the file's Q5_0=14 weights" in line for line in lines), lines
+    assert (facts.bits, facts.method, facts.linears_kept, facts.linears_widened) == (8, "gguf-blocks+rtn", 1, 0)
+    assert facts.requantized_from == {"Q5_1": 14} and facts.embedding_from_head
+    assert any("8 quantized again from the file's Q5_1=14 weights" in line for line in lines), lines
+
+    mixed = make_gguf(
+        tmp_path / "q4_0.gguf", checkpoint_factory("gqa"), linear_type="Q4_0", module_types={"mlp.down_proj": "Q5_1"}
+    )
+    lines = []
+    build_engine(BuildOptions(str(mixed), tmp_path / "mixed", max_seq_len=128, max_batch=2), log=lines.append)
+    engine = LLMEngine(EngineArgs(tmp_path / "mixed"))
+    facts = engine.manifest.quantization
+    assert (facts.bits, facts.linears_kept, facts.linears_requantized, facts.linears_widened) == (4, 7, 2, 2)
+    assert facts.requantized_from == {"Q5_1": 2}
+    assert any("2 of them to int8 (the file gives them more than 4 bits)" in line for line in lines), lines
+    model = onnx.load(str(engine.artifact.path(engine.manifest.graphs["step"].file)), load_external_data=False)
+    down = [n.op_type for n in model.graph.node if any("down_proj" in name for name in n.input[1:2])]
+    assert down == ["Int8MatMul", "Int8MatMul"]
 
 
 def test_an_untied_ggufs_embedding_table_keeps_the_files_blocks(checkpoint_factory, tmp_path):
     """Untied, the table is stored apart from the head: the file's Q8_0 blocks as they are (the codes and float16
     scales a Gather reads, bit for bit; the engine then computes what the fp32 engine of the same file computes),
-    or, for a type without an exact form (Q5_0), int4 blocks rounded from it, as the manifest and the log say."""
+    or, for a type without an exact form (Q5_1), int8 blocks rounded from it (an int4 build never rounds a table of
+    more bits to 4), as the manifest and the log say."""
     import gguf
     import onnx
     from onnx import numpy_helper
@@ -224,6 +293,72 @@ def test_an_untied_ggufs_embedding_table_keeps_the_files_blocks(checkpoint_facto
         teacher_forced_logits(engine, prompt, forced), reference, rtol=0, atol=1e-4 * np.abs(reference).max()
     )
 
-    q5 = make_gguf(tmp_path / "q5.gguf", checkpoint_factory("mqa"), embedding_type="Q5_0")
+    q5 = make_gguf(tmp_path / "q5.gguf", checkpoint_factory("mqa"), embedding_type="Q5_1")
     table = build(q5, tmp_path / "q5", quant="int4").manifest.quantization.embedding
-    assert (table.bits, table.minimums, table.source_blocks, table.rounded_from) == (4, False, None, "Q5_0")
+    assert (table.bits, table.minimums, table.source_blocks, table.rounded_from) == (8, False, None, "Q5_1")
+
+
+def assert_computes_what(reference_engine: LLMEngine, engine: LLMEngine) -> None:
+    """The engine's logits after a prompt and forced tokens are the reference engine's (1e-4 of the largest)."""
+    prompt = reference_engine.codec.encode(TEXT)
+    forced = prompt[1:] + prompt[:5]
+    reference = teacher_forced_logits(reference_engine, prompt, forced)
+    np.testing.assert_allclose(
+        teacher_forced_logits(engine, prompt, forced), reference, rtol=0, atol=1e-4 * np.abs(reference).max()
+    )
+
+
+def test_a_q4_k_gguf_engine_holds_the_files_sub_blocks(checkpoint_factory, tmp_path):
+    """Q4_K layers go in as they are: computed in float, the engine equals the fp32 engine of the same file; with
+    int8 activations each linear is one Int4MatMul node whose float32 scales and minimums are the file's sub-block
+    products d x sc and -(dmin x m), and whose nibbles are the file's (the kernel's numerics against float64:
+    tests/plugins/test_int4_matmul.py)."""
+    import gguf
+    import onnx
+    from onnx import numpy_helper
+
+    source = make_gguf(tmp_path / "q4_k.gguf", checkpoint_factory("k_quants"), linear_type="Q4_K")
+    fp32 = build(source, tmp_path / "fp32", quant="none")
+    exact = build(source, tmp_path / "exact", int8_compute=False)
+    facts = exact.manifest.quantization
+    assert (facts.bits, facts.method, facts.source_blocks_kept) == (4, "gguf-blocks", {"Q4_K": 14, "Q8_0": 1})
+    assert_computes_what(fp32, exact)
+
+    engine = build(source, tmp_path / "auto")
+    model = onnx.load(str(engine.artifact.path(engine.manifest.graphs["step"].file)))
+    ops = [node.op_type for node in model.graph.node]
+    assert ops.count("Int4MatMul") == 2 * 4 and not {"MatMulNBits", "ReduceSum"} & set(ops)
+    constants = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    (o_proj,) = [n for n in model.graph.node if n.op_type == "Int4MatMul" and "layers.1.self_attn.o_proj" in n.input[1]]
+    n = next(a.i for a in o_proj.attribute if a.name == "N")
+    raw = next(t for t in gguf.GGUFReader(str(source)).tensors if t.name == "blk.1.attn_output.weight")
+    values, scales, minimums = BlockQuantized("Q4_K", np.asarray(raw.data), 256).to_matmul_nbits()
+    tiled_scales, tiled_minimums = (untiled(constants[name], n) for name in o_proj.input[2:])
+    assert tiled_scales.dtype == tiled_minimums.dtype == np.float32
+    assert np.array_equal(tiled_scales.reshape(-1), scales.numpy())
+    assert np.array_equal(tiled_minimums, minimums.numpy())
+    assert np.array_equal(untiled(constants[o_proj.input[1]], n, bits=4), values.numpy().reshape(n, -1))
+
+
+def test_a_tied_q4_k_table_is_read_from_the_heads_sub_blocks(checkpoint_factory, tmp_path):
+    """A Q4_K token_embd with no output.weight: the LM head keeps its sub-blocks, and the lookup reads them (float32
+    scales and minimums): computed in float, the engine is the fp32 engine of the file; with our kernel, the lookup
+    reads the head's column tiles, all three of them (the tiles' Gather is checked against numpy for every type in
+    tests/plugins/test_int4_matmul.py)."""
+    import onnx
+
+    source = make_gguf(
+        tmp_path / "tied.gguf", checkpoint_factory("k_quants"), linear_type="Q4_K", embedding_type="Q4_K"
+    )
+    fp32 = build(source, tmp_path / "fp32", quant="none")
+    exact = build(source, tmp_path / "exact", int8_compute=False)
+    facts = exact.manifest.quantization
+    assert facts.source_blocks_kept == {"Q4_K": 15} and facts.embedding_from_head
+    assert_computes_what(fp32, exact)
+    engine = build(source, tmp_path / "auto")
+    model = onnx.load(str(engine.artifact.path(engine.manifest.graphs["step"].file)), load_external_data=False)
+    (head,) = [n for n in model.graph.node if n.op_type == "Int4MatMul" and "lm_head" in n.input[1]]
+    gathered = {n.input[0] for n in model.graph.node if n.op_type == "Gather"}
+    assert set(head.input[1:]) <= gathered
+    types = {t.name: t.data_type for t in model.graph.initializer}
+    assert types[head.input[2]] == types[head.input[3]] == onnx.TensorProto.FLOAT

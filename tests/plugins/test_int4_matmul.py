@@ -210,6 +210,19 @@ def q4_1_blocks(n: int, k: int, seed: int = 0):
     return packed, scales, minimums
 
 
+def q4_k_blocks(n: int, k: int, seed: int = 0):
+    """Random Q4_K-style sub-blocks: float32 scales d x sc and minimums -(dmin x m) of a float16 per 256 inputs and
+    6-bit integers per 32, as llama.cpp computes them (float16 does not hold them)."""
+    rng = np.random.default_rng(seed)
+    packed = rng.integers(0, 256, (n, k // 32, 16), dtype=np.uint8)
+    d, dmin = (
+        np.repeat((rng.random((n, -(-k // 256))) * f).astype(np.float16), 8, -1)[:, : k // 32] for f in (4e-4, 3e-3)
+    )
+    sc, m = rng.integers(0, 64, (2, n, k // 32))
+    scales = (d.astype(np.float32) * sc.astype(np.float32)).reshape(-1)
+    return packed, scales, -(dmin.astype(np.float32) * m.astype(np.float32))
+
+
 def unpacked(packed: np.ndarray) -> np.ndarray:
     n, blocks, _ = packed.shape
     return np.stack([packed & 15, packed >> 4], axis=-1).reshape(n, blocks, -1).astype(np.float64)
@@ -235,13 +248,15 @@ def isa(request, monkeypatch):
 
 
 @pytest.mark.parametrize("shape", MINIMUM_SHAPES)
-@pytest.mark.parametrize("with_minimums", [True, False])
-def test_both_block_formats_against_a_float64_reference_for_1_to_17_rows(library, shape, with_minimums, isa):
-    """scale * q + minimum (Q4_1, float16 minimums) and scale * (q - 8) (Q4_0): the kernel's only rounding is the
-    activations' int8 quantization, which the reference repeats; the rest is float summation order."""
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
+def test_every_block_format_against_a_float64_reference_for_1_to_17_rows(library, shape, kind, isa):
+    """scale * q + minimum (Q4_1: float16 scales and minimums; Q4_K: float32 ones) and scale * (q - 8) (Q4_0): the
+    kernel's only rounding is the activations' int8 quantization, which the reference repeats; the rest is float
+    summation order."""
     n, k = MINIMUM_SHAPES[shape]
-    packed, scales, minimums = q4_1_blocks(n, k)
+    packed, scales, minimums = q4_k_blocks(n, k) if kind == "Q4_K" else q4_1_blocks(n, k)
     codes, s = unpacked(packed), scales.astype(np.float64).reshape(n, -1, 1)
+    with_minimums = kind != "Q4_0"
     weight = codes * s + minimums.astype(np.float64)[..., None] if with_minimums else (codes - 8) * s
     run = session(library, "Int4MatMul", packed, scales, k, n, 32, minimums=minimums if with_minimums else None)
     a = np.random.default_rng(3).standard_normal((17, k), dtype=np.float32)
@@ -272,7 +287,7 @@ def test_minimums_of_the_wrong_size_type_or_block_are_refused(library):
     tiled = int4_matmul.tile_weights(packed, 4), int4_matmul.tile_per_block(scales, n)
     good = int4_matmul.tile_per_block(minimums, n)
     a = np.ones((1, k), np.float32)
-    for bad in (good[:-1], good.astype(np.float32), minimums):  # short, float, not padded to whole tiles
+    for bad in (good[:-1], good.astype(np.float32), minimums):  # short, not the scales' type, not padded
         state = ort.capi.onnxruntime_pybind11_state
         with pytest.raises((state.Fail, state.InvalidGraph)):
             session(library, "Int4MatMul", *tiled, k, n, 32, minimums=bad, tile=False).run(None, {"a": a})
@@ -423,15 +438,17 @@ def test_engines_keep_onnxruntimes_matmul_when_told(engine_factory):
 
 
 @pytest.mark.skipif(not vnni(), reason="no AVX-512 VNNI here: the kernels run their AVX2 tiles only")
-@pytest.mark.parametrize("op", ["Int4MatMul", "Int4MatMul with minimums", "Int8MatMul"])
+@pytest.mark.parametrize(
+    "op", ["Int4MatMul", "Int4MatMul with minimums", "Int4MatMul with float32 minimums", "Int8MatMul"]
+)
 def test_the_vnni_tiles_compute_what_the_avx2_tiles_compute_bit_for_bit(library, monkeypatch, op):
     """vpdpbusd sums the same integer products as vpmaddubsw + vpmaddwd (which never saturate here), so an engine
     answers alike on both kinds of CPU."""
     n, k = 70, 576
-    packed, scales, minimums = q4_1_blocks(n, k)
+    packed, scales, minimums = q4_k_blocks(n, k) if "float32" in op else q4_1_blocks(n, k)
     if op == "Int8MatMul":
         packed = np.random.default_rng(8).integers(0, 256, (n, k // 32, 32), dtype=np.uint8)
-    extra = {"minimums": minimums} if op.endswith("minimums") else {}
+    extra = {"minimums": minimums} if "minimums" in op else {}
     a = np.random.default_rng(9).standard_normal((9, k), dtype=np.float32) * 4
     name = op.split()[0]
     isa = ctypes.CDLL(str(library)).QuantizedMatMulIsa
@@ -443,3 +460,53 @@ def test_the_vnni_tiles_compute_what_the_avx2_tiles_compute_bit_for_bit(library,
     np.testing.assert_array_equal(
         session(library, name, packed, scales, k, n, 32, **extra).run(None, {"a": a})[0], native
     )
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_K"])
+def test_gathers_of_a_heads_blocks_read_its_column_tiles(library, tmp_path, kind):
+    """A tied head's blocks are the embedding table too: after `use_in_graph` tiles them, the Gathers that read rows
+    of the weights and minimums and flat scales (as QuantizedLinear.rows exports them) return what they returned
+    before, whatever the types (Q4_1: scales stored as float16 and cast back, float16 minimums; Q4_K: float32)."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    n, k = 37, 96  # a column tail
+    packed, scales, minimums = q4_k_blocks(n, k) if kind == "Q4_K" else q4_1_blocks(n, k)
+    scales = scales.astype(np.float32)  # as the export holds them
+    ids = np.array([[0, 36, 17, 16, 15]], np.int64)
+    flat = (ids[..., None] * (k // 32) + np.arange(k // 32)).reshape(1, -1)
+    nodes = [
+        helper.make_node("Int4MatMul", ["a", "w", "s", "m"], ["y"], domain=DOMAIN, K=k, N=n, block_size=32),
+        helper.make_node("Gather", ["w", "ids"], ["rows_w"], name="gw", axis=0),
+        helper.make_node("Gather", ["m", "ids"], ["rows_m"], name="gm", axis=0),
+        helper.make_node("Gather", ["s", "flat"], ["rows_s"], name="gs", axis=0),
+    ]
+    outputs = {"y": TensorProto.FLOAT, "rows_w": TensorProto.UINT8, "rows_m": None, "rows_s": TensorProto.FLOAT}
+    outputs["rows_m"] = TensorProto.FLOAT if minimums.dtype == np.float32 else TensorProto.FLOAT16
+    graph = helper.make_graph(
+        nodes,
+        "head",
+        [
+            helper.make_tensor_value_info("a", TensorProto.FLOAT, ["rows", k]),
+            helper.make_tensor_value_info("ids", TensorProto.INT64, [1, 5]),
+            helper.make_tensor_value_info("flat", TensorProto.INT64, [1, 5 * k // 32]),
+        ],
+        [helper.make_tensor_value_info(name, kind_, None) for name, kind_ in outputs.items()],
+        [numpy_helper.from_array(v, name) for name, v in (("w", packed), ("s", scales), ("m", minimums))],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)])
+    path = tmp_path / "head.onnx"
+    import onnx
+
+    onnx.save(model, str(path))
+    assert int4_matmul.use_in_graph(path) == {"Int4MatMul": 1, "Int8MatMul": 0}
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(str(library))
+    run = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    a = np.random.default_rng(2).standard_normal((1, k), dtype=np.float32)
+    _, rows_w, rows_m, rows_s = run.run(None, {"a": a, "ids": ids, "flat": flat})
+    np.testing.assert_array_equal(rows_w, packed[ids])
+    np.testing.assert_array_equal(rows_m, minimums[ids])
+    np.testing.assert_array_equal(rows_s, scales[flat])
+    tiled = {t.name: t.data_type for t in onnx.load(str(path)).graph.initializer}
+    assert tiled["s"] == (TensorProto.FLOAT if kind == "Q4_K" else TensorProto.FLOAT16)
