@@ -177,6 +177,17 @@ INLINE_AVX2 void store_columns_256(float *y, __m256 v, int64_t count) {
   }
 }
 
+/* values [at, at + 16) (or + 8) of a tile's scales or minimums, float16 (F16) or float, as floats */
+INLINE_VNNI __m512 floats_512(const void *values, int64_t at, const int F16) {
+  return F16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)values + at)))
+             : _mm512_loadu_ps((const float *)values + at);
+}
+
+INLINE_AVX2 __m256 floats_256(const void *values, int64_t at, const int F16) {
+  return F16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)values + at)))
+             : _mm256_loadu_ps((const float *)values + at);
+}
+
 /* where tile t's 16 scales of the block holding chunk c start, and its 16 minimums of chunk c */
 static inline int64_t scales_at(const Work *w, int64_t t, int64_t c) {
   return (t * (w->chunks >> w->shift) + (c >> w->shift)) * TILE_COLUMNS;
@@ -205,13 +216,8 @@ INLINE_VNNI void tile_512(const Work *w, int64_t r, int64_t t, const int ROWS, c
     } else {
       for (int s = 0; s < 8; s++) u[s] = _mm512_loadu_si512(p + 64 * s);
     }
-    const int64_t block = scales_at(w, t, c);
-    const __m512 ws = F16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w->wscale + block)))
-                          : _mm512_loadu_ps((const float *)w->wscale + block);
-    const int64_t at_minimums = minimums_at(w, t, c);
-    const __m512 wmin = !MIN ? _mm512_setzero_ps()
-                        : F16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w->minimums + at_minimums)))
-                              : _mm512_loadu_ps((const float *)w->minimums + at_minimums);
+    const __m512 ws = floats_512(w->wscale, scales_at(w, t, c), F16);
+    const __m512 wmin = MIN ? floats_512(w->minimums, minimums_at(w, t, c), F16) : _mm512_setzero_ps();
     for (int i = 0; i < ROWS; i++) {
       const int64_t at = (r + i) * chunks + c;
       const int32_t *x = w->q.x + at * 8;
@@ -276,13 +282,8 @@ INLINE_AVX2 void tile_256(const Work *w, int64_t r, int64_t t, const int ROWS, c
           }
         }
       }
-      const int64_t block = scales_at(w, t, c) + 8 * half;
-      const __m256 ws = F16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)w->wscale + block)))
-                            : _mm256_loadu_ps((const float *)w->wscale + block);
-      const int64_t at_minimums = minimums_at(w, t, c) + 8 * half;
-      const __m256 wmin = !MIN ? _mm256_setzero_ps()
-                          : F16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)w->minimums + at_minimums)))
-                                : _mm256_loadu_ps((const float *)w->minimums + at_minimums);
+      const __m256 ws = floats_256(w->wscale, scales_at(w, t, c) + 8 * half, F16);
+      const __m256 wmin = MIN ? floats_256(w->minimums, minimums_at(w, t, c) + 8 * half, F16) : _mm256_setzero_ps();
       for (int i = 0; i < ROWS; i++) {
         const int64_t at = (r + i) * chunks + c;
         acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[i]), _mm256_mul_ps(ws, _mm256_set1_ps(w->q.scale[at])), acc[i]);

@@ -86,8 +86,9 @@ class BlockQuantized:
                 data = blocks[..., 2:] if self.kind == "Q4_0" else blocks[..., 4:]
                 values = _low_then_high(data)
                 if self.kind == "Q4_1":
-                    minimums = torch.from_numpy(_halves(blocks[..., 2:4]))
+                    minimums = _halves(blocks[..., 2:4])
         packed = pack_values(torch.from_numpy(np.ascontiguousarray(values)), EXACT_FORMS[self.kind].bits)
+        minimums = None if minimums is None else torch.from_numpy(np.ascontiguousarray(minimums))
         return packed, torch.from_numpy(np.ascontiguousarray(scale).reshape(-1)), minimums
 
 
@@ -96,9 +97,10 @@ def _halves(pairs: np.ndarray) -> np.ndarray:
     return pairs.copy().view(np.float16)[..., 0]
 
 
-def _low_then_high(data: np.ndarray) -> np.ndarray:
-    """[..., 16] bytes -> their 32 nibbles in ggml's order: the 16 low ones, then the 16 high ones."""
-    return np.concatenate((data & 0x0F, data >> 4), axis=-1)
+def _low_then_high(data: np.ndarray, axis: int = -1) -> np.ndarray:
+    """Bytes -> their nibbles in ggml's order along `axis`: the low ones, then the high ones (a Q4_0 block's 16 bytes
+    hold its 32 values so; a Q4_K pair of 32 bytes its two sub-blocks)."""
+    return np.concatenate((data & 0x0F, data >> 4), axis=axis)
 
 
 def _q5_0_values(blocks: np.ndarray) -> np.ndarray:
@@ -109,7 +111,7 @@ def _q5_0_values(blocks: np.ndarray) -> np.ndarray:
     return _low_then_high(blocks[..., 6:22]) | (fifth << 4)
 
 
-def _q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, torch.Tensor]:
+def _q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Q4_K super-blocks [N, K / 256, 144] -> the values [N, K / 32, 32], float32 scales d x sc [N, K / 32] and
     minimums -(dmin x m) [N, K / 32] of their 32-input sub-blocks."""
     out_features, supers, _ = blocks.shape
@@ -117,8 +119,8 @@ def _q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, torch.Tensor]:
     packed = blocks[..., 4:16].astype(np.uint8)  # llama.cpp's get_scale_min_k4
     sc = np.concatenate((packed[..., 0:4] & 63, (packed[..., 8:12] & 0x0F) | ((packed[..., 0:4] >> 6) << 4)), -1)
     m = np.concatenate((packed[..., 4:8] & 63, (packed[..., 8:12] >> 4) | ((packed[..., 4:8] >> 6) << 4)), -1)
-    data = blocks[..., 16:].reshape(out_features, supers, 4, 1, 32)
-    values = np.concatenate((data & 0x0F, data >> 4), axis=-2).reshape(out_features, supers * 8, 32)
+    pairs = blocks[..., 16:].reshape(out_features, supers, 4, 1, 32)
+    values = _low_then_high(pairs, axis=-2).reshape(out_features, supers * 8, 32)
     scale = (d[..., None] * sc.astype(np.float32)).reshape(out_features, -1)
     minimum = -(dmin[..., None] * m.astype(np.float32)).reshape(out_features, -1)
-    return values, scale, torch.from_numpy(np.ascontiguousarray(minimum))
+    return values, scale, minimum
