@@ -2,13 +2,15 @@
 decides the speed: a random-weight Llama of 1B shape, made here (its quality is meaningless, its speed is not).
 
     python benchmarks/peers_1b.py [--work engines-out/peers-1b] [--peers llama.cpp,ort-genai] [--runs 3]
+                                  [--file-type Q4_0|Q4_K_M]
 
 1. The checkpoint: hidden 2048, 16 layers, 32 / 8 heads, intermediate 8192, vocabulary 49152 (the default model's
    tokenizer), tied embeddings, float16 safetensors in the Hugging Face layout, random with a fixed seed.
 2. llama.cpp's own Q4_0 GGUF of it: its converter (convert_hf_to_gguf.py from llama-cpp-python's source
    distribution, its gguf-py on the path), then `llama_model_quantize` (Q4_0; the tied embedding as its quantizer
-   picks, Q6_K).
-3. Ours, built from that same GGUF (its Q4_0 blocks kept; the Q6_K table requantized, as the build says) and from
+   picks, Q6_K). `--file-type Q4_K_M` makes llama.cpp's Q4_K_M mix instead (Q4_K, with Q6_K on half the down
+   projections and value projections and on the table), the type most GGUFs people download have.
+3. Ours, built from that same GGUF (its Q4_0 / Q4_K blocks kept; Q6_K requantized to int8, as the build says) and from
    the checkpoint (`--quant int4`, round-to-nearest); onnxruntime-genai's int4 CPU model from the checkpoint
    (its model builder, RTN block 32, accuracy level 4) where asked.
 4. Every engine in its own process, runs interleaved round-robin (benchmarks/interleave.py), the chat prompts of
@@ -86,12 +88,16 @@ def llama_cpp_converter(work: Path) -> Path:
     return converter
 
 
-def make_q4_0_gguf(checkpoint: Path, work: Path, threads: int) -> Path:
+FILE_TYPES = ("Q4_0", "Q4_K_M")
+
+
+def make_gguf(checkpoint: Path, out: Path, file_type: str, threads: int) -> Path:
     import ctypes
 
     import llama_cpp
 
-    out, f16 = work / "model-q4_0.gguf", work / "model-f16.gguf"
+    work = out.parent
+    f16 = work / "model-f16.gguf"
     converter = llama_cpp_converter(work)
     subprocess.run(
         [sys.executable, str(converter), str(checkpoint), "--outtype", "f16", "--outfile", str(f16)],
@@ -100,7 +106,7 @@ def make_q4_0_gguf(checkpoint: Path, work: Path, threads: int) -> Path:
         env={**os.environ, "PYTHONPATH": str(converter.parent / "gguf-py")},
     )
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{file_type}")
     params.nthread = threads
     if llama_cpp.llama_model_quantize(str(f16).encode(), str(out).encode(), ctypes.byref(params)) != 0:
         raise SystemExit("llama.cpp's quantizer failed")
@@ -154,27 +160,28 @@ def markdown(report: dict) -> list[str]:
 @click.option("--threads", type=int, default=2, show_default=True)
 @click.option("--new-tokens", type=int, default=128, show_default=True)
 @click.option("--runs", type=int, default=3, show_default=True)
+@click.option("--file-type", type=click.Choice(FILE_TYPES), default="Q4_0", show_default=True, help="llama.cpp's GGUF.")
 @click.option("--name", default="peers_1b", show_default=True, help="Results file stem (the commit is appended).")
-def main(work: Path, peers: str, threads: int, new_tokens: int, runs: int, name: str) -> None:
+def main(work: Path, peers: str, threads: int, new_tokens: int, runs: int, file_type: str, name: str) -> None:
     wanted = [p.strip() for p in peers.split(",") if p.strip()]
     for peer in wanted:
         ensure_package(PEER_PACKAGES[peer])
     work.mkdir(parents=True, exist_ok=True)
-    checkpoint, gguf = work / "hf", work / "model-q4_0.gguf"
+    checkpoint, gguf = work / "hf", work / f"model-{file_type.lower()}.gguf"
     if not (checkpoint / "model.safetensors").is_file():
         click.echo("making the random 1B checkpoint", err=True)
         make_checkpoint(checkpoint)
     if not gguf.is_file():
-        click.echo("llama.cpp: converting and quantizing to Q4_0", err=True)
-        make_q4_0_gguf(checkpoint, work, threads)
-    ours = {"ours int4 (the GGUF's Q4_0 blocks)": work / "ours-gguf", "ours int4 RTN g32": work / "ours-rtn"}
+        click.echo(f"llama.cpp: converting and quantizing to {file_type}", err=True)
+        make_gguf(checkpoint, gguf, file_type, threads)
+    ours = {f"ours (the GGUF's {file_type} blocks)": work / f"ours-{gguf.stem}", "ours int4 RTN g32": work / "ours-rtn"}
     for (_, engine), (source, options) in zip(ours.items(), ((gguf, ()), (checkpoint, ("--quant", "int4")))):
         if not (engine / "manifest.json").is_file():
             click.echo(f"building {engine.name}", err=True)
             build_ours(source, engine, *options)
     engines = [(label, "ours", engine) for label, engine in ours.items()]
     if "llama.cpp" in wanted:
-        engines.append(("llama.cpp Q4_0", "llama.cpp", gguf))
+        engines.append((f"llama.cpp {file_type}", "llama.cpp", gguf))
     if "ort-genai" in wanted:
         engines.append(
             ("ort-genai int4", "ort-genai", ort_genai_model(checkpoint, work / "ort-genai-int4", "int4", work, threads))

@@ -9,6 +9,12 @@
  * of 2 of at least 32 that divides K), column_tile (16: the layout below, which the node must say it holds), swiglu
  * (optional, 0 or 1).
  *
+ * Factored scales (a Q4_K sub-block's as the file stores them, 4.625 bits a weight instead of 6): with a fifth input,
+ * factors, float16 [tiles][K / 256][2][16] (per 256 inputs, the scales' factor d, then the minimums' factor -dmin),
+ * the scales and minimums are uint8 multipliers in column tiles (sc and m), and the kernel forms d x sc and
+ * -dmin x m in float32 as it reads them: the same floats (a float16 times an integer below 256 is exact there), so
+ * the same results bit for bit as those products stored as floats. Blocks of 32, K a multiple of 256.
+ *
  * Int8MatMul, the same op for MatMulNBits's 8-bit blocks (q + 128 stored as uint8, w = scale * q), which hold
  * llama.cpp's Q8_0 blocks (blocks of 32, float16 scales) exactly; no minimums.
  *
@@ -59,6 +65,7 @@
  * the compiler from hoisting a chunk's products ahead of their sums (and spilling them, 16 registers being few) */
 #define KEEP_IN_REGISTER(v) __asm__("" : "+x"(v))
 #define PREFETCH_BYTES 2048 /* how far ahead of use the weights are fetched (a tile's chunks are contiguous) */
+#define CHUNKS_PER_SUPER_BLOCK 8 /* chunks of 32 that share factored scales' factors: a K-quant super-block of 256 */
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 #define INLINE_AVX2 __attribute__((always_inline, target("avx2,fma,f16c"))) static inline
 #define VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vnni")))
@@ -78,6 +85,7 @@ typedef struct Work {
   const uint8_t *w;
   const void *wscale;       /* float, or float16 (scales_f16) */
   const void *minimums;     /* per chunk, of the scales' type (w = scale * q + minimum), or NULL */
+  const uint16_t *factors;  /* float16 per 256 inputs, or NULL: then the scales and minimums are uint8 multipliers */
   float *y;
   QuantizedRows q;
   int64_t m, k, n, chunks, tiles, row_blocks, tile_groups;
@@ -188,17 +196,44 @@ INLINE_AVX2 __m256 floats_256(const void *values, int64_t at, const int F16) {
              : _mm256_loadu_ps((const float *)values + at);
 }
 
-/* where tile t's 16 scales of the block holding chunk c start, and its 16 minimums of chunk c */
+/* where tile t's 16 scales of the block holding chunk c start, its 16 minimums (or multipliers) of chunk c, and
+ * its 16 factors of the scales (which = 0) or the minimums (which = 1) of the super-block holding chunk c */
 static inline int64_t scales_at(const Work *w, int64_t t, int64_t c) {
   return (t * (w->chunks >> w->shift) + (c >> w->shift)) * TILE_COLUMNS;
 }
 static inline int64_t minimums_at(const Work *w, int64_t t, int64_t c) { return (t * w->chunks + c) * TILE_COLUMNS; }
+static inline int64_t factors_at(const Work *w, int64_t t, int64_t c, int which) {
+  return ((t * (w->chunks / CHUNKS_PER_SUPER_BLOCK) + c / CHUNKS_PER_SUPER_BLOCK) * 2 + which) * TILE_COLUMNS;
+}
+
+/* lanes [lane, lane + 16) (or + 8) of tile t's scales (which = 0) or minimums (which = 1) of chunk c as floats:
+ * stored (F16: float16, else float), or FACTORED: factor x multiplier, formed in float32 */
+INLINE_VNNI __m512 block_values_512(const Work *w, int64_t t, int64_t c, int which, const int F16, const int FACTORED) {
+  if (FACTORED) {
+    const uint8_t *multipliers = (const uint8_t *)(which ? w->minimums : w->wscale) + minimums_at(w, t, c);
+    return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->factors + factors_at(w, t, c, which)))),
+                         _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)multipliers))));
+  }
+  return which ? floats_512(w->minimums, minimums_at(w, t, c), F16) : floats_512(w->wscale, scales_at(w, t, c), F16);
+}
+
+INLINE_AVX2 __m256 block_values_256(const Work *w, int64_t t, int64_t c, int64_t lane, int which, const int F16,
+                                    const int FACTORED) {
+  if (FACTORED) {
+    const uint8_t *multipliers = (const uint8_t *)(which ? w->minimums : w->wscale) + minimums_at(w, t, c) + lane;
+    const uint16_t *factors = w->factors + factors_at(w, t, c, which) + lane;
+    return _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)factors)),
+                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)multipliers))));
+  }
+  return which ? floats_256(w->minimums, minimums_at(w, t, c) + lane, F16)
+               : floats_256(w->wscale, scales_at(w, t, c) + lane, F16);
+}
 
 /* Rows [r, r + ROWS) against tile t, 512-bit: vector s of a chunk meets int32 s of the activations (int4: its low
  * nibbles int32 2s, its high ones 2s + 1), two chains of vpdpbusd to keep the adder busy. BITS 4 or 8; MIN: the
- * chunks carry minimums; F16: the scales (and minimums) are float16. */
+ * chunks carry minimums; F16: the scales (and minimums) are float16; FACTORED: they are factored (MIN too). */
 INLINE_VNNI void tile_512(const Work *w, int64_t r, int64_t t, const int ROWS, const int BITS, const int MIN,
-                          const int F16) {
+                          const int F16, const int FACTORED) {
   const int64_t chunks = w->chunks;
   const uint8_t *p = w->w + t * chunks * 64 * BITS;
   const __m512i low = _mm512_set1_epi8(0x0F);
@@ -216,8 +251,8 @@ INLINE_VNNI void tile_512(const Work *w, int64_t r, int64_t t, const int ROWS, c
     } else {
       for (int s = 0; s < 8; s++) u[s] = _mm512_loadu_si512(p + 64 * s);
     }
-    const __m512 ws = floats_512(w->wscale, scales_at(w, t, c), F16);
-    const __m512 wmin = MIN ? floats_512(w->minimums, minimums_at(w, t, c), F16) : _mm512_setzero_ps();
+    const __m512 ws = block_values_512(w, t, c, 0, F16, FACTORED);
+    const __m512 wmin = MIN ? block_values_512(w, t, c, 1, F16, FACTORED) : _mm512_setzero_ps();
     for (int i = 0; i < ROWS; i++) {
       const int64_t at = (r + i) * chunks + c;
       const int32_t *x = w->q.x + at * 8;
@@ -242,7 +277,7 @@ INLINE_VNNI void tile_512(const Work *w, int64_t r, int64_t t, const int ROWS, c
  * 32-byte vector of the chunk meets every row as soon as it is loaded and unpacked, so only it and the rows' sums
  * are live: with AVX2's 16 registers, unpacking a whole chunk first would spill the rows' sums to the stack. */
 INLINE_AVX2 void tile_256(const Work *w, int64_t r, int64_t t, const int ROWS, const int BITS, const int MIN,
-                          const int F16) {
+                          const int F16, const int FACTORED) {
   const int64_t chunks = w->chunks;
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
   for (int half = 0; half < 2; half++) {
@@ -282,8 +317,8 @@ INLINE_AVX2 void tile_256(const Work *w, int64_t r, int64_t t, const int ROWS, c
           }
         }
       }
-      const __m256 ws = floats_256(w->wscale, scales_at(w, t, c) + 8 * half, F16);
-      const __m256 wmin = MIN ? floats_256(w->minimums, minimums_at(w, t, c) + 8 * half, F16) : _mm256_setzero_ps();
+      const __m256 ws = block_values_256(w, t, c, 8 * half, 0, F16, FACTORED);
+      const __m256 wmin = MIN ? block_values_256(w, t, c, 8 * half, 1, F16, FACTORED) : _mm256_setzero_ps();
       for (int i = 0; i < ROWS; i++) {
         const int64_t at = (r + i) * chunks + c;
         acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[i]), _mm256_mul_ps(ws, _mm256_set1_ps(w->q.scale[at])), acc[i]);
@@ -297,36 +332,38 @@ INLINE_AVX2 void tile_256(const Work *w, int64_t r, int64_t t, const int ROWS, c
 
 typedef void (*Tile)(const Work *w, int64_t r, int64_t t);
 /* one function per tile kind and number of rows (1 .. its ROW_TILE), each with its loops unrolled for them */
-#define DEFINE_ROW(NAME, ISA, WIDTH, ROWS, BITS, MIN, F16) \
-  ISA static void NAME##_##ROWS(const Work *w, int64_t r, int64_t t) { tile_##WIDTH(w, r, t, ROWS, BITS, MIN, F16); }
-#define DEFINE_KIND(NAME, BITS, MIN, F16)                \
-  DEFINE_ROW(NAME, AVX2, 256, 1, BITS, MIN, F16)         \
-  DEFINE_ROW(NAME, AVX2, 256, 2, BITS, MIN, F16)         \
-  DEFINE_ROW(NAME, AVX2, 256, 3, BITS, MIN, F16)         \
-  DEFINE_ROW(NAME, AVX2, 256, 4, BITS, MIN, F16)         \
-  DEFINE_ROW(NAME##_vnni, VNNI, 512, 1, BITS, MIN, F16)  \
-  DEFINE_ROW(NAME##_vnni, VNNI, 512, 2, BITS, MIN, F16)  \
-  DEFINE_ROW(NAME##_vnni, VNNI, 512, 3, BITS, MIN, F16)  \
-  DEFINE_ROW(NAME##_vnni, VNNI, 512, 4, BITS, MIN, F16)  \
-  DEFINE_ROW(NAME##_vnni, VNNI, 512, 5, BITS, MIN, F16)  \
-  DEFINE_ROW(NAME##_vnni, VNNI, 512, 6, BITS, MIN, F16)  \
-  DEFINE_ROW(NAME##_vnni, VNNI, 512, 7, BITS, MIN, F16)  \
-  DEFINE_ROW(NAME##_vnni, VNNI, 512, 8, BITS, MIN, F16)
-DEFINE_KIND(int4, 4, 0, 0)
-DEFINE_KIND(int4_f16, 4, 0, 1)
-DEFINE_KIND(int4_min, 4, 1, 0)
-DEFINE_KIND(int4_min_f16, 4, 1, 1)
-DEFINE_KIND(int8, 8, 0, 0)
-DEFINE_KIND(int8_f16, 8, 0, 1)
+#define DEFINE_ROW(NAME, ISA, WIDTH, ROWS, BITS, MIN, F16, FACTORED) \
+  ISA static void NAME##_##ROWS(const Work *w, int64_t r, int64_t t) { tile_##WIDTH(w, r, t, ROWS, BITS, MIN, F16, FACTORED); }
+#define DEFINE_KIND(NAME, BITS, MIN, F16, FACTORED)                \
+  DEFINE_ROW(NAME, AVX2, 256, 1, BITS, MIN, F16, FACTORED)         \
+  DEFINE_ROW(NAME, AVX2, 256, 2, BITS, MIN, F16, FACTORED)         \
+  DEFINE_ROW(NAME, AVX2, 256, 3, BITS, MIN, F16, FACTORED)         \
+  DEFINE_ROW(NAME, AVX2, 256, 4, BITS, MIN, F16, FACTORED)         \
+  DEFINE_ROW(NAME##_vnni, VNNI, 512, 1, BITS, MIN, F16, FACTORED)  \
+  DEFINE_ROW(NAME##_vnni, VNNI, 512, 2, BITS, MIN, F16, FACTORED)  \
+  DEFINE_ROW(NAME##_vnni, VNNI, 512, 3, BITS, MIN, F16, FACTORED)  \
+  DEFINE_ROW(NAME##_vnni, VNNI, 512, 4, BITS, MIN, F16, FACTORED)  \
+  DEFINE_ROW(NAME##_vnni, VNNI, 512, 5, BITS, MIN, F16, FACTORED)  \
+  DEFINE_ROW(NAME##_vnni, VNNI, 512, 6, BITS, MIN, F16, FACTORED)  \
+  DEFINE_ROW(NAME##_vnni, VNNI, 512, 7, BITS, MIN, F16, FACTORED)  \
+  DEFINE_ROW(NAME##_vnni, VNNI, 512, 8, BITS, MIN, F16, FACTORED)
+DEFINE_KIND(int4, 4, 0, 0, 0)
+DEFINE_KIND(int4_f16, 4, 0, 1, 0)
+DEFINE_KIND(int4_min, 4, 1, 0, 0)
+DEFINE_KIND(int4_min_f16, 4, 1, 1, 0)
+DEFINE_KIND(int4_factored, 4, 1, 0, 1)
+DEFINE_KIND(int8, 8, 0, 0, 0)
+DEFINE_KIND(int8_f16, 8, 0, 1, 0)
 #define KIND_OF(NAME)                                          \
   {{NAME##_1, NAME##_2, NAME##_3, NAME##_4},                   \
    {NAME##_vnni_1, NAME##_vnni_2, NAME##_vnni_3, NAME##_vnni_4, \
     NAME##_vnni_5, NAME##_vnni_6, NAME##_vnni_7, NAME##_vnni_8}}
-enum { INT4, INT4_MIN, INT8 };
-/* [kind][float16 scales][VNNI][rows - 1] */
-static const Tile tiles[3][2][2][ROW_TILE_VNNI] = {
+enum { INT4, INT4_MIN, INT4_FACTORED, INT8 };
+/* [kind][float16 scales][VNNI][rows - 1] (factored scales are uint8: never float16) */
+static const Tile tiles[4][2][2][ROW_TILE_VNNI] = {
     {KIND_OF(int4), KIND_OF(int4_f16)},
     {KIND_OF(int4_min), KIND_OF(int4_min_f16)},
+    {KIND_OF(int4_factored), KIND_OF(int4_factored)},
     {KIND_OF(int8), KIND_OF(int8_f16)},
 };
 
@@ -337,7 +374,7 @@ static void multiply_unit(void *data, size_t unit) {
   const int64_t r0 = row_block * ROW_BLOCK, r1 = r0 + ROW_BLOCK < w->m ? r0 + ROW_BLOCK : w->m;
   const int64_t per_group = TILES_PER_UNIT(w->tiles), t0 = group * per_group;
   const int64_t t1 = t0 + per_group < w->tiles ? t0 + per_group : w->tiles;
-  const int kind = w->bits == 8 ? INT8 : w->minimums ? INT4_MIN : INT4;
+  const int kind = w->bits == 8 ? INT8 : w->factors ? INT4_FACTORED : w->minimums ? INT4_MIN : INT4;
   const Tile *tile = tiles[kind][w->scales_f16][w->vnni];
   const int64_t rows = w->vnni ? ROW_TILE_VNNI : ROW_TILE_AVX2;
   for (int64_t t = t0; t < t1; t++)
@@ -361,32 +398,38 @@ static OrtStatus *refuse(OrtApiTable api, int bits, const char *message) {
 static OrtStatus *compute(void *kernel_state, OrtKernelContext *context) {
   const Kernel *kernel = kernel_state;
   OrtApiTable api = kernel->api;
-  const OrtValue *inputs[4] = {NULL};
-  void *data[4] = {NULL};
-  int64_t dims[4][4];
-  size_t rank[4], count = 0;
-  int element_type[4];
+  const OrtValue *inputs[5] = {NULL};
+  void *data[5] = {NULL};
+  int64_t dims[5][4];
+  size_t rank[5], count = 0;
+  int element_type[5];
   if (API(api, KernelContext_GetInputCount, OrtStatus *(*)(const OrtKernelContext *, size_t *))(context, &count) ||
-      count < 3 || count > 4)
-    return refuse(api, kernel->bits, "takes 3 inputs (A, B, scales) or 4 (and minimums, int4 only)");
+      count < 3 || count > 5)
+    return refuse(api, kernel->bits, "takes 3 inputs (A, B, scales), 4 (and minimums, int4 only) or 5 (and factors)");
   for (size_t i = 0; i < count; i++)
     if (API(api, KernelContext_GetInput, OrtStatus *(*)(const OrtKernelContext *, size_t, const OrtValue **))(
             context, i, &inputs[i]) || !inputs[i] || !tensor_typed(api, inputs[i], &data[i], dims[i], &rank[i], &element_type[i]))
       return refuse(api, kernel->bits, "cannot read its inputs");
-  int64_t m = 1, weight_bytes = 1, scale_count = 1, minimum_count = 1;
+  int64_t m = 1, weight_bytes = 1, counts[5] = {1, 1, 1, 1, 1};
   for (size_t i = 0; i + 1 < rank[0]; i++) m *= dims[0][i];
   for (size_t i = 0; i < rank[1]; i++) weight_bytes *= dims[1][i];
-  for (size_t i = 0; i < rank[2]; i++) scale_count *= dims[2][i];
-  for (size_t i = 0; count == 4 && i < rank[3]; i++) minimum_count *= dims[3][i];
+  for (size_t input = 2; input < count; input++)
+    for (size_t i = 0; i < rank[input]; i++) counts[input] *= dims[input][i];
   const int64_t tiles = (kernel->n + TILE_COLUMNS - 1) / TILE_COLUMNS, padded = tiles * TILE_COLUMNS;
-  if (count == 4 && (kernel->bits != 4 || kernel->block_size != 32 || element_type[3] != element_type[2] ||
-                     minimum_count != padded * (kernel->k / 32)))
+  const int factored = count == 5;
+  if (count >= 4 && (kernel->bits != 4 || kernel->block_size != 32 || element_type[3] != element_type[2] ||
+                     counts[3] != padded * (kernel->k / 32)))
     return refuse(api, kernel->bits, "minimums must be N * K / 32 values of the scales' type (N padded to whole tiles), "
                                      "for blocks of 32");
   if (rank[0] < 1 || dims[0][rank[0] - 1] != kernel->k || weight_bytes != padded * kernel->k * kernel->bits / 8)
     return refuse(api, kernel->bits, "the input's last axis or the weights' size does not match K and N (N padded to whole tiles)");
-  if ((element_type[2] != ELEMENT_FLOAT && element_type[2] != ELEMENT_FLOAT16) ||
-      scale_count != padded * (kernel->k / kernel->block_size))
+  if (factored && (element_type[2] != ELEMENT_UINT8 || element_type[4] != ELEMENT_FLOAT16 ||
+                   kernel->k % (32 * CHUNKS_PER_SUPER_BLOCK) || counts[4] != padded * 2 * (kernel->k / 256)))
+    return refuse(api, kernel->bits, "factored scales are uint8 multipliers beside N * 2 * K / 256 float16 factors "
+                                     "(N padded to whole tiles), K a multiple of 256");
+  if ((factored ? element_type[2] != ELEMENT_UINT8
+                : element_type[2] != ELEMENT_FLOAT && element_type[2] != ELEMENT_FLOAT16) ||
+      counts[2] != padded * (kernel->k / kernel->block_size))
     return refuse(api, kernel->bits, "the scales must be N * K / block_size floats or float16s (N padded to whole tiles)");
   int64_t out_dims[4];
   memcpy(out_dims, dims[0], sizeof(out_dims));
@@ -403,7 +446,7 @@ static OrtStatus *compute(void *kernel_state, OrtKernelContext *context) {
   /* a swiglu node's product goes to scratch after the quantized rows (an offset that keeps floats aligned) */
   char *buffer = malloc(quantized_bytes + (kernel->swiglu ? (size_t)(m * kernel->n) * sizeof(float) : 0));
   if (!buffer) return refuse(api, kernel->bits, "out of memory");
-  Work work = {data[0], y, data[1], data[2], data[3], kernel->swiglu ? (float *)(buffer + quantized_bytes) : y,
+  Work work = {data[0], y, data[1], data[2], data[3], data[4], kernel->swiglu ? (float *)(buffer + quantized_bytes) : y,
                {(int32_t *)buffer, (float *)(buffer + m * chunks * 32), (int32_t *)(buffer + m * chunks * 36),
                 (float *)(buffer + m * chunks * 40)},
                m, kernel->k, kernel->n, chunks, tiles, (m + ROW_BLOCK - 1) / ROW_BLOCK,
@@ -469,13 +512,13 @@ static OrtStatus *create_kernel(const OrtCustomOp *op, OrtApiTable api, const Or
 
 static void destroy_kernel(void *kernel) { free(kernel); }
 static const char *op_name(const OrtCustomOp *op) { return op == &int8_matmul_op ? "Int8MatMul" : "Int4MatMul"; }
-/* scales: float or float16; minimums: the scales' type */
-static const int input_types[4] = {ELEMENT_FLOAT, ELEMENT_UINT8, ELEMENT_ANY, ELEMENT_ANY};
+/* scales: float or float16 (uint8 multipliers where factored); minimums: the scales' type; factors: float16 */
+static const int input_types[5] = {ELEMENT_FLOAT, ELEMENT_UINT8, ELEMENT_ANY, ELEMENT_ANY, ELEMENT_FLOAT16};
 static int input_type(const OrtCustomOp *op, size_t index) { (void)op; return input_types[index]; }
-static size_t input_count(const OrtCustomOp *op) { (void)op; return 4; }
+static size_t input_count(const OrtCustomOp *op) { (void)op; return 5; }
 static int minimums_optional(const OrtCustomOp *op, size_t index) {
   (void)op;
-  return index == 3 ? INPUT_OPTIONAL : INPUT_REQUIRED;
+  return index >= 3 ? INPUT_OPTIONAL : INPUT_REQUIRED;
 }
 static size_t output_count(const OrtCustomOp *op) { (void)op; return 1; }
 

@@ -15,8 +15,9 @@ Covered: bits 4 (`Int4MatMul`) and 8 (`Int8MatMul`, which holds GGUF Q8_0 and Q5
 blocks of a power of 2 from 32 that divides K; other nodes (fp32 compute, blocks of 16) keep MatMulNBits. Int4
 blocks with minimums (GGUF Q4_1: w = scale * q + minimum, float16 minimums as the file holds them; Q4_K: float32
 scales and minimums, the products llama.cpp computes) are exported as Int4MatMul nodes with a fourth input already
-(plugins/quant_linear.py), which MatMulNBits cannot express exactly. The kernel
-needs AVX2, FMA and F16C at run time.
+(plugins/quant_linear.py), which MatMulNBits cannot express exactly; Q4_K's are stored as the file factors them
+(`factored_scales`: uint8 multipliers per 32 inputs, float16 factors per 256, a fifth input), and the kernel forms
+the same products. The kernel needs AVX2, FMA and F16C at run time.
 """
 
 from __future__ import annotations
@@ -65,8 +66,9 @@ def use_in_graph(graph_file: Path) -> dict[str, int]:
     weights, scales and minimums in the kernels' column tiles (`tile_weights`, `tile_per_block`; a Gather that reads
     one, the embedding from a tied head's blocks, is rewritten to read the tiles and cast the scales back), the
     scales of int4 nodes as float16 (`half_scales`; int8 nodes' only where float16 holds them exactly, as GGUF
-    Q8_0's; those of nodes with float32 minimums, GGUF Q4_K's, stay float32 as the kernel wants them), and fold
-    the MLP activation into the gate / up node (`fuse_swiglu`); returns how many nodes run each op."""
+    Q8_0's; those of nodes with float32 minimums, GGUF Q4_K's, stay float32 as the kernel wants them, or factored
+    where they factor: `factored_scales`), and fold the MLP activation into the gate / up node (`fuse_swiglu`);
+    returns how many nodes run each op."""
     from onnx import helper
 
     counts = dict.fromkeys(OPS.values(), 0)
@@ -98,18 +100,100 @@ def use_in_graph(graph_file: Path) -> dict[str, int]:
     _gathers_read_tiles(graph_file, {name: (role, n) for name, (role, n, _) in tiled.items()})
     float32 = _float32_initializers(graph_file)
     float_minimums = {scales for scales, minimums in minimums_of.items() if minimums in float32}
+    multipliers, factors = _factored_nodes(graph_file, {s: minimums_of[s] for s in float_minimums}, tiled)
 
     def convert(name: str, role: str, n: int, bits: int):
         if role == "weights":
             return lambda packed: tile_weights(packed, bits)
+        if name in multipliers:
+            return lambda _: tile_per_block(multipliers[name], n)
         if role == "scales" and name not in float_minimums:
             narrow = half_scales if bits == 4 else exact_half_scales
             return lambda scales: tile_per_block(_or_as_is(narrow(scales), scales), n)
         return lambda values: tile_per_block(values, n)
 
-    rewrite_initializers(graph_file, {name: convert(name, *spec) for name, spec in tiled.items()})
+    rewrite_initializers(graph_file, {name: convert(name, *spec) for name, spec in tiled.items()}, factors)
+
+    def reads_factors(node):
+        if node.domain != DOMAIN or len(node.input) != 4 or _factors_of(node.input[2]) not in factors:
+            return None
+        attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        inputs = [*node.input, _factors_of(node.input[2])]
+        return helper.make_node(node.op_type, inputs, list(node.output), name=node.name, domain=DOMAIN, **attributes)
+
+    rewrite_nodes(graph_file, reads_factors)
     fuse_swiglu(graph_file)
     return counts
+
+
+def _factors_of(scales: str) -> str:
+    return f"{scales}/factors"
+
+
+def _factored_nodes(
+    graph_file: Path, minimums_of: dict[str, str], tiled: dict[str, tuple]
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The nodes whose float32 scales and minimums (`minimums_of`: scales -> minimums) both factor
+    (`factored_scales`) and that nothing but the node reads: (scales and minimums -> their uint8 multipliers
+    [N, K / 32], `_factors_of(scales)` -> the float16 factors in column tiles, per 256 inputs the scales' then the
+    minimums')."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(graph_file), load_external_data=False)
+    readers: dict[str, int] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            readers[name] = readers.get(name, 0) + 1
+    tensors = {t.name: t for t in model.graph.initializer}
+    multipliers, factors = {}, {}
+    for scales, minimums in minimums_of.items():
+        if readers.get(scales) != 1 or readers.get(minimums) != 1:
+            continue  # a tied head's blocks read as the embedding table too: its Gathers want the floats
+        n = tiled[scales][1]
+        both = [
+            numpy_helper.to_array(tensors[name], str(graph_file.parent)).reshape(n, -1) for name in (scales, minimums)
+        ]
+        if both[0].shape[1] % CHUNKS_PER_SUPER_BLOCK or None in (found := [factored_scales(v) for v in both]):
+            continue
+        (multipliers[scales], scale_factors), (multipliers[minimums], minimum_factors) = found
+        factors[_factors_of(scales)] = tile_per_block(np.stack((scale_factors, minimum_factors), -1), n)
+    return multipliers, factors
+
+
+CHUNKS_PER_SUPER_BLOCK = 8  # blocks of 32 whose scales share a factor: a K-quant super-block of 256 (int4_matmul.c)
+
+
+def factored_scales(values: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """Per-32 float32 values [N, K / 32] as a float16 factor per 8 of them times uint8 multipliers, exactly, or None
+    where they do not factor so: GGUF Q4_K's scales d x sc and minimums -(dmin x m) are such products (d, dmin
+    float16, sc and m 6-bit), and the kernel reads them factored, 4.625 bits a weight instead of 6, forming the same
+    float32 products. Which factoring is found does not matter: every one gives the same products.
+
+    How: the value of largest magnitude of 8 is factor x multiplier for some multiplier below 256 (llama.cpp's
+    largest sc is mostly 63, tried first); each candidate factor is kept where it is a float16 and multiplies
+    integers 0..255 to all 8 values exactly."""
+    n = values.shape[0]
+    groups = values.astype(np.float32).reshape(-1, CHUNKS_PER_SUPER_BLOCK)
+    largest = groups[np.arange(len(groups)), np.abs(groups).argmax(-1)]
+    factors = np.zeros(len(groups), np.float32)
+    multipliers = np.zeros(groups.shape, np.uint8)
+    unsolved = np.flatnonzero(largest != 0)  # all zero: factor 0
+    with np.errstate(all="ignore"):
+        for multiplier in (*range(63, 0, -1), *range(64, 256)):
+            if not len(unsolved):
+                break
+            factor = largest[unsolved] / np.float32(multiplier)
+            ratios = np.rint(groups[unsolved] / factor[:, None])
+            exact = (factor.astype(np.float16).astype(np.float32) == factor) & (
+                (ratios >= 0) & (ratios <= 255) & (factor[:, None] * ratios.astype(np.float32) == groups[unsolved])
+            ).all(-1)
+            factors[unsolved[exact]] = factor[exact]
+            multipliers[unsolved[exact]] = ratios[exact].astype(np.uint8)
+            unsolved = unsolved[~exact]
+    if len(unsolved):
+        return None
+    return multipliers.reshape(n, -1), factors.astype(np.float16).reshape(n, -1)
 
 
 def _float32_initializers(graph_file: Path) -> set[str]:

@@ -70,9 +70,14 @@ def rewrite_nodes(graph_file: Path, replace) -> int:
     return replaced
 
 
-def rewrite_initializers(graph_file: Path, converts: dict[str, Callable[[np.ndarray], np.ndarray | None]]) -> set[str]:
+def rewrite_initializers(
+    graph_file: Path,
+    converts: dict[str, Callable[[np.ndarray], np.ndarray | None]],
+    added: dict[str, np.ndarray] | None = None,
+) -> set[str]:
     """Store each initializer named in `converts` of `graph_file` as its function returns it (another dtype or
-    shape; None keeps one as it is). The weights files the graph points to are written anew one tensor at a time, so
+    shape; None keeps one as it is), and the `added` ones besides (at the end of the graph's first weights file, or
+    in the graph where it has none). The weights files the graph points to are written anew one tensor at a time, so
     no more than the largest converted tensor is ever in memory. Returns the names converted."""
     import onnx
     from onnx import helper, numpy_helper
@@ -111,6 +116,17 @@ def rewrite_initializers(graph_file: Path, converts: dict[str, Callable[[np.ndar
                     converted.add(tensor.name)
                 _set_external(tensor, offset=offset, length=new_file.tell() - offset)
         os.replace(staged, source)
+    for name, array in (added or {}).items():
+        tensor = numpy_helper.from_array(np.ascontiguousarray(array), name)
+        if files:
+            location = next(iter(files))
+            with open(graph_file.parent / location, "ab") as weights:
+                offset = weights.tell()
+                length = weights.write(tensor.raw_data)
+            tensor.ClearField("raw_data")
+            tensor.data_location = onnx.TensorProto.EXTERNAL
+            _set_external(tensor, location=location, offset=offset, length=length)
+        model.graph.initializer.append(tensor)
     onnx.save(model, str(graph_file))
     return converted
 

@@ -11,7 +11,8 @@ Our quantized linear (plugins/quant_linear.py) holds scale * (q - 2^(bits-1)), o
 minimum per block, with 32-input blocks, so all of them map without loss: the integers are repacked (Q5_0's 5-bit
 values as int8), the fp16 scales widened (exactly), Q4_1's fp16 minimum kept as it is, and Q4_K's sub-block scale
 and minimum computed as llama.cpp computes them, in float32 (a float16 times a 6-bit integer: exact there, not in
-float16). Any other GGUF type (Q5_1, Q5_K, Q6_K, ...) is dequantized and requantized by the build.
+float16; our kernel's graph stores them factored again, plugins/int4_matmul.py's `factored_scales`). Any other GGUF
+type (Q5_1, Q5_K, Q6_K, ...) is dequantized and requantized by the build.
 """
 
 from __future__ import annotations

@@ -310,9 +310,10 @@ def assert_computes_what(reference_engine: LLMEngine, engine: LLMEngine) -> None
 
 def test_a_q4_k_gguf_engine_holds_the_files_sub_blocks(checkpoint_factory, tmp_path):
     """Q4_K layers go in as they are: computed in float, the engine equals the fp32 engine of the same file; with
-    int8 activations each linear is one Int4MatMul node whose float32 scales and minimums are the file's sub-block
-    products d x sc and -(dmin x m), and whose nibbles are the file's (the kernel's numerics against float64:
-    tests/plugins/test_int4_matmul.py)."""
+    int8 activations each linear is one Int4MatMul node whose scales and minimums are the file's factors (float16 d
+    and -dmin per 256 inputs, uint8 sc and m per 32), which multiply to the file's sub-block products d x sc and
+    -(dmin x m), and whose nibbles are the file's (the kernel's numerics against float64, and against the products
+    stored as float32: tests/plugins/test_int4_matmul.py)."""
     import gguf
     import onnx
     from onnx import numpy_helper
@@ -333,10 +334,11 @@ def test_a_q4_k_gguf_engine_holds_the_files_sub_blocks(checkpoint_factory, tmp_p
     n = next(a.i for a in o_proj.attribute if a.name == "N")
     raw = next(t for t in gguf.GGUFReader(str(source)).tensors if t.name == "blk.1.attn_output.weight")
     values, scales, minimums = BlockQuantized("Q4_K", np.asarray(raw.data), 256).to_matmul_nbits()
-    tiled_scales, tiled_minimums = (untiled(constants[name], n) for name in o_proj.input[2:])
-    assert tiled_scales.dtype == tiled_minimums.dtype == np.float32
-    assert np.array_equal(tiled_scales.reshape(-1), scales.numpy())
-    assert np.array_equal(tiled_minimums, minimums.numpy())
+    multipliers, minimum_multipliers, factors = (untiled(constants[name], n) for name in o_proj.input[2:])
+    assert multipliers.dtype == minimum_multipliers.dtype == np.uint8 and factors.dtype == np.float16
+    per_chunk = factors.reshape(n, -1, 1, 2).repeat(8, axis=2).reshape(n, -1, 2).astype(np.float32)
+    assert np.array_equal(per_chunk[..., 0] * multipliers, scales.numpy().reshape(n, -1))
+    assert np.array_equal(per_chunk[..., 1] * minimum_multipliers, minimums.numpy())
     assert np.array_equal(untiled(constants[o_proj.input[1]], n, bits=4), values.numpy().reshape(n, -1))
 
 

@@ -51,6 +51,7 @@ def session(
     swiglu: int = 0,
     minimums: np.ndarray | None = None,
     tile: bool = True,
+    factors: np.ndarray | None = None,
 ):
     """A session of one node. Our ops take their inputs in column tiles, as the build stores them (tile=False: the
     arrays go in as they are given)."""
@@ -63,11 +64,14 @@ def session(
             packed = int4_matmul.tile_weights(packed, 8 if op == "Int8MatMul" else 4)
             scales = int4_matmul.tile_per_block(scales, n)
             minimums = None if minimums is None else int4_matmul.tile_per_block(minimums, n)
+            factors = None if factors is None else int4_matmul.tile_per_block(factors, n)
         constants = [numpy_helper.from_array(packed, "w"), numpy_helper.from_array(scales, "s")]
         extra = {"swiglu": swiglu} if swiglu else {}
-        inputs = ["a", "w", "s"] + ([] if minimums is None else ["m"])
+        inputs = ["a", "w", "s"] + ([] if minimums is None else ["m"]) + ([] if factors is None else ["f"])
         if minimums is not None:
             constants.append(numpy_helper.from_array(minimums, "m"))
+        if factors is not None:
+            constants.append(numpy_helper.from_array(factors, "f"))
         node = helper.make_node(
             op, inputs, ["y"], domain=DOMAIN, K=k, N=n, block_size=block, column_tile=int4_matmul.COLUMN_TILE, **extra
         )
@@ -269,6 +273,129 @@ def test_every_block_format_against_a_float64_reference_for_1_to_17_rows(library
     np.testing.assert_array_equal(run.run(None, {"a": a[5:6]})[0], everything[5:6])
 
 
+def factored_q4_k(n: int, k: int, seed: int = 0):
+    """q4_k_blocks with their scales and minimums factored as the build stores them: (packed, scale multipliers,
+    minimum multipliers, factors [N, K / 256 x 2]), and the float32 products (scales, minimums) they stand for."""
+    packed, scales, minimums = q4_k_blocks(n, k, seed)
+    (scale_multipliers, scale_factors), (minimum_multipliers, minimum_factors) = (
+        int4_matmul.factored_scales(values.reshape(n, -1)) for values in (scales, minimums)
+    )
+    factors = np.stack((scale_factors, minimum_factors), -1).reshape(n, -1)
+    return (packed, scale_multipliers, minimum_multipliers, factors), (scales, minimums)
+
+
+FACTORED_SHAPES = {"the default model's down projection": (96, 1536), "odd N, one super-block": (37, 256)}
+
+
+@pytest.mark.parametrize("shape", FACTORED_SHAPES)
+def test_factored_scales_compute_what_their_products_stored_as_floats_compute_bit_for_bit(library, shape, isa):
+    """The kernel forms Q4_K's factored scales and minimums in float32 as it reads them: the same floats as the
+    products stored, so the same outputs, for 1 to 17 rows (and so the float64 reference above holds for them)."""
+    n, k = FACTORED_SHAPES[shape]
+    (packed, multipliers, minimum_multipliers, factors), (scales, minimums) = factored_q4_k(n, k, seed=6)
+    a = np.random.default_rng(7).standard_normal((17, k), dtype=np.float32)
+    stored = session(library, "Int4MatMul", packed, scales, k, n, 32, minimums=minimums)
+    factored = session(
+        library, "Int4MatMul", packed, multipliers, k, n, 32, minimums=minimum_multipliers, factors=factors
+    )
+    for rows in (1, 2, 3, 4, 5, 8, 9, 17):
+        np.testing.assert_array_equal(factored.run(None, {"a": a[:rows]})[0], stored.run(None, {"a": a[:rows]})[0])
+
+
+def test_factored_scales_of_the_wrong_size_type_or_k_are_refused(library):
+    import onnxruntime as ort
+
+    n, k = 37, 512
+    (packed, multipliers, minimum_multipliers, factors), (scales, _) = factored_q4_k(n, k)
+    a = np.ones((1, k), np.float32)
+    bad_inputs = [
+        (multipliers, minimum_multipliers, factors[:, :-1]),  # short factors
+        (multipliers, minimum_multipliers, factors.astype(np.float32)),  # not float16
+        (scales.reshape(n, -1), minimum_multipliers.astype(np.float32), factors),  # float scales beside factors
+    ]
+    state = ort.capi.onnxruntime_pybind11_state
+    for scale_input, minimum_input, factor_input in bad_inputs:
+        with pytest.raises((state.Fail, state.InvalidGraph, state.InvalidArgument)):
+            session(
+                library, "Int4MatMul", packed, scale_input, k, n, 32, minimums=minimum_input, factors=factor_input
+            ).run(None, {"a": a})
+    k = 96  # K not a multiple of 256
+    (packed, multipliers, minimum_multipliers, _), _ = factored_q4_k(n, 256)
+    with pytest.raises(state.Fail, match="multiple of 256"):
+        session(
+            library,
+            "Int4MatMul",
+            packed[:, :3],
+            multipliers[:, :3],
+            k,
+            n,
+            32,
+            minimums=minimum_multipliers[:, :3],
+            factors=np.zeros((n, 2), np.float16),
+        ).run(None, {"a": np.ones((1, k), np.float32)})
+
+
+def test_the_build_stores_float32_scales_factored_where_they_factor(library, tmp_path):
+    """`use_in_graph` on two nodes with float32 scales and minimums: Q4_K's products are stored factored (a fifth
+    input), anything else as float32; both compute what they did before."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    n, k = 37, 512
+    _, (scales, minimums) = factored_q4_k(n, k)
+    packed = q4_k_blocks(n, k)[0]
+    unshared = scales.copy()
+    unshared[5] = np.nextafter(unshared[5], np.float32(1))  # no longer a float16 of its super-block times an integer
+    constants = {"w": packed, "s": scales, "m": minimums, "s2": unshared, "m2": minimums.copy(), "w2": packed.copy()}
+    nodes = [
+        helper.make_node("Int4MatMul", ["a", *inputs], [out], domain=DOMAIN, K=k, N=n, block_size=32, name=out)
+        for inputs, out in ((["w", "s", "m"], "y"), (["w2", "s2", "m2"], "y2"))
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "two",
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["rows", k])],
+        [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in ("y", "y2")],
+        [numpy_helper.from_array(v, name) for name, v in constants.items()],
+    )
+    path = tmp_path / "two.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    int4_matmul.use_in_graph(path)
+    model = onnx.load(str(path))
+    inputs = {node.name: list(node.input) for node in model.graph.node}
+    assert inputs == {"y": ["a", "w", "s", "m", "s/factors"], "y2": ["a", "w2", "s2", "m2"]}
+    types = {t.name: t.data_type for t in model.graph.initializer}
+    assert (types["s"], types["m"], types["s/factors"]) == (TensorProto.UINT8, TensorProto.UINT8, TensorProto.FLOAT16)
+    assert types["s2"] == types["m2"] == TensorProto.FLOAT
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(str(library))
+    a = np.random.default_rng(4).standard_normal((3, k), dtype=np.float32)
+    y, y2 = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"]).run(None, {"a": a})
+    np.testing.assert_array_equal(
+        y, session(library, "Int4MatMul", packed, scales, k, n, 32, minimums=minimums).run(None, {"a": a})[0]
+    )
+    np.testing.assert_array_equal(
+        y2, session(library, "Int4MatMul", packed, unshared, k, n, 32, minimums=minimums).run(None, {"a": a})[0]
+    )
+
+
+def test_factored_scales_factor_exactly_or_not_at_all():
+    rng = np.random.default_rng(1)
+    d = rng.random((3, 2)).astype(np.float16) * np.float16(0.01)
+    sc = rng.integers(0, 64, (3, 16))
+    sc[0, :8] = 0  # a super-block of zero scales
+    products = d.astype(np.float32).repeat(8, -1) * sc.astype(np.float32)
+    multipliers, factors = int4_matmul.factored_scales(products)
+    assert multipliers.dtype == np.uint8 and factors.dtype == np.float16 and factors.shape == (3, 2)
+    np.testing.assert_array_equal(factors.astype(np.float32).repeat(8, -1) * multipliers, products)
+    assert int4_matmul.factored_scales(-products)[0].max() < 256  # negative factors: -(dmin x m)
+    assert int4_matmul.factored_scales(rng.random((3, 16), dtype=np.float32)) is None  # independent floats
+    unshared = products.copy()
+    unshared[1, 3] = np.float32(np.float16(0.003)) * 7  # one value off its super-block's float16
+    assert int4_matmul.factored_scales(unshared) is None
+
+
 def test_minimums_fold_into_the_swiglu_node_too(library):
     n, k = 192, 96
     packed, scales, minimums = q4_1_blocks(n, k, seed=4)
@@ -439,7 +566,14 @@ def test_engines_keep_onnxruntimes_matmul_when_told(engine_factory):
 
 @pytest.mark.skipif(not vnni(), reason="no AVX-512 VNNI here: the kernels run their AVX2 tiles only")
 @pytest.mark.parametrize(
-    "op", ["Int4MatMul", "Int4MatMul with minimums", "Int4MatMul with float32 minimums", "Int8MatMul"]
+    "op",
+    [
+        "Int4MatMul",
+        "Int4MatMul with minimums",
+        "Int4MatMul with float32 minimums",
+        "Int4MatMul with factored minimums",
+        "Int8MatMul",
+    ],
 )
 def test_the_vnni_tiles_compute_what_the_avx2_tiles_compute_bit_for_bit(library, monkeypatch, op):
     """vpdpbusd sums the same integer products as vpmaddubsw + vpmaddwd (which never saturate here), so an engine
@@ -449,6 +583,9 @@ def test_the_vnni_tiles_compute_what_the_avx2_tiles_compute_bit_for_bit(library,
     if op == "Int8MatMul":
         packed = np.random.default_rng(8).integers(0, 256, (n, k // 32, 32), dtype=np.uint8)
     extra = {"minimums": minimums} if "minimums" in op else {}
+    if "factored" in op:
+        (packed, scales, minimums, factors), _ = factored_q4_k(n, 512)
+        k, extra = 512, {"minimums": minimums, "factors": factors}
     a = np.random.default_rng(9).standard_normal((9, k), dtype=np.float32) * 4
     name = op.split()[0]
     isa = ctypes.CDLL(str(library)).QuantizedMatMulIsa
