@@ -206,8 +206,8 @@ static inline int64_t factors_at(const Work *w, int64_t t, int64_t c, int which)
   return ((t * (w->chunks / CHUNKS_PER_SUPER_BLOCK) + c / CHUNKS_PER_SUPER_BLOCK) * 2 + which) * TILE_COLUMNS;
 }
 
-/* lanes [lane, lane + 16) (or + 8) of tile t's scales (which = 0) or minimums (which = 1) of chunk c as floats:
- * stored (F16: float16, else float), or FACTORED: factor x multiplier, formed in float32 */
+/* tile t's 16 scales (which = 0) or minimums (which = 1) of chunk c as floats: stored (F16: float16, else float),
+ * or FACTORED: factor x multiplier, formed in float32 */
 INLINE_VNNI __m512 block_values_512(const Work *w, int64_t t, int64_t c, int which, const int F16, const int FACTORED) {
   if (FACTORED) {
     const uint8_t *multipliers = (const uint8_t *)(which ? w->minimums : w->wscale) + minimums_at(w, t, c);
@@ -217,16 +217,15 @@ INLINE_VNNI __m512 block_values_512(const Work *w, int64_t t, int64_t c, int whi
   return which ? floats_512(w->minimums, minimums_at(w, t, c), F16) : floats_512(w->wscale, scales_at(w, t, c), F16);
 }
 
-INLINE_AVX2 __m256 block_values_256(const Work *w, int64_t t, int64_t c, int64_t lane, int which, const int F16,
-                                    const int FACTORED) {
-  if (FACTORED) {
-    const uint8_t *multipliers = (const uint8_t *)(which ? w->minimums : w->wscale) + minimums_at(w, t, c) + lane;
-    const uint16_t *factors = w->factors + factors_at(w, t, c, which) + lane;
-    return _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)factors)),
-                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)multipliers))));
-  }
-  return which ? floats_256(w->minimums, minimums_at(w, t, c) + lane, F16)
-               : floats_256(w->wscale, scales_at(w, t, c) + lane, F16);
+/* 8 uint8 multipliers from `at` times their factors, in float32 (the AVX2 tiles convert a super-block's factors once) */
+INLINE_AVX2 __m256 multiplied_256(const void *multipliers, int64_t at, __m256 factors) {
+  const __m128i eight = _mm_loadl_epi64((const __m128i *)((const uint8_t *)multipliers + at));
+  return _mm256_mul_ps(factors, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eight)));
+}
+
+/* the 8 factors from lane `lane` of tile t's scales (which = 0) or minimums (which = 1) for the super-block of chunk c */
+INLINE_AVX2 __m256 factors_256(const Work *w, int64_t t, int64_t c, int64_t lane, int which) {
+  return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->factors + factors_at(w, t, c, which) + lane)));
 }
 
 /* Rows [r, r + ROWS) against tile t, 512-bit: vector s of a chunk meets int32 s of the activations (int4: its low
@@ -282,11 +281,13 @@ INLINE_AVX2 void tile_256(const Work *w, int64_t r, int64_t t, const int ROWS, c
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
   for (int half = 0; half < 2; half++) {
     const uint8_t *p = w->w + t * chunks * 64 * BITS + 32 * half;
-    __m256 acc[ROW_TILE_AVX2];
+    __m256 acc[ROW_TILE_AVX2], factors[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int i = 0; i < ROWS; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t c = 0; c < chunks; c++, p += 64 * BITS) {
       if (!half)
         for (int s = 0; s < BITS; s++) _mm_prefetch((const char *)p + PREFETCH_BYTES + 64 * s, _MM_HINT_T0);
+      if (FACTORED && !(c % CHUNKS_PER_SUPER_BLOCK))
+        for (int which = 0; which < 2; which++) factors[which] = factors_256(w, t, c, 8 * half, which);
       const int32_t *x[ROW_TILE_AVX2];
       for (int i = 0; i < ROWS; i++) x[i] = w->q.x + ((r + i) * chunks + c) * 8;
       __m256i dots[ROW_TILE_AVX2]; /* int4: the int16 pairs until the chunk's end; int8: int32 sums */
@@ -317,8 +318,11 @@ INLINE_AVX2 void tile_256(const Work *w, int64_t r, int64_t t, const int ROWS, c
           }
         }
       }
-      const __m256 ws = block_values_256(w, t, c, 8 * half, 0, F16, FACTORED);
-      const __m256 wmin = MIN ? block_values_256(w, t, c, 8 * half, 1, F16, FACTORED) : _mm256_setzero_ps();
+      const __m256 ws = FACTORED ? multiplied_256(w->wscale, minimums_at(w, t, c) + 8 * half, factors[0])
+                                 : floats_256(w->wscale, scales_at(w, t, c) + 8 * half, F16);
+      const __m256 wmin = FACTORED ? multiplied_256(w->minimums, minimums_at(w, t, c) + 8 * half, factors[1])
+                          : MIN    ? floats_256(w->minimums, minimums_at(w, t, c) + 8 * half, F16)
+                                   : _mm256_setzero_ps();
       for (int i = 0; i < ROWS; i++) {
         const int64_t at = (r + i) * chunks + c;
         acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[i]), _mm256_mul_ps(ws, _mm256_set1_ps(w->q.scale[at])), acc[i]);
