@@ -206,26 +206,26 @@ static inline int64_t factors_at(const Work *w, int64_t t, int64_t c, int which)
   return ((t * (w->chunks / CHUNKS_PER_SUPER_BLOCK) + c / CHUNKS_PER_SUPER_BLOCK) * 2 + which) * TILE_COLUMNS;
 }
 
-/* tile t's 16 scales (which = 0) or minimums (which = 1) of chunk c as floats: stored (F16: float16, else float),
- * or FACTORED: factor x multiplier, formed in float32 */
-INLINE_VNNI __m512 block_values_512(const Work *w, int64_t t, int64_t c, int which, const int F16, const int FACTORED) {
-  if (FACTORED) {
-    const uint8_t *multipliers = (const uint8_t *)(which ? w->minimums : w->wscale) + minimums_at(w, t, c);
-    return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->factors + factors_at(w, t, c, which)))),
-                         _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)multipliers))));
-  }
-  return which ? floats_512(w->minimums, minimums_at(w, t, c), F16) : floats_512(w->wscale, scales_at(w, t, c), F16);
+/* tile t's 16 factors of its scales (which = 0) or minimums (which = 1) for the super-block of chunk c, and the
+ * 8 from lane `lane` */
+INLINE_VNNI __m512 factors_512(const Work *w, int64_t t, int64_t c, int which) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->factors + factors_at(w, t, c, which))));
 }
 
-/* 8 uint8 multipliers from `at` times their factors, in float32 (the AVX2 tiles convert a super-block's factors once) */
+INLINE_AVX2 __m256 factors_256(const Work *w, int64_t t, int64_t c, int64_t lane, int which) {
+  return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->factors + factors_at(w, t, c, which) + lane)));
+}
+
+/* 16 (or 8) uint8 multipliers from `at` times their factors, in float32 (the tiles convert a super-block's factors
+ * once) */
+INLINE_VNNI __m512 multiplied_512(const void *multipliers, int64_t at, __m512 factors) {
+  const __m128i sixteen = _mm_loadu_si128((const __m128i *)((const uint8_t *)multipliers + at));
+  return _mm512_mul_ps(factors, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sixteen)));
+}
+
 INLINE_AVX2 __m256 multiplied_256(const void *multipliers, int64_t at, __m256 factors) {
   const __m128i eight = _mm_loadl_epi64((const __m128i *)((const uint8_t *)multipliers + at));
   return _mm256_mul_ps(factors, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eight)));
-}
-
-/* the 8 factors from lane `lane` of tile t's scales (which = 0) or minimums (which = 1) for the super-block of chunk c */
-INLINE_AVX2 __m256 factors_256(const Work *w, int64_t t, int64_t c, int64_t lane, int which) {
-  return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->factors + factors_at(w, t, c, which) + lane)));
 }
 
 /* Rows [r, r + ROWS) against tile t, 512-bit: vector s of a chunk meets int32 s of the activations (int4: its low
@@ -236,11 +236,13 @@ INLINE_VNNI void tile_512(const Work *w, int64_t r, int64_t t, const int ROWS, c
   const int64_t chunks = w->chunks;
   const uint8_t *p = w->w + t * chunks * 64 * BITS;
   const __m512i low = _mm512_set1_epi8(0x0F);
-  __m512 acc[ROW_TILE_VNNI];
+  __m512 acc[ROW_TILE_VNNI], factors[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
   for (int i = 0; i < ROWS; i++) acc[i] = _mm512_setzero_ps();
   for (int64_t c = 0; c < chunks; c++, p += 64 * BITS) {
     __m512i u[8];
     for (int s = 0; s < BITS; s++) _mm_prefetch((const char *)p + PREFETCH_BYTES + 64 * s, _MM_HINT_T0);
+    if (FACTORED && !(c % CHUNKS_PER_SUPER_BLOCK))
+      for (int which = 0; which < 2; which++) factors[which] = factors_512(w, t, c, which);
     if (BITS == 4) {
       for (int s = 0; s < 4; s++) {
         const __m512i v = _mm512_loadu_si512(p + 64 * s);
@@ -250,8 +252,11 @@ INLINE_VNNI void tile_512(const Work *w, int64_t r, int64_t t, const int ROWS, c
     } else {
       for (int s = 0; s < 8; s++) u[s] = _mm512_loadu_si512(p + 64 * s);
     }
-    const __m512 ws = block_values_512(w, t, c, 0, F16, FACTORED);
-    const __m512 wmin = MIN ? block_values_512(w, t, c, 1, F16, FACTORED) : _mm512_setzero_ps();
+    const __m512 ws = FACTORED ? multiplied_512(w->wscale, minimums_at(w, t, c), factors[0])
+                               : floats_512(w->wscale, scales_at(w, t, c), F16);
+    const __m512 wmin = FACTORED ? multiplied_512(w->minimums, minimums_at(w, t, c), factors[1])
+                        : MIN    ? floats_512(w->minimums, minimums_at(w, t, c), F16)
+                                 : _mm512_setzero_ps();
     for (int i = 0; i < ROWS; i++) {
       const int64_t at = (r + i) * chunks + c;
       const int32_t *x = w->q.x + at * 8;
