@@ -433,7 +433,8 @@ static OrtStatus *compute(void *kernel_state, OrtKernelContext *context) {
   if (rank[0] < 1 || dims[0][rank[0] - 1] != kernel->k || weight_bytes != padded * kernel->k * kernel->bits / 8)
     return refuse(api, kernel->bits, "the input's last axis or the weights' size does not match K and N (N padded to whole tiles)");
   if (factored && (element_type[2] != ELEMENT_UINT8 || element_type[4] != ELEMENT_FLOAT16 ||
-                   kernel->k % (32 * CHUNKS_PER_SUPER_BLOCK) || counts[4] != padded * 2 * (kernel->k / 256)))
+                   kernel->k % (32 * CHUNKS_PER_SUPER_BLOCK) ||
+                   counts[4] != padded * 2 * (kernel->k / (32 * CHUNKS_PER_SUPER_BLOCK))))
     return refuse(api, kernel->bits, "factored scales are uint8 multipliers beside N * 2 * K / 256 float16 factors "
                                      "(N padded to whole tiles), K a multiple of 256");
   if ((factored ? element_type[2] != ELEMENT_UINT8

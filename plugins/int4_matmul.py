@@ -126,6 +126,9 @@ def use_in_graph(graph_file: Path) -> dict[str, int]:
     return counts
 
 
+CHUNKS_PER_SUPER_BLOCK = 8  # blocks of 32 whose scales share a factor: a K-quant super-block of 256 (int4_matmul.c)
+
+
 def _factors_of(scales: str) -> str:
     return f"{scales}/factors"
 
@@ -161,9 +164,6 @@ def _factored_nodes(
     return multipliers, factors
 
 
-CHUNKS_PER_SUPER_BLOCK = 8  # blocks of 32 whose scales share a factor: a K-quant super-block of 256 (int4_matmul.c)
-
-
 def factored_scales(values: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     """Per-32 float32 values [N, K / 32] as a float16 factor per 8 of them times uint8 multipliers, exactly, or None
     where they do not factor so: GGUF Q4_K's scales d x sc and minimums -(dmin x m) are such products (d, dmin
@@ -186,7 +186,7 @@ def factored_scales(values: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
             factor = largest[unsolved] / np.float32(multiplier)
             ratios = np.rint(groups[unsolved] / factor[:, None])
             exact = (factor.astype(np.float16).astype(np.float32) == factor) & (
-                (ratios >= 0) & (ratios <= 255) & (factor[:, None] * ratios.astype(np.float32) == groups[unsolved])
+                (ratios >= 0) & (ratios <= 255) & (factor[:, None] * ratios == groups[unsolved])
             ).all(-1)
             factors[unsolved[exact]] = factor[exact]
             multipliers[unsolved[exact]] = ratios[exact].astype(np.uint8)
