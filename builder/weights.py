@@ -68,8 +68,9 @@ WIDE_TYPES = ("Q8_0", "Q8_1", "Q8_K", "Q6_K", "Q5_0", "Q5_1", "Q5_K")  # more th
 def auto_quantization(config: ModelConfig, weight_types: Mapping[str, str]) -> str:
     """What `--quant auto` builds for a checkpoint whose layers' weights have these GGUF types (none for a Hugging
     Face checkpoint): "none" where they are float, "int4" where any is 4 bits or fewer, else "int8". With groups of
-    32, Q4_0 / Q4_1 / Q4_K / Q5_0 / Q8_0 blocks then go into the engine as they are (kept_block_specs); weights of
-    other types are requantized, those of more than 4 bits (Q5_1, Q5_K, Q6_K) to int8 (wider_specs)."""
+    32, Q4_0 / Q4_1 / Q4_K / Q5_0 / Q6_K / Q8_0 blocks then go into the engine as they are (kept_block_specs);
+    weights of other types are requantized, those of more than 4 bits (Q5_1, Q5_K; Q6_K where it cannot be kept) to
+    int8 (wider_specs)."""
     names = [name for module, sources in linear_sources(config, False).items() for name in sources]
     types = {weight_types.get(name, "F32") for name in names}
     if types <= set(FLOAT_TYPES):
@@ -83,14 +84,16 @@ def kept_block_specs(
     """Quantized linears whose checkpoint blocks map exactly onto the requested quantization -> their spec.
 
     A linear keeps its source blocks when every weight it is made of has an exact form (gguf_blocks.EXACT_FORMS)
-    of the same number of bits, the build asks for groups of 32, and the source has at least the requested bits (a
-    Q8_0 LM head or Q5_0 layer stays int8 in an int4 build: more bits than asked, never fewer). Everything else is
+    of the same number of bits and block size, the build asks for groups of 32, and the source has at least the
+    requested bits (a Q8_0 LM head or Q5_0 layer stays int8 in an int4 build: more bits than asked, never fewer;
+    Q6_K int8 in blocks of 16, except in a tied head, which the embedding's lookups read). Everything else is
     requantized from float."""
     if quant is None:
         return {}
     kept = {}
     for module, names in linear_sources(config, quantize_lm_head).items():
-        spec = _spec_holding(quant, [block_formats.get(name, "") for name in names])
+        table = module == "lm_head" and config.tie_word_embeddings  # the lookups read a tied head's blocks
+        spec = _spec_holding(quant, [block_formats.get(name, "") for name in names], table)
         if spec is not None:
             kept[module] = spec
     return kept
@@ -103,8 +106,9 @@ def wider_specs(
     weight_types: Mapping[str, str],
     kept: Mapping[str, QuantSpec],
 ) -> dict[str, QuantSpec]:
-    """Linears requantized from GGUF weights of more bits than `quant` has (Q5_1, Q5_K, Q6_K in an int4 build:
-    llama.cpp's Q4_K_M gives the layers that matter most Q6_K) -> int8 in `quant`'s groups: a build that keeps the
+    """Linears requantized from GGUF weights of more bits than `quant` has (Q5_1, Q5_K in an int4 build, and Q6_K
+    where it shares a fused weight with another type: llama.cpp's Q4_K_M gives the value projection of some layers
+    Q6_K, beside Q4_K queries and keys) -> int8 in `quant`'s groups: a build that keeps the
     file's blocks never rounds a weight to fewer bits than the file gives it."""
     if quant is None:
         return {}
@@ -120,16 +124,29 @@ def _at_least_source_bits(quant: QuantSpec, kinds: list[str]) -> QuantSpec | Non
     return replace(quant, bits=8, minimums=False) if quant.bits < 8 and set(kinds) & set(WIDE_TYPES) else None
 
 
-def _spec_holding(quant: QuantSpec, kinds: list[str]) -> QuantSpec | None:
+def _spec_holding(quant: QuantSpec, kinds: list[str], in_table: bool = False) -> QuantSpec | None:
     """`quant` widened to hold blocks of these GGUF types as they are, or None where it cannot: every one with an
-    exact form of one bit width, at least `quant`'s bits, and groups of 32 asked for."""
+    exact form of one bit width and block size (one a table keeps, for an embedding table or the head its lookups
+    read), at least `quant`'s bits, and groups of 32 asked for."""
     forms = [EXACT_FORMS.get(kind) for kind in kinds]
-    if quant.block_size != BLOCK or None in forms or len({f.bits for f in forms}) != 1 or forms[0].bits < quant.bits:
+    if (
+        quant.block_size != BLOCK
+        or None in forms
+        or len({(f.bits, f.block_size) for f in forms}) != 1
+        or forms[0].bits < quant.bits
+        or (in_table and not all(f.in_tables for f in forms))
+    ):
         return None
     minimum_dtypes = {f.minimum_dtype for f in forms} - {None}
     # float32 holds float16 minimums too (a Q4_1 slice beside a Q4_K one in a fused weight)
     minimum_dtype = "float32" if "float32" in minimum_dtypes else "float16"
-    return replace(quant, bits=forms[0].bits, minimums=bool(minimum_dtypes), minimum_dtype=minimum_dtype)
+    return replace(
+        quant,
+        bits=forms[0].bits,
+        block_size=forms[0].block_size,
+        minimums=bool(minimum_dtypes),
+        minimum_dtype=minimum_dtype,
+    )
 
 
 def embedding_spec(
@@ -143,7 +160,11 @@ def embedding_spec(
     if quant is None or (tied and not quantize_lm_head):
         return None
     kinds = [weight_types.get(f"{EMBEDDING}.weight", "")]
-    return _spec_holding(quant, kinds) or _at_least_source_bits(quant, kinds) or replace(quant, minimums=False)
+    return (
+        _spec_holding(quant, kinds, in_table=True)
+        or _at_least_source_bits(quant, kinds)
+        or replace(quant, minimums=False)
+    )
 
 
 def holds_block_kind(spec: QuantSpec | None, kind: str | None) -> bool:
@@ -152,7 +173,7 @@ def holds_block_kind(spec: QuantSpec | None, kind: str | None) -> bool:
     return (
         form is not None
         and spec is not None
-        and spec.block_size == BLOCK
+        and spec.block_size == form.block_size
         and (form.bits, form.minimum_dtype) == (spec.bits, spec.minimum_dtype if spec.minimums else None)
     )
 

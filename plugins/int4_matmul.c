@@ -18,6 +18,13 @@
  * Int8MatMul, the same op for MatMulNBits's 8-bit blocks (q + 128 stored as uint8, w = scale * q), which hold
  * llama.cpp's Q8_0 blocks (blocks of 32, float16 scales) exactly; no minimums.
  *
+ * Int6MatMul, for llama.cpp's Q6_K (6.5625 bits a weight, as the file holds it): w = d x sc x (q - 32) with q of 6
+ * bits, sc an int8 multiplier per 16 inputs and d a float16 factor per 256. Inputs: A; B, the 6-bit weights in
+ * column tiles (below: per chunk the low nibbles as int4's 4 vectors, then 2 vectors of the high two bits); the
+ * multipliers, int8 [tiles][K / 16][16]; the factors, float16 [tiles][K / 256][16]. block_size 16, K a multiple of
+ * 256. A chunk's integer sum over both its sub-blocks, sc x (q . a - 32 x the sub-block's sum of a), is exact in int32
+ * and meets d and the activations' scale in one fma. Its tiles are AVX2 ones on every CPU (none for VNNI yet).
+ *
  * Column tiles (plugins/int4_matmul.py's `tile_columns` writes them from MatMulNBits's [N, K / block, block * bits /
  * 8]): the columns in tiles of 16, N padded with zero columns to a multiple of 16; per tile, per 32 values of K (a
  * "chunk"), `bits` vectors of 64 bytes, in which lane j (4 bytes) of vector s holds bytes 4s .. 4s + 3 of column j's
@@ -75,7 +82,8 @@
 typedef struct QuantizedRows {
   int32_t *x;    /* [m][chunks][8]: the 32 int8 values, 4 to an int32 (int4: each 8 values evens first) */
   float *scale;  /* [m][chunks] */
-  int32_t *zero; /* [m][chunks]: the weights' zero point (8, or 128) x the values' sum */
+  int32_t *zero; /* [m][chunks]: the weights' zero point (8, or 128) x the values' sum; for 6-bit weights the sums
+                  * of the chunk's two halves, int16 each (the low one first), which each have their own multiplier */
   float *sum;    /* [m][chunks]: the values' sum x their scale, which the chunk's minimums multiply */
 } QuantizedRows;
 
@@ -83,7 +91,7 @@ typedef struct Work {
   const float *a;
   float *out; /* the node's output: y itself, or for swiglu silu(gate) * up of y's halves */
   const uint8_t *w;
-  const void *wscale;       /* float, or float16 (scales_f16) */
+  const void *wscale;       /* float, or float16 (scales_f16); int8 multipliers for 6-bit weights */
   const void *minimums;     /* per chunk, of the scales' type (w = scale * q + minimum), or NULL */
   const uint16_t *factors;  /* float16 per 256 inputs, or NULL: then the scales and minimums are uint8 multipliers */
   float *y;
@@ -91,7 +99,7 @@ typedef struct Work {
   int64_t m, k, n, chunks, tiles, row_blocks, tile_groups;
   int shift; /* chunk c takes the scale of block c >> shift */
   int scales_f16; /* the scales, and minimums where there are, are float16 */
-  int bits; /* 4, or 8 (Int8MatMul) */
+  int bits; /* 4, 6 (Int6MatMul) or 8 (Int8MatMul) */
   int vnni; /* the tiles' AVX-512 VNNI variant */
 } Work;
 
@@ -129,6 +137,17 @@ AVX2 static void silu_times_up(void *data, size_t unit) {
   }
 }
 
+INLINE_AVX2 int32_t lanes_sum(__m256i lanes) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(lanes), _mm256_extracti128_si256(lanes, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+
+/* the lane sums of two vectors (each within int16: 16 values of at most 127) as the int16 pair vpmaddwd takes */
+INLINE_AVX2 int32_t halves_of(__m256i low, __m256i high) {
+  return (int32_t)((uint32_t)(uint16_t)lanes_sum(low) | (uint32_t)(uint16_t)lanes_sum(high) << 16);
+}
+
 /* A's rows [unit * ROW_BLOCK, ...) into w->q: per chunk of 32, scale max|a| / 127, values rounded to nearest even */
 AVX2 static void quantize_rows(void *data, size_t unit) {
   const Work *w = data;
@@ -137,7 +156,7 @@ AVX2 static void quantize_rows(void *data, size_t unit) {
   const __m256i in_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* after packing to bytes */
   const __m256i evens_first = _mm256_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15,
                                                0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
-  const int32_t zero_point = w->bits == 4 ? 8 : 128;
+  const int32_t zero_point = w->bits == 4 ? 8 : 128; /* 6-bit weights' 32 goes with their multipliers */
   for (int64_t r = first; r < last; r++) {
     for (int64_t c = 0; c < w->chunks; c++) {
       const float *v = w->a + r * w->k + c * 32;
@@ -154,15 +173,13 @@ AVX2 static void quantize_rows(void *data, size_t unit) {
       for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(x[i], inverse));
       __m256i bytes = _mm256_permutevar8x32_epi32(
           _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), in_order);
-      if (w->bits == 4) bytes = _mm256_shuffle_epi8(bytes, evens_first);
+      if (w->bits != 8) bytes = _mm256_shuffle_epi8(bytes, evens_first);
       const int64_t at = r * w->chunks + c;
       _mm256_storeu_si256((__m256i *)(w->q.x + at * 8), bytes);
-      const __m256i lanes = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-      __m128i s = _mm_add_epi32(_mm256_castsi256_si128(lanes), _mm256_extracti128_si256(lanes, 1));
-      s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-      const int32_t total = _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+      const int32_t total = lanes_sum(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
       w->q.scale[at] = largest / 127.0f;
-      w->q.zero[at] = zero_point * total;
+      w->q.zero[at] = w->bits == 6 ? halves_of(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]))
+                                   : zero_point * total;
       w->q.sum[at] = (float)total * (largest / 127.0f);
     }
   }
@@ -339,6 +356,63 @@ INLINE_AVX2 void tile_256(const Work *w, int64_t r, int64_t t, const int ROWS, c
   }
 }
 
+/* Int6MatMul's tiles, half of tile t (8 columns) at a time. A chunk is 6 vectors of 64 bytes: its low nibbles as
+ * int4's 4 (vector s: values 8s .. 8s + 7, evens in the low nibbles), then for values 0-15 and 16-31 one vector each
+ * whose lane byte b holds the high two bits of vector 2h's even value b in bits 0-1, its odd one in bits 2-3, and
+ * vector 2h + 1's in bits 4-5 and 6-7. Each vector's vpmaddubsw pairs, evens plus odds (at most 2 x 2 x 63 x 127 =
+ * 32004: no saturation), meet the multiplier of their sub-block of 16 in vpmaddwd, and 32 x the multipliers times
+ * the sub-blocks' activation sums come off once per chunk: an exact int32 per column. */
+INLINE_AVX2 void tile6_256(const Work *w, int64_t r, int64_t t, const int ROWS) {
+  const int64_t chunks = w->chunks;
+  const __m256i low = _mm256_set1_epi8(0x0F), high = _mm256_set1_epi8(0x30);
+  const int8_t *multipliers = (const int8_t *)w->wscale + t * chunks * 2 * TILE_COLUMNS;
+  for (int half = 0; half < 2; half++) {
+    const uint8_t *p = w->w + t * chunks * 64 * 6 + 32 * half;
+    __m256 acc[ROW_TILE_AVX2], factors = _mm256_setzero_ps();
+    for (int i = 0; i < ROWS; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < chunks; c++, p += 64 * 6) {
+      if (!half)
+        for (int s = 0; s < 6; s++) _mm_prefetch((const char *)p + PREFETCH_BYTES + 64 * s, _MM_HINT_T0);
+      if (!(c % CHUNKS_PER_SUPER_BLOCK)) {
+        const int64_t super_block = t * (chunks / CHUNKS_PER_SUPER_BLOCK) + c / CHUNKS_PER_SUPER_BLOCK;
+        factors = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->factors + super_block * TILE_COLUMNS + 8 * half)));
+      }
+      /* the chunk's multipliers: the tile's 16 columns' for values 0-15, then theirs for values 16-31 */
+      const int8_t *sc = multipliers + 2 * c * TILE_COLUMNS + 8 * half;
+      const int32_t *x[ROW_TILE_AVX2];
+      for (int i = 0; i < ROWS; i++) x[i] = w->q.x + ((r + i) * chunks + c) * 8;
+      __m256i dots[ROW_TILE_AVX2];
+      for (int s = 0; s < 4; s++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 64 * s));
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(p + 64 * (4 + s / 2)));
+        const __m128i own = _mm_loadl_epi64((const __m128i *)(sc + (s / 2) * TILE_COLUMNS));
+        const __m256i multiplier = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(own, own)); /* (sc, sc) per column */
+        const __m256i evens = _mm256_or_si256(_mm256_and_si256(v, low),
+                                              _mm256_and_si256(s % 2 ? h : _mm256_slli_epi16(h, 4), high));
+        const __m256i odds = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
+                                             _mm256_and_si256(s % 2 ? _mm256_srli_epi16(h, 2) : _mm256_slli_epi16(h, 2), high));
+        for (int i = 0; i < ROWS; i++) {
+          const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(evens, _mm256_set1_epi32(x[i][2 * s])),
+                                                 _mm256_maddubs_epi16(odds, _mm256_set1_epi32(x[i][2 * s + 1])));
+          const __m256i products = _mm256_madd_epi16(pairs, multiplier);
+          dots[i] = s ? _mm256_add_epi32(dots[i], products) : products;
+          KEEP_IN_REGISTER(dots[i]);
+        }
+      }
+      const __m256i both = _mm256_cvtepi8_epi16( /* (sc of values 0-15, sc of 16-31) per column */
+          _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)sc), _mm_loadl_epi64((const __m128i *)(sc + TILE_COLUMNS))));
+      for (int i = 0; i < ROWS; i++) {
+        const int64_t at = (r + i) * chunks + c;
+        const __m256i zero = _mm256_slli_epi32(_mm256_madd_epi16(both, _mm256_set1_epi32(w->q.zero[at])), 5);
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(dots[i], zero)),
+                                 _mm256_mul_ps(factors, _mm256_set1_ps(w->q.scale[at])), acc[i]);
+      }
+    }
+    for (int i = 0; i < ROWS; i++)
+      store_columns_256(w->y + (r + i) * w->n + t * 16 + 8 * half, acc[i], w->n - t * 16 - 8 * half);
+  }
+}
+
 typedef void (*Tile)(const Work *w, int64_t r, int64_t t);
 /* one function per tile kind and number of rows (1 .. its ROW_TILE), each with its loops unrolled for them */
 #define DEFINE_ROW(NAME, ISA, WIDTH, ROWS, BITS, MIN, F16, FACTORED) \
@@ -367,6 +441,13 @@ DEFINE_KIND(int8_f16, 8, 0, 1, 0)
   {{NAME##_1, NAME##_2, NAME##_3, NAME##_4},                   \
    {NAME##_vnni_1, NAME##_vnni_2, NAME##_vnni_3, NAME##_vnni_4, \
     NAME##_vnni_5, NAME##_vnni_6, NAME##_vnni_7, NAME##_vnni_8}}
+#define DEFINE_INT6_ROW(ROWS) \
+  AVX2 static void int6_##ROWS(const Work *w, int64_t r, int64_t t) { tile6_256(w, r, t, ROWS); }
+DEFINE_INT6_ROW(1)
+DEFINE_INT6_ROW(2)
+DEFINE_INT6_ROW(3)
+DEFINE_INT6_ROW(4)
+static const Tile int6_tiles[ROW_TILE_AVX2] = {int6_1, int6_2, int6_3, int6_4};
 enum { INT4, INT4_MIN, INT4_FACTORED, INT8 };
 /* [kind][float16 scales][VNNI][rows - 1] (factored scales are uint8: never float16) */
 static const Tile tiles[4][2][2][ROW_TILE_VNNI] = {
@@ -384,8 +465,8 @@ static void multiply_unit(void *data, size_t unit) {
   const int64_t per_group = TILES_PER_UNIT(w->tiles), t0 = group * per_group;
   const int64_t t1 = t0 + per_group < w->tiles ? t0 + per_group : w->tiles;
   const int kind = w->bits == 8 ? INT8 : w->factors ? INT4_FACTORED : w->minimums ? INT4_MIN : INT4;
-  const Tile *tile = tiles[kind][w->scales_f16][w->vnni];
-  const int64_t rows = w->vnni ? ROW_TILE_VNNI : ROW_TILE_AVX2;
+  const Tile *tile = w->bits == 6 ? int6_tiles : tiles[kind][w->scales_f16][w->vnni];
+  const int64_t rows = w->vnni && w->bits != 6 ? ROW_TILE_VNNI : ROW_TILE_AVX2;
   for (int64_t t = t0; t < t1; t++)
     for (int64_t r = r0; r < r1; r += rows) tile[(r1 - r < rows ? r1 - r : rows) - 1](w, r, t);
 }
@@ -425,21 +506,26 @@ static OrtStatus *compute(void *kernel_state, OrtKernelContext *context) {
   for (size_t input = 2; input < count; input++)
     for (size_t i = 0; i < rank[input]; i++) counts[input] *= dims[input][i];
   const int64_t tiles = (kernel->n + TILE_COLUMNS - 1) / TILE_COLUMNS, padded = tiles * TILE_COLUMNS;
+  const int64_t super_blocks = kernel->k / (32 * CHUNKS_PER_SUPER_BLOCK);
+  if (kernel->bits == 6 &&
+      (count != 4 || element_type[2] != ELEMENT_INT8 || counts[2] != padded * (kernel->k / 16) ||
+       element_type[3] != ELEMENT_FLOAT16 || counts[3] != padded * super_blocks))
+    return refuse(api, kernel->bits, "takes A, the weights, N * K / 16 int8 multipliers and N * K / 256 float16 "
+                                     "factors (N padded to whole tiles)");
   const int factored = count == 5;
-  if (count >= 4 && (kernel->bits != 4 || kernel->block_size != 32 || element_type[3] != element_type[2] ||
+  if (kernel->bits != 6 && count >= 4 && (kernel->bits != 4 || kernel->block_size != 32 || element_type[3] != element_type[2] ||
                      counts[3] != padded * (kernel->k / 32)))
     return refuse(api, kernel->bits, "minimums must be N * K / 32 values of the scales' type (N padded to whole tiles), "
                                      "for blocks of 32");
   if (rank[0] < 1 || dims[0][rank[0] - 1] != kernel->k || weight_bytes != padded * kernel->k * kernel->bits / 8)
     return refuse(api, kernel->bits, "the input's last axis or the weights' size does not match K and N (N padded to whole tiles)");
-  if (factored && (element_type[2] != ELEMENT_UINT8 || element_type[4] != ELEMENT_FLOAT16 ||
-                   kernel->k % (32 * CHUNKS_PER_SUPER_BLOCK) ||
-                   counts[4] != padded * 2 * (kernel->k / (32 * CHUNKS_PER_SUPER_BLOCK))))
+  if (count == 5 && (element_type[2] != ELEMENT_UINT8 || element_type[4] != ELEMENT_FLOAT16 ||
+                     kernel->k % (32 * CHUNKS_PER_SUPER_BLOCK) || counts[4] != padded * 2 * super_blocks))
     return refuse(api, kernel->bits, "factored scales are uint8 multipliers beside N * 2 * K / 256 float16 factors "
                                      "(N padded to whole tiles), K a multiple of 256");
-  if ((factored ? element_type[2] != ELEMENT_UINT8
-                : element_type[2] != ELEMENT_FLOAT && element_type[2] != ELEMENT_FLOAT16) ||
-      counts[2] != padded * (kernel->k / kernel->block_size))
+  if (kernel->bits != 6 && ((factored ? element_type[2] != ELEMENT_UINT8
+                                       : element_type[2] != ELEMENT_FLOAT && element_type[2] != ELEMENT_FLOAT16) ||
+                             counts[2] != padded * (kernel->k / kernel->block_size)))
     return refuse(api, kernel->bits, "the scales must be N * K / block_size floats or float16s (N padded to whole tiles)");
   int64_t out_dims[4];
   memcpy(out_dims, dims[0], sizeof(out_dims));
@@ -456,12 +542,14 @@ static OrtStatus *compute(void *kernel_state, OrtKernelContext *context) {
   /* a swiglu node's product goes to scratch after the quantized rows (an offset that keeps floats aligned) */
   char *buffer = malloc(quantized_bytes + (kernel->swiglu ? (size_t)(m * kernel->n) * sizeof(float) : 0));
   if (!buffer) return refuse(api, kernel->bits, "out of memory");
-  Work work = {data[0], y, data[1], data[2], data[3], data[4], kernel->swiglu ? (float *)(buffer + quantized_bytes) : y,
+  const int six = kernel->bits == 6; /* no minimums: the fourth input is the factors */
+  Work work = {data[0], y, data[1], data[2], six ? NULL : data[3], six ? data[3] : data[4],
+               kernel->swiglu ? (float *)(buffer + quantized_bytes) : y,
                {(int32_t *)buffer, (float *)(buffer + m * chunks * 32), (int32_t *)(buffer + m * chunks * 36),
                 (float *)(buffer + m * chunks * 40)},
                m, kernel->k, kernel->n, chunks, tiles, (m + ROW_BLOCK - 1) / ROW_BLOCK,
                (tiles + TILES_PER_UNIT(tiles) - 1) / TILES_PER_UNIT(tiles),
-               __builtin_ctzll((unsigned long long)(kernel->block_size / 32)), element_type[2] == ELEMENT_FLOAT16,
+               six ? 0 : __builtin_ctzll((unsigned long long)(kernel->block_size / 32)), element_type[2] == ELEMENT_FLOAT16,
                kernel->bits, kernel->vnni};
   OrtStatus *(*parallel_for)(const OrtKernelContext *, void (*)(void *, size_t), size_t, size_t, void *) =
       API(api, KernelContext_ParallelFor, OrtStatus *(*)(const OrtKernelContext *, void (*)(void *, size_t), size_t, size_t, void *));
@@ -482,7 +570,7 @@ static int use_vnni(void) {
 __attribute__((visibility("default"))) const char *QuantizedMatMulIsa(void) { return use_vnni() ? "avx512vnni" : "avx2"; }
 
 static OrtStatus *create_kernel(const OrtCustomOp *op, OrtApiTable api, const OrtKernelInfo *info, void **out) {
-  const int bits = op == &int8_matmul_op ? 8 : 4;
+  const int bits = op == &int8_matmul_op ? 8 : op == &int6_matmul_op ? 6 : 4;
   Kernel *kernel = calloc(1, sizeof(Kernel));
   if (!kernel) return refuse(api, bits, "out of memory");
   kernel->api = api;
@@ -506,8 +594,11 @@ static OrtStatus *create_kernel(const OrtCustomOp *op, OrtApiTable api, const Or
   }
   if (!status && (kernel->swiglu < 0 || kernel->swiglu > 1 || (kernel->swiglu && kernel->n % 2)))
     status = refuse(api, kernel->bits, "swiglu must be 0 or 1, and 1 needs an even N (gate columns, then up columns)");
-  if (!status && (kernel->n <= 0 || kernel->k <= 0 || kernel->block_size < 32 ||
-                  (kernel->block_size & (kernel->block_size - 1)) || kernel->k % kernel->block_size))
+  if (!status && bits == 6 && (kernel->n <= 0 || kernel->k <= 0 || kernel->block_size != 16 ||
+                               kernel->k % (32 * CHUNKS_PER_SUPER_BLOCK)))
+    status = refuse(api, kernel->bits, "block_size must be 16 and K a multiple of 256 (Q6_K's super-blocks)");
+  if (!status && bits != 6 && (kernel->n <= 0 || kernel->k <= 0 || kernel->block_size < 32 ||
+                               (kernel->block_size & (kernel->block_size - 1)) || kernel->k % kernel->block_size))
     status = refuse(api, kernel->bits, "block_size must be a power of 2 of at least 32 that divides K");
   if (!status && !(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")))
     status = refuse(api, kernel->bits, "this CPU lacks AVX2, FMA or F16C, which the kernel needs (build the engine with "
@@ -521,8 +612,11 @@ static OrtStatus *create_kernel(const OrtCustomOp *op, OrtApiTable api, const Or
 }
 
 static void destroy_kernel(void *kernel) { free(kernel); }
-static const char *op_name(const OrtCustomOp *op) { return op == &int8_matmul_op ? "Int8MatMul" : "Int4MatMul"; }
-/* scales: float or float16 (uint8 multipliers where factored); minimums: the scales' type; factors: float16 */
+static const char *op_name(const OrtCustomOp *op) {
+  return op == &int8_matmul_op ? "Int8MatMul" : op == &int6_matmul_op ? "Int6MatMul" : "Int4MatMul";
+}
+/* scales: float or float16 (uint8 multipliers where factored, int8 for Int6MatMul); minimums: the scales' type
+ * (Int6MatMul: its factors); factors: float16 */
 static const int input_types[5] = {ELEMENT_FLOAT, ELEMENT_UINT8, ELEMENT_ANY, ELEMENT_ANY, ELEMENT_FLOAT16};
 static int input_type(const OrtCustomOp *op, size_t index) { (void)op; return input_types[index]; }
 static size_t input_count(const OrtCustomOp *op) { (void)op; return 5; }
@@ -535,4 +629,6 @@ static size_t output_count(const OrtCustomOp *op) { (void)op; return 1; }
 OrtCustomOp int4_matmul_op =
     CPU_CUSTOM_OP(op_name, input_type, input_count, minimums_optional, output_count, create_kernel, compute, destroy_kernel);
 OrtCustomOp int8_matmul_op =
+    CPU_CUSTOM_OP(op_name, input_type, input_count, minimums_optional, output_count, create_kernel, compute, destroy_kernel);
+OrtCustomOp int6_matmul_op =
     CPU_CUSTOM_OP(op_name, input_type, input_count, minimums_optional, output_count, create_kernel, compute, destroy_kernel);

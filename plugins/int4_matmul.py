@@ -12,7 +12,9 @@ and the per-column work is one fma per 32 values (docs/quantization.md has the t
 match onnxruntime's int8 path to float rounding (the same per-32 activation quantization).
 
 Covered: bits 4 (`Int4MatMul`) and 8 (`Int8MatMul`, which holds GGUF Q8_0 and Q5_0 blocks), accuracy_level 4,
-blocks of a power of 2 from 32 that divides K; other nodes (fp32 compute, blocks of 16) keep MatMulNBits. Int4
+blocks of a power of 2 from 32 that divides K; and int8 blocks of 16 that hold GGUF Q6_K's 6-bit values and
+factored scales (`six_bit_nodes`), as `Int6MatMul` in 6.5625 bits a weight; other nodes (fp32 compute, other blocks
+of 16) keep MatMulNBits. Int4
 blocks with minimums (GGUF Q4_1: w = scale * q + minimum, float16 minimums as the file holds them; Q4_K: float32
 scales and minimums, the products llama.cpp computes) are exported as Int4MatMul nodes with a fourth input already
 (plugins/quant_linear.py), which MatMulNBits cannot express exactly; Q4_K's are stored as the file factors them
@@ -43,6 +45,8 @@ def unavailable_reason(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
 
 
 OPS = {4: "Int4MatMul", 8: "Int8MatMul"}  # bits -> our op
+INT6_OP = "Int6MatMul"  # Q6_K's 6-bit blocks, which no MatMulNBits node holds as such (`six_bit_nodes`)
+KERNEL_OPS = (*OPS.values(), INT6_OP)
 
 
 def kernel_for(attributes: dict, input_count: int) -> str | None:
@@ -62,30 +66,37 @@ COLUMN_TILE = 16  # columns per tile of the kernels' weight layout (int4_matmul.
 
 
 def use_in_graph(graph_file: Path) -> dict[str, int]:
-    """Replace every MatMulNBits node of `graph_file` our kernels cover by Int4MatMul / Int8MatMul, store their
-    weights, scales and minimums in the kernels' column tiles (`tile_weights`, `tile_per_block`; a Gather that reads
-    one, the embedding from a tied head's blocks, is rewritten to read the tiles and cast the scales back), the
-    scales of int4 nodes as float16 (`half_scales`; int8 nodes' only where float16 holds them exactly, as GGUF
-    Q8_0's; those of nodes with float32 minimums, GGUF Q4_K's, stay float32 as the kernel wants them, or factored
-    where they factor: `factored_scales`), and fold the MLP activation into the gate / up node (`fuse_swiglu`);
-    returns how many nodes run each op."""
+    """Replace every MatMulNBits node of `graph_file` our kernels cover by Int4MatMul / Int8MatMul (Int6MatMul for
+    Q6_K's blocks, `six_bit_nodes`: their values in 6 bits, their scales as int8 multipliers of float16 factors),
+    store their weights, scales and minimums in the kernels' column tiles (`tile_weights`, `tile_per_block`; a
+    Gather that reads one, the embedding from a tied head's blocks, is rewritten to read the tiles and cast the
+    scales back), the scales of int4 nodes as float16 (`half_scales`; int8 nodes' only where float16 holds them
+    exactly, as GGUF Q8_0's; those of nodes with float32 minimums, GGUF Q4_K's, stay float32 as the kernel wants
+    them, or factored where they factor: `factored_scales`), and fold the MLP activation into the gate / up node
+    (`fuse_swiglu`); returns how many nodes run each op."""
     from onnx import helper
 
-    counts = dict.fromkeys(OPS.values(), 0)
+    counts = dict.fromkeys(KERNEL_OPS, 0)
     tiled: dict[str, tuple] = {}  # initializer -> (role, N, bits) of the node that reads it
     minimums_of: dict[str, str] = {}  # scales -> the minimums beside them
+    six_bit = six_bit_nodes(graph_file)  # scales -> their int8 multipliers and float16 factors
+    factors: dict[str, np.ndarray] = {}  # initializers added: factors in column tiles
 
     def replace(node):
         attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        inputs = list(node.input)
         if node.op_type in counts and node.domain == DOMAIN:  # exported as ours (int4 blocks with minimums)
             op = node.op_type
+        elif node.op_type == "MatMulNBits" and node.domain == "com.microsoft" and inputs[2] in six_bit:
+            op, inputs = INT6_OP, [*inputs, _factors_of(inputs[2])]
+            factors[inputs[3]] = tile_per_block(six_bit[inputs[2]][1], attributes["N"])
         elif node.op_type == "MatMulNBits" and node.domain == "com.microsoft":
             op = kernel_for(attributes, len(node.input))
         else:
             return None
         if op is None:
             return None
-        bits = 8 if op == "Int8MatMul" else 4
+        bits = {"Int8MatMul": 8, INT6_OP: 6}.get(op, 4)
         for role, name in zip(("weights", "scales", "minimums"), node.input[1:]):
             tiled[name] = (role, attributes["N"], bits)
         if len(node.input) == 4:
@@ -93,16 +104,20 @@ def use_in_graph(graph_file: Path) -> dict[str, int]:
         counts[op] += 1
         kept = {key: attributes[key] for key in ("K", "N", "block_size", "swiglu") if key in attributes}
         return helper.make_node(
-            op, list(node.input), list(node.output), name=node.name, domain=DOMAIN, **kept, column_tile=COLUMN_TILE
+            op, inputs, list(node.output), name=node.name, domain=DOMAIN, **kept, column_tile=COLUMN_TILE
         )
 
     rewrite_nodes(graph_file, replace)
     _gathers_read_tiles(graph_file, {name: (role, n) for name, (role, n, _) in tiled.items()})
     float32 = _float32_initializers(graph_file)
     float_minimums = {scales for scales, minimums in minimums_of.items() if minimums in float32}
-    multipliers, factors = _factored_nodes(graph_file, {s: minimums_of[s] for s in float_minimums}, tiled)
+    multipliers, factored = _factored_nodes(graph_file, {s: minimums_of[s] for s in float_minimums}, tiled)
+    factors.update(factored)
+    multipliers.update({scales: found[0] for scales, found in six_bit.items()})
 
     def convert(name: str, role: str, n: int, bits: int):
+        if role == "weights" and bits == 6:
+            return lambda packed: tile_weights(six_bit_bytes(packed.reshape(n, -1) - np.uint8(SIX_BIT_OFFSET)), 6)
         if role == "weights":
             return lambda packed: tile_weights(packed, bits)
         if name in multipliers:
@@ -115,7 +130,7 @@ def use_in_graph(graph_file: Path) -> dict[str, int]:
     rewrite_initializers(graph_file, {name: convert(name, *spec) for name, spec in tiled.items()}, factors)
 
     def reads_factors(node):
-        if node.domain != DOMAIN or len(node.input) != 4 or _factors_of(node.input[2]) not in factors:
+        if node.op_type != "Int4MatMul" or len(node.input) != 4 or _factors_of(node.input[2]) not in factors:
             return None
         attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         inputs = [*node.input, _factors_of(node.input[2])]
@@ -140,15 +155,9 @@ def _factored_nodes(
     (`factored_scales`) and that nothing but the node reads: (scales and minimums -> their uint8 multipliers
     [N, K / 32], `_factors_of(scales)` -> the float16 factors in column tiles, per 256 inputs the scales' then the
     minimums')."""
-    import onnx
     from onnx import numpy_helper
 
-    model = onnx.load(str(graph_file), load_external_data=False)
-    readers: dict[str, int] = {}
-    for node in model.graph.node:
-        for name in node.input:
-            readers[name] = readers.get(name, 0) + 1
-    tensors = {t.name: t for t in model.graph.initializer}
+    _, readers, tensors = _readers_and_initializers(graph_file)
     multipliers, factors = {}, {}
     for scales, minimums in minimums_of.items():
         if readers.get(scales) != 1 or readers.get(minimums) != 1:
@@ -164,32 +173,99 @@ def _factored_nodes(
     return multipliers, factors
 
 
-def factored_scales(values: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-    """Per-32 float32 values [N, K / 32] as a float16 factor per 8 of them times uint8 multipliers, exactly, or None
-    where they do not factor so: GGUF Q4_K's scales d x sc and minimums -(dmin x m) are such products (d, dmin
-    float16, sc and m 6-bit), and the kernel reads them factored, 4.625 bits a weight instead of 6, forming the same
-    float32 products. Which factoring is found does not matter: every one gives the same products.
+def _readers_and_initializers(graph_file: Path) -> tuple:
+    """The graph (no weights loaded), how many node inputs read each name, and its initializers by name."""
+    import onnx
 
-    How: the value of largest magnitude of 8 is factor x multiplier for some multiplier below 256 (llama.cpp's
-    largest sc is mostly 63, tried first); each candidate factor is kept where it is a float16 and multiplies
-    integers 0..255 to all 8 values exactly."""
+    model = onnx.load(str(graph_file), load_external_data=False)
+    readers: dict[str, int] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            readers[name] = readers.get(name, 0) + 1
+    return model, readers, {t.name: t for t in model.graph.initializer}
+
+
+SIX_BIT_OFFSET = 96  # an int8 block's stored q + 128 less this: Q6_K's unsigned 6-bit value (q + 32)
+SIX_BIT_BLOCK = 16  # inputs per Q6_K multiplier
+SIX_BIT_PER_SUPER_BLOCK = 16  # multipliers per float16 factor (256 inputs)
+
+
+def six_bit_nodes(graph_file: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """The int8 MatMulNBits nodes (blocks of 16, int8 activations) that hold GGUF Q6_K blocks exactly, which the
+    build keeps so (builder/loaders/gguf_blocks.py) for every backend to run: each value within 6 bits (q - 32 with
+    q of 0..63), the scales d x sc of a float16 d per 256 inputs and int8 multipliers, nothing but the node reading
+    them. Their scales -> (int8 multipliers [N, K / 16], float16 factors [N, K / 256]); Int6MatMul takes them so,
+    6.5625 bits a weight, where MatMulNBits reads 10."""
+    from onnx import helper, numpy_helper
+
+    model, readers, tensors = _readers_and_initializers(graph_file)
+    found = {}
+    for node in model.graph.node:
+        attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if (
+            node.op_type != "MatMulNBits"
+            or len(node.input) != 3
+            or (attributes.get("bits"), attributes.get("block_size"), attributes.get("accuracy_level")) != (8, 16, 4)
+            or attributes["K"] % (SIX_BIT_BLOCK * SIX_BIT_PER_SUPER_BLOCK)
+            or any(readers.get(name) != 1 or name not in tensors for name in node.input[1:])
+        ):
+            continue
+        weights, scales = (numpy_helper.to_array(tensors[name], str(graph_file.parent)) for name in node.input[1:])
+        if weights.min() < SIX_BIT_OFFSET or weights.max() > SIX_BIT_OFFSET + 63:
+            continue
+        factored = factored_scales(scales.reshape(attributes["N"], -1), SIX_BIT_PER_SUPER_BLOCK, signed=True)
+        if factored is not None:
+            found[node.input[2]] = factored
+    return found
+
+
+def six_bit_bytes(values: np.ndarray) -> np.ndarray:
+    """Unsigned 6-bit values [N, K] -> Int6MatMul's 24 bytes per column and 32 inputs [N, K / 32, 24], which
+    `tile_weights(..., 6)` puts in column tiles: the low nibbles as int4's 16 bytes (value 2i in byte i's low
+    nibble, 2i + 1 in its high one), then per 16 inputs 16h.. 4 bytes whose byte b holds the high two bits of values
+    16h + 2b, 16h + 2b + 1, 16h + 8 + 2b and 16h + 8 + 2b + 1, from its lowest bits up."""
     n = values.shape[0]
-    groups = values.astype(np.float32).reshape(-1, CHUNKS_PER_SUPER_BLOCK)
+    chunks = values.reshape(n, -1, 32)
+    lows = (chunks[..., 0::2] & 15) | ((chunks[..., 1::2] & 15) << 4)
+    highs = (chunks >> 4).reshape(n, -1, 2, 2, 4, 2).astype(np.uint32)  # [.., half, vector, byte, even / odd]
+    shifts = 2 * (2 * np.arange(2).reshape(2, 1, 1) + np.arange(2))  # by vector and even / odd
+    packed = (highs << shifts).sum(axis=(-3, -1)).astype(np.uint8)  # [.., half, byte]
+    return np.concatenate((lows.astype(np.uint8), packed.reshape(n, -1, 8)), axis=-1)
+
+
+def factored_scales(
+    values: np.ndarray, per_super_block: int = CHUNKS_PER_SUPER_BLOCK, signed: bool = False
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Per-block float32 values [N, K / block] as a float16 factor per `per_super_block` of them (256 inputs) times
+    uint8 multipliers (int8 where `signed`), exactly, or None where they do not factor so: GGUF Q4_K's scales d x sc
+    and minimums -(dmin x m) of 32 inputs are such products (d, dmin float16, sc and m 6-bit), as Q6_K's scales
+    d x sc of 16 are (sc int8). The kernels read them factored (Q4_K: 4.625 bits a weight instead of 6), forming the
+    same products. Which factoring is found does not matter: every one gives the same products.
+
+    How: the value of largest magnitude of a super-block is factor x multiplier for some multiplier in range
+    (llama.cpp's largest is mostly 63 for Q4_K, -128 for Q6_K: tried first); each candidate factor is kept where it
+    is a float16 and multiplies integers in range to all the super-block's values exactly."""
+    n = values.shape[0]
+    groups = values.astype(np.float32).reshape(-1, per_super_block)
+    if signed:
+        lowest, highest, candidates = -128, 127, (-128, *range(127, 0, -1), *range(-127, 0))
+    else:
+        lowest, highest, candidates = 0, 255, (*range(63, 0, -1), *range(64, 256))
     largest = groups[np.arange(len(groups)), np.abs(groups).argmax(-1)]
     factors = np.zeros(len(groups), np.float32)
-    multipliers = np.zeros(groups.shape, np.uint8)
+    multipliers = np.zeros(groups.shape, np.int8 if signed else np.uint8)
     unsolved = np.flatnonzero(largest != 0)  # all zero: factor 0
     with np.errstate(all="ignore"):
-        for multiplier in (*range(63, 0, -1), *range(64, 256)):
+        for multiplier in candidates:
             if not len(unsolved):
                 break
             factor = largest[unsolved] / np.float32(multiplier)
             ratios = np.rint(groups[unsolved] / factor[:, None])
             exact = (factor.astype(np.float16).astype(np.float32) == factor) & (
-                (ratios >= 0) & (ratios <= 255) & (factor[:, None] * ratios == groups[unsolved])
+                (ratios >= lowest) & (ratios <= highest) & (factor[:, None] * ratios == groups[unsolved])
             ).all(-1)
             factors[unsolved[exact]] = factor[exact]
-            multipliers[unsolved[exact]] = ratios[exact].astype(np.uint8)
+            multipliers[unsolved[exact]] = ratios[exact].astype(multipliers.dtype)
             unsolved = unsolved[~exact]
     if len(unsolved):
         return None
@@ -335,7 +411,7 @@ def fuse_swiglu(graph_file: Path) -> int:
 
     removed, fused = set(), {}
     for node in graph.node:
-        if node.op_type not in OPS.values() or node.domain != DOMAIN:
+        if node.op_type not in KERNEL_OPS or node.domain != DOMAIN:
             continue
         half = next(a.i for a in node.attribute if a.name == "N") // 2
         split = only_reader(node.output[0], "Split")

@@ -34,7 +34,7 @@ typedef struct OrtApiBase {
   const char *(*GetVersionString)(void);
 } OrtApiBase;
 
-enum { ORT_FAIL = 1, ELEMENT_ANY = 0, ELEMENT_FLOAT = 1, ELEMENT_UINT8 = 2, ELEMENT_INT32 = 6, ELEMENT_INT64 = 7,
+enum { ORT_FAIL = 1, ELEMENT_ANY = 0, ELEMENT_FLOAT = 1, ELEMENT_UINT8 = 2, ELEMENT_INT8 = 3, ELEMENT_INT32 = 6, ELEMENT_INT64 = 7,
        ELEMENT_FLOAT16 = 10, ATTR_INT = 1, ATTR_FLOAT = 3 };
 /* the OrtApi version that has every function below (KernelContext_ParallelFor came with 1.17) */
 #define ORT_API_VERSION_NEEDED 17
@@ -138,5 +138,5 @@ static inline int float_output(const OrtCustomOp *op, size_t index) { (void)op; 
    .GetVariadicInputHomogeneity = one, .GetVariadicOutputMinArity = one, .GetVariadicOutputHomogeneity = one,       \
    .CreateKernelV2 = CREATE, .KernelComputeV2 = COMPUTE}
 
-extern OrtCustomOp decode_attention_op, int4_matmul_op, int8_matmul_op, all_reduce_op, all_gather_op;
+extern OrtCustomOp decode_attention_op, int4_matmul_op, int8_matmul_op, int6_matmul_op, all_reduce_op, all_gather_op;
 #endif

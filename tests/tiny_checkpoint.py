@@ -125,9 +125,9 @@ def make_gguf(
 ) -> Path:
     """The tiny HF checkpoint written as llama.cpp would: GGUF names, Q/K rows permuted (for the llama architecture,
     as llama.cpp's converter does), linears, the embedding and an untied head block-quantized by gguf-py's own
-    quantizer (Q4_K, which it lacks, by `quantize_q4_k`), tokenizer and chat template in the metadata; `sampling`:
-    general.sampling.* keys (float32 values; top_k int32); `module_types`: another type than `linear_type` for the
-    linears of these modules (e.g. "mlp.down_proj")."""
+    quantizer (Q4_K and Q6_K, which it lacks, by `quantize_q4_k` and `quantize_q6_k`), tokenizer and chat template
+    in the metadata; `sampling`: general.sampling.* keys (float32 values; top_k int32); `module_types`: another
+    type than `linear_type` for the linears of these modules (e.g. "mlp.down_proj")."""
     import gguf
     import numpy as np
     import torch
@@ -201,7 +201,8 @@ def make_gguf(
             if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
                 data = permute(data, heads if module == "self_attn.q_proj" else kv_heads)
         qtype = gguf.GGMLQuantizationType[kind]
-        raw = quantize_q4_k(data) if kind == "Q4_K" else gguf.quants.quantize(data, qtype)
+        quantizers = {"Q4_K": quantize_q4_k, "Q6_K": quantize_q6_k}
+        raw = quantizers[kind](data) if kind in quantizers else gguf.quants.quantize(data, qtype)
         writer.add_tensor(gguf_name, raw, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -239,3 +240,31 @@ def quantize_q4_k(weight):
     qs = (pairs[..., 0, :] | (pairs[..., 1, :] << 4)).reshape(rows, columns // 256, 128)
     halves = np.stack((d, dmin), -1).view(np.uint8)
     return np.concatenate((halves, scales, qs), axis=-1).reshape(rows, -1)
+
+
+def quantize_q6_k(weight):
+    """Rows [N, K] (K a multiple of 256) in llama.cpp's Q6_K blocks, rounded to nearest: per 16 inputs a scale
+    max|w| / 31, an int8 multiple of its super-block's float16 d; values q - 32 of 6 bits. Returns uint8
+    [N, K / 256 x 210]: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d (dequantize_row_q6_K's
+    order)."""
+    import numpy as np
+
+    rows, columns = weight.shape
+    supers = columns // 256
+    sub = weight.astype(np.float32).reshape(rows, supers, 16, 16)
+    scale = np.abs(sub).max(-1) / 31
+    d = (scale.max(-1) / 127).astype(np.float16)
+    sc = np.clip(np.rint(scale / np.where(d > 0, d, 1).astype(np.float32)[..., None]), -128, 127).astype(np.int8)
+    step = d.astype(np.float32)[..., None] * sc
+    q = np.clip(np.rint(sub / np.where(step != 0, step, 1)[..., None]), -32, 31) + 32
+    values = q.astype(np.uint8).reshape(rows, supers, 2, 4, 32)  # [.., half, group of 32, i]
+    low = values & 0x0F
+    ql = np.concatenate((low[..., 0, :] | (low[..., 2, :] << 4), low[..., 1, :] | (low[..., 3, :] << 4)), axis=-1)
+    qh = sum((values[..., g, :] >> 4) << (2 * g) for g in range(4)).astype(np.uint8)
+    blocks = (
+        ql.reshape(rows, supers, 128),
+        qh.reshape(rows, supers, 64),
+        sc.view(np.uint8),
+        d[..., None].view(np.uint8),
+    )
+    return np.concatenate(blocks, axis=-1).reshape(rows, -1)

@@ -7,12 +7,15 @@ llama.cpp's blocks hold consecutive inputs of one output row, fp16 scale first:
 - Q4_1: d, m, 16 bytes in the same nibble order               w = d * q + m
 - Q4_K: a super-block of 256 inputs: d, dmin, 12 bytes of eight 6-bit scales sc and minimums m, 128 bytes whose 32
   bytes p hold sub-block 2p in their low nibbles and 2p + 1 in their high ones   w = (d * sc) * q - (dmin * m)
+- Q6_K: a super-block of 256 inputs: 128 bytes of low nibbles, 64 of high bit pairs, sixteen int8 scales sc (one
+  per 16 inputs), d last                                                         w = (d * sc) * (q - 32), q of 6 bits
 Our quantized linear (plugins/quant_linear.py) holds scale * (q - 2^(bits-1)), or scale * q + minimum with one
-minimum per block, with 32-input blocks, so all of them map without loss: the integers are repacked (Q5_0's 5-bit
-values as int8), the fp16 scales widened (exactly), Q4_1's fp16 minimum kept as it is, and Q4_K's sub-block scale
-and minimum computed as llama.cpp computes them, in float32 (a float16 times a 6-bit integer: exact there, not in
-float16; our kernel's graph stores them factored again, plugins/int4_matmul.py's `factored_scales`). Any other GGUF
-type (Q5_1, Q5_K, Q6_K, ...) is dequantized and requantized by the build.
+minimum per block, with 32-input blocks (16 for Q6_K), so all of them map without loss: the integers are repacked
+(Q5_0's 5-bit values and Q6_K's 6-bit ones as int8), the fp16 scales widened (exactly), Q4_1's fp16 minimum kept as
+it is, and the K-quants' sub-block scales (and Q4_K's minimums) computed as llama.cpp computes them, in float32 (a
+float16 times an integer of at most 8 bits: exact there, not in float16; our kernels' graph stores them factored
+again, plugins/int4_matmul.py's `factored_scales`, and Q6_K's values in 6 bits, `six_bit_nodes`). Any other GGUF
+type (Q5_1, Q5_K, ...) is dequantized and requantized by the build.
 """
 
 from __future__ import annotations
@@ -33,6 +36,10 @@ class ExactForm:
 
     bits: int
     minimum_dtype: str | None = None  # the minimums' dtype where the blocks carry minimums
+    block_size: int = BLOCK  # inputs per scale
+    # whether an embedding table (or a tied head, which the table's lookups read) keeps them so: Q6_K's int8 blocks of
+    # 16 with float32 scales are 10 bits a weight, compact only in the matmul kernel's own form (6.5625)
+    in_tables: bool = True
 
 
 EXACT_FORMS = {
@@ -41,9 +48,17 @@ EXACT_FORMS = {
     "Q4_0": ExactForm(4),
     "Q4_1": ExactForm(4, "float16"),
     "Q4_K": ExactForm(4, "float32"),
+    "Q6_K": ExactForm(8, block_size=16, in_tables=False),
 }
 # bytes of one block, and the inputs it covers
-_BLOCK_BYTES = {"Q8_0": (34, 32), "Q5_0": (22, 32), "Q4_0": (18, 32), "Q4_1": (20, 32), "Q4_K": (144, 256)}
+_BLOCK_BYTES = {
+    "Q8_0": (34, 32),
+    "Q5_0": (22, 32),
+    "Q4_0": (18, 32),
+    "Q4_1": (20, 32),
+    "Q4_K": (144, 256),
+    "Q6_K": (210, 256),
+}
 
 
 def block_inputs(kind: str) -> int:
@@ -71,12 +86,15 @@ class BlockQuantized:
         return torch.from_numpy(np.ascontiguousarray(weight, dtype=np.float32).reshape(self.shape))
 
     def to_matmul_nbits(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(packed uint8 [N, K / 32, 32 * bits / 8], fp32 scales [N * K / 32], minimums [N, K / 32] or None)."""
+        """(packed uint8 [N, K / block, block * bits / 8], fp32 scales [N * K / block], minimums [N, K / block] or
+        None), block 32 (Q6_K: 16)."""
         size, inputs = _BLOCK_BYTES[self.kind]
         blocks = self.rows.reshape(self.rows.shape[0], self.in_features // inputs, size)
         minimums = None
         if self.kind == "Q4_K":
             values, scale, minimums = _q4_k(blocks)
+        elif self.kind == "Q6_K":
+            values, scale = _q6_k(blocks)
         else:
             scale = _halves(blocks[..., 0:2]).astype(np.float32)
             if self.kind == "Q8_0":
@@ -125,3 +143,18 @@ def _q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     scale = (d[..., None] * sc.astype(np.float32)).reshape(out_features, -1)
     minimum = -(dmin[..., None] * m.astype(np.float32)).reshape(out_features, -1)
     return values, scale, minimum
+
+
+def _q6_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q6_K super-blocks [N, K / 256, 210] -> the values q - 32 stored with int8's zero point [N, K / 16, 16] and
+    float32 scales d x sc [N, K / 16] of their 16-input sub-blocks. Per half of 128 inputs, 64 bytes of low nibbles
+    l and 32 of high bit pairs h: input i < 32 has l[i]'s low nibble and h[i]'s bits 0-1, 32 + i l[32 + i]'s low
+    and h[i]'s bits 2-3, 64 + i l[i]'s high and bits 4-5, 96 + i l[32 + i]'s high and bits 6-7 (dequantize_row_q6_K)."""
+    out_features, supers, _ = blocks.shape
+    low = blocks[..., :128].reshape(out_features, supers, 2, 2, 32)  # [.., half, l[0:32] / l[32:64], i]
+    high = blocks[..., 128:192].reshape(out_features, supers, 2, 1, 1, 32)
+    nibbles = np.stack((low & 0x0F, low >> 4), axis=-3)  # [.., half, low / high nibble, which l, i]
+    pairs = (high >> (2 * np.arange(4, dtype=np.uint8)).reshape(2, 2, 1)) & 3  # bits 0-1, 2-3, 4-5, 6-7 alike
+    values = nibbles | (pairs << 4)
+    scale = _halves(blocks[..., 208:210]).astype(np.float32)[..., None] * blocks[..., 192:208].view(np.int8)
+    return (values.reshape(out_features, -1, 16) + np.uint8(128 - 32)), scale.reshape(out_features, -1)

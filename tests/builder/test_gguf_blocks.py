@@ -105,7 +105,8 @@ def test_which_linears_keep_their_blocks(checkpoint_factory, tmp_path):
 
 
 def test_a_weight_with_more_bits_than_the_build_is_quantized_to_int8(checkpoint_factory):
-    """Q6_K / Q5_K / Q5_1 have no exact form: requantized, but never to fewer bits than the file gives them."""
+    """Q5_K / Q5_1 have no exact form, and Q6_K none beside other types in a fused weight: requantized, but never to
+    fewer bits than the file gives them."""
     config = load_checkpoint(checkpoint_factory("gqa")).config
     down = "model.layers.1.mlp.down_proj"
     types = {f"{down}.weight": "Q6_K", "model.layers.0.self_attn.v_proj.weight": "Q5_1"}
@@ -364,3 +365,72 @@ def test_a_tied_q4_k_table_is_read_from_the_heads_sub_blocks(checkpoint_factory,
     assert set(head.input[1:]) <= gathered
     types = {t.name: t.data_type for t in model.graph.initializer}
     assert types[head.input[2]] == types[head.input[3]] == onnx.TensorProto.FLOAT
+
+
+def test_q6_k_blocks_convert_exactly():
+    """Each 16-input sub-block: its 6-bit values (q - 32 as int8's stored q + 128) and scale d x sc in float32, as
+    llama.cpp computes them: the dequantized weight is gguf-py's bit for bit (random bytes: any are valid blocks
+    once d is a finite float16)."""
+    import gguf
+
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, (6, 2, 210), dtype=np.uint8)
+    blocks[..., 208:210] = (rng.random((6, 2, 1)) * 2e-3 - 1e-3).astype(np.float16).view(np.uint8)
+    raw = blocks.reshape(6, -1)
+    qweight, scales, minimums = BlockQuantized("Q6_K", raw, 512).to_matmul_nbits()
+    assert qweight.shape == (6, 32, 16) and scales.shape == (192,) and minimums is None
+    assert 96 <= qweight.min() and qweight.max() <= 96 + 63
+    expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q6_K).reshape(6, 512)
+    np.testing.assert_array_equal(dequantize_blockwise(qweight, scales, 512, 8).numpy(), expected)
+
+
+def test_a_q6_k_layer_keeps_its_blocks_in_six_bits(checkpoint_factory, tmp_path):
+    """llama.cpp's Q4_K_M gives some down projections Q6_K: they go in as int8 blocks of 16 holding the file's
+    values and products d x sc (computed in float, the engine is the file's fp32 engine), and with int8 activations
+    each is one Int6MatMul node storing the file's 6-bit values, int8 sc and float16 d (6.5625 bits a weight; the
+    kernel against float64: tests/plugins/test_int4_matmul.py)."""
+    import gguf
+    import onnx
+    from onnx import numpy_helper
+
+    from plugins.int4_matmul import six_bit_bytes
+
+    source = make_gguf(
+        tmp_path / "q6_k.gguf",
+        checkpoint_factory("k_quants"),
+        linear_type="Q4_K",
+        module_types={"mlp.down_proj": "Q6_K"},
+    )
+    fp32 = build(source, tmp_path / "fp32", quant="none")
+    exact = build(source, tmp_path / "exact", int8_compute=False)
+    facts = exact.manifest.quantization
+    assert facts.source_blocks_kept == {"Q4_K": 12, "Q6_K": 2, "Q8_0": 1} and facts.linears_requantized == 0
+    assert_computes_what(fp32, exact)
+
+    engine = build(source, tmp_path / "auto")
+    model = onnx.load(str(engine.artifact.path(engine.manifest.graphs["step"].file)))
+    ops = [node.op_type for node in model.graph.node]
+    assert ops.count("Int6MatMul") == 2 and "MatMulNBits" not in ops
+    assert "Int6MatMul" in engine.manifest.graphs["step"].native_ops
+    constants = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    (down,) = [n for n in model.graph.node if n.op_type == "Int6MatMul" and "layers.1.mlp.down_proj" in n.input[1]]
+    n = next(a.i for a in down.attribute if a.name == "N")
+    raw = next(t for t in gguf.GGUFReader(str(source)).tensors if t.name == "blk.1.ffn_down.weight")
+    values, scales, _ = BlockQuantized("Q6_K", np.asarray(raw.data), 512).to_matmul_nbits()
+    multipliers, factors = (untiled(constants[name], n) for name in down.input[2:])
+    assert multipliers.dtype == np.int8 and factors.dtype == np.float16
+    products = np.repeat(factors.astype(np.float32), 16, axis=-1) * multipliers
+    assert np.array_equal(products, scales.numpy().reshape(n, -1))
+    stored = six_bit_bytes(values.numpy().reshape(n, -1) - np.uint8(96)).reshape(n, -1)
+    assert np.array_equal(untiled(constants[down.input[1]], n, bits=6), stored)
+    # told to keep onnxruntime's matmul, the same blocks run as its int8 MatMulNBits in blocks of 16
+    theirs = build(source, tmp_path / "ort", native_quantized_matmul=False)
+    model = onnx.load(str(theirs.artifact.path(theirs.manifest.graphs["step"].file)), load_external_data=False)
+    downs = [n for n in model.graph.node if n.op_type == "MatMulNBits" and "down_proj" in n.input[1]]
+    assert [next(a.i for a in n.attribute if a.name == "block_size") for n in downs] == [16, 16]
+    prompt = fp32.codec.encode(TEXT)
+    reference = teacher_forced_logits(exact, prompt, prompt[1:4])
+    # both quantize the activations to int8 (onnxruntime per 16 inputs, ours per 32): near, not equal
+    for int8_engine in (engine, theirs):
+        logits = teacher_forced_logits(int8_engine, prompt, prompt[1:4])
+        assert np.abs(logits - reference).max() < 0.15 * np.abs(reference).max()

@@ -59,7 +59,24 @@ def session(
     from onnx import TensorProto, helper, numpy_helper
 
     constants = [numpy_helper.from_array(packed, "w"), numpy_helper.from_array(scales, "s")]
-    if op in ("Int4MatMul", "Int8MatMul"):
+    if op == "Int6MatMul":  # packed: the 6-bit values [N, K]; scales: int8 multipliers [N, K / 16]
+        tiled = int4_matmul.tile_weights(int4_matmul.six_bit_bytes(packed), 6) if tile else packed
+        scales, factors = (int4_matmul.tile_per_block(v, n) if tile else v for v in (scales, factors))
+        constants = [numpy_helper.from_array(tiled, "w"), numpy_helper.from_array(scales, "s")]
+        constants.append(numpy_helper.from_array(factors, "f"))
+        extra = {"swiglu": swiglu} if swiglu else {}
+        node = helper.make_node(
+            op,
+            ["a", "w", "s", "f"],
+            ["y"],
+            domain=DOMAIN,
+            K=k,
+            N=n,
+            block_size=block,
+            column_tile=int4_matmul.COLUMN_TILE,
+            **extra,
+        )
+    elif op in ("Int4MatMul", "Int8MatMul"):
         if tile:
             packed = int4_matmul.tile_weights(packed, 8 if op == "Int8MatMul" else 4)
             scales = int4_matmul.tile_per_block(scales, n)
@@ -336,12 +353,29 @@ def test_factored_scales_of_the_wrong_size_type_or_k_are_refused(library):
         ).run(None, {"a": np.ones((1, k), np.float32)})
 
 
+def save_two_nodes(path: Path, nodes: list, constants: dict[str, np.ndarray], k: int) -> Path:
+    """A graph of two matmul nodes reading input a [rows, K] and writing y and y2, saved at `path`."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    graph = helper.make_graph(
+        nodes,
+        "two",
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["rows", k])],
+        [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in ("y", "y2")],
+        [numpy_helper.from_array(v, name) for name, v in constants.items()],
+    )
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    onnx.save(helper.make_model(graph, opset_imports=opsets), str(path))
+    return path
+
+
 def test_the_build_stores_float32_scales_factored_where_they_factor(library, tmp_path):
     """`use_in_graph` on two nodes with float32 scales and minimums: Q4_K's products are stored factored (a fifth
     input), anything else as float32; both compute what they did before."""
     import onnx
     import onnxruntime as ort
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import TensorProto, helper
 
     n, k = 37, 512
     _, (scales, minimums) = factored_q4_k(n, k)
@@ -353,15 +387,7 @@ def test_the_build_stores_float32_scales_factored_where_they_factor(library, tmp
         helper.make_node("Int4MatMul", ["a", *inputs], [out], domain=DOMAIN, K=k, N=n, block_size=32, name=out)
         for inputs, out in ((["w", "s", "m"], "y"), (["w2", "s2", "m2"], "y2"))
     ]
-    graph = helper.make_graph(
-        nodes,
-        "two",
-        [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["rows", k])],
-        [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in ("y", "y2")],
-        [numpy_helper.from_array(v, name) for name, v in constants.items()],
-    )
-    path = tmp_path / "two.onnx"
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    path = save_two_nodes(tmp_path / "two.onnx", nodes, constants, k)
     int4_matmul.use_in_graph(path)
     model = onnx.load(str(path))
     inputs = {node.name: list(node.input) for node in model.graph.node}
@@ -637,7 +663,7 @@ def test_gathers_of_a_heads_blocks_read_its_column_tiles(library, tmp_path, kind
     import onnx
 
     onnx.save(model, str(path))
-    assert int4_matmul.use_in_graph(path) == {"Int4MatMul": 1, "Int8MatMul": 0}
+    assert int4_matmul.use_in_graph(path) == {"Int4MatMul": 1, "Int8MatMul": 0, "Int6MatMul": 0}
     options = ort.SessionOptions()
     options.register_custom_ops_library(str(library))
     run = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
@@ -648,3 +674,135 @@ def test_gathers_of_a_heads_blocks_read_its_column_tiles(library, tmp_path, kind
     np.testing.assert_array_equal(rows_s, scales[flat])
     tiled = {t.name: t.data_type for t in onnx.load(str(path)).graph.initializer}
     assert tiled["s"] == (TensorProto.FLOAT if kind == "Q4_K" else TensorProto.FLOAT16)
+
+
+def q6_k_blocks(n: int, k: int, seed: int = 0):
+    """Random Q6_K-style weights: 6-bit values [N, K] (w = d x sc x (q - 32)), int8 multipliers sc per 16 inputs of
+    either sign (-128 included), float16 factors d per 256."""
+    rng = np.random.default_rng(seed)
+    values = rng.integers(0, 64, (n, k), dtype=np.uint8)
+    multipliers = rng.integers(-128, 128, (n, k // 16), dtype=np.int8)
+    factors = (rng.random((n, k // 256)) * 2e-4 - 1e-4).astype(np.float16)
+    return values, multipliers, factors
+
+
+def q6_k_weight(values, multipliers, factors) -> np.ndarray:
+    n, k = values.shape
+    scales = np.repeat(factors.astype(np.float64), 16, -1) * multipliers.astype(np.float64)
+    return ((values.astype(np.float64) - 32).reshape(n, -1, 16) * scales[..., None]).reshape(n, k)
+
+
+SIX_BIT_SHAPES = {"the default model's down projection": (96, 1536), "odd N, one super-block": (37, 256)}
+
+
+@pytest.mark.parametrize("shape", SIX_BIT_SHAPES)
+def test_six_bit_weights_against_a_float64_reference_for_1_to_17_rows(library, shape, isa):
+    """Int6MatMul, Q6_K's blocks: its integer sums are exact, so the activations' int8 quantization (repeated by the
+    reference) and float rounding are all that differ; a row's result is the same alone and among others."""
+    n, k = SIX_BIT_SHAPES[shape]
+    values, multipliers, factors = q6_k_blocks(n, k)
+    run = session(library, "Int6MatMul", values, multipliers, k, n, 16, factors=factors)
+    a = np.random.default_rng(3).standard_normal((17, k), dtype=np.float32)
+    a[:, ::13] *= 30
+    reference = int8_activations(a) @ q6_k_weight(values, multipliers, factors).T
+    everything = run.run(None, {"a": a})[0]
+    np.testing.assert_allclose(everything, reference, rtol=0, atol=2e-6 * np.abs(reference).max())
+    for rows in range(1, 17):
+        np.testing.assert_array_equal(run.run(None, {"a": a[:rows]})[0], everything[:rows])
+    np.testing.assert_array_equal(run.run(None, {"a": a[5:6]})[0], everything[5:6])
+
+
+def test_six_bit_inputs_of_the_wrong_size_type_or_block_are_refused(library):
+    import onnxruntime as ort
+
+    n, k = 37, 512
+    values, multipliers, factors = q6_k_blocks(n, k)
+    state = ort.capi.onnxruntime_pybind11_state
+    a = np.ones((1, k), np.float32)
+    for multiplier_input, factor_input in (
+        (multipliers.view(np.uint8), factors),  # not int8
+        (multipliers, factors[:, :-1]),  # short factors
+        (multipliers, factors.astype(np.float32)),  # not float16
+        (multipliers[:, :-1], factors),  # short multipliers
+    ):
+        with pytest.raises((state.Fail, state.InvalidGraph, state.InvalidArgument)):
+            session(library, "Int6MatMul", values, multiplier_input, k, n, 16, factors=factor_input).run(None, {"a": a})
+    with pytest.raises(state.RuntimeException, match="block_size must be 16"):  # when the session creates it
+        session(library, "Int6MatMul", values, multipliers, k, n, 32, factors=factors).run(None, {"a": a})
+    with pytest.raises(state.RuntimeException, match="multiple of 256"):
+        session(library, "Int6MatMul", values[:, :96], multipliers[:, :6], 96, n, 16, factors=factors[:, :1]).run(
+            None, {"a": a[:, :96]}
+        )
+
+
+def test_six_bit_weights_fold_the_swiglu_activation_too(library):
+    n, k = 64, 512
+    values, multipliers, factors = q6_k_blocks(n, k, seed=2)
+    a = np.random.default_rng(5).standard_normal((3, k), dtype=np.float32)
+    y = session(library, "Int6MatMul", values, multipliers, k, n, 16, factors=factors).run(None, {"a": a})[0]
+    fused = session(library, "Int6MatMul", values, multipliers, k, n, 16, factors=factors, swiglu=1)
+    gate, up = y[:, : n // 2], y[:, n // 2 :]
+    np.testing.assert_allclose(fused.run(None, {"a": a})[0], gate / (1 + np.exp(-gate)) * up, rtol=1e-5, atol=1e-6)
+
+
+def test_signed_multipliers_factor_q6_k_scales_exactly_or_not_at_all():
+    """Q6_K's scales d x sc: sc int8 of either sign, -128 included (llama.cpp gives the largest scale -128)."""
+    rng = np.random.default_rng(2)
+    d = (rng.random((3, 2)) * 0.01 - 0.005).astype(np.float16)
+    sc = rng.integers(-128, 128, (3, 32))
+    sc[1, 16:] = 0  # a super-block of zero scales
+    products = d.astype(np.float32).repeat(16, -1) * sc.astype(np.float32)
+    multipliers, factors = int4_matmul.factored_scales(products, 16, signed=True)
+    assert multipliers.dtype == np.int8 and factors.shape == (3, 2)
+    np.testing.assert_array_equal(factors.astype(np.float32).repeat(16, -1) * multipliers, products)
+    assert int4_matmul.factored_scales(products, 16) is None  # unsigned multipliers cannot hold both signs
+    unshared = products.copy()
+    unshared[2, 3] = np.nextafter(unshared[2, 3], np.float32(1))
+    assert int4_matmul.factored_scales(unshared, 16, signed=True) is None
+
+
+def test_the_build_stores_only_q6_k_blocks_in_six_bits(library, tmp_path):
+    """`use_in_graph` on two int8 MatMulNBits nodes in blocks of 16: the one holding Q6_K's values and products
+    becomes an Int6MatMul node (6-bit tiles, int8 multipliers, float16 factors) computing its float64 reference; one
+    whose values need 8 bits stays onnxruntime's."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    n, k = 37, 512
+    values, multipliers, factors = q6_k_blocks(n, k, seed=4)
+    weight = q6_k_weight(values, multipliers, factors)
+    stored = (values.astype(np.int16) + 96).astype(np.uint8).reshape(n, -1, 16)
+    scales = (np.repeat(factors.astype(np.float32), 16, -1) * multipliers).reshape(-1)
+    wide = stored.copy()
+    wide[0, 0, 0] = 200  # q - 32 beyond 6 bits
+    constants = {"w": stored, "s": scales, "w2": wide, "s2": scales.copy()}
+    nodes = [
+        helper.make_node(
+            "MatMulNBits",
+            ["a", *inputs],
+            [out],
+            domain="com.microsoft",
+            name=out,
+            K=k,
+            N=n,
+            bits=8,
+            block_size=16,
+            accuracy_level=4,
+        )
+        for inputs, out in ((["w", "s"], "y"), (["w2", "s2"], "y2"))
+    ]
+    path = save_two_nodes(tmp_path / "two.onnx", nodes, constants, k)
+    assert int4_matmul.use_in_graph(path)["Int6MatMul"] == 1
+    model = onnx.load(str(path))
+    nodes = {node.name: (node.op_type, list(node.input)) for node in model.graph.node}
+    assert nodes == {"y": ("Int6MatMul", ["a", "w", "s", "s/factors"]), "y2": ("MatMulNBits", ["a", "w2", "s2"])}
+    tensors = {t.name: t for t in model.graph.initializer}
+    assert (tensors["s"].data_type, tensors["s/factors"].data_type) == (TensorProto.INT8, TensorProto.FLOAT16)
+    assert numpy_helper.to_array(tensors["w"]).size == -(-n // 16) * 16 * k * 6 // 8
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(str(library))
+    a = np.random.default_rng(4).standard_normal((3, k), dtype=np.float32)
+    y = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"]).run(None, {"a": a})[0]
+    reference = int8_activations(a) @ weight.T
+    np.testing.assert_allclose(y, reference, rtol=0, atol=2e-6 * np.abs(reference).max())
