@@ -285,7 +285,9 @@ def build_engine(options: BuildOptions, log: Callable[[str], None] = print) -> B
             target = {}
         else:
             progress.step(2, f"loading weights as {_weights_description(options)}")
-            model, quantization = _load_weights(options, checkpoint, _embedding_quant(options, checkpoint), shapes, log)
+            model, quantization = _load_weights(
+                options, checkpoint, _embedding_quant(options, checkpoint), shapes, kernels, log
+            )
             graphs, target = _emit_step_graph(
                 options, checkpoint.config, model, shapes, staging, kernels, progress, log
             )
@@ -343,10 +345,10 @@ def emit_rank_graph(
     rank_source = _rank_checkpoint(checkpoint, share)
     # a rank's own config is untied (its head is a share), so the table's storage follows the whole checkpoint's
     embedding_quant = _embedding_quant(options, checkpoint)
-    model, quantization = _load_weights(options, rank_source, embedding_quant, shapes, log, share)
+    model, quantization = _load_weights(options, rank_source, embedding_quant, shapes, kernels, log, share)
     tensor_parallel.add_collectives(model, share, checkpoint.config.vocab_size)
     if kernels["QuantizedMatMul"]:
-        _minimums_into_int4_matmul(model)
+        _export_for_our_kernels(model)
     progress.step(3, f"rank {rank}/{ranks}: tracing its step graph with torch.export and emitting ONNX")
     file = GRAPH_FILE if rank == 0 else GRAPH_FILE.replace(".onnx", f".rank{rank}.onnx")
     step = _native_kernels(kernels, export_step_graph(model, staging, shapes.max_seq_len, file), staging, log)
@@ -403,7 +405,7 @@ def _emit_step_graph(
         target = tensorrt.build_engine_file(staging / step.file, phases, config, shapes.max_seq_len, engine)
         return {STEP_GRAPH: replace(step, file=engine.name)}, target
     if kernels["QuantizedMatMul"]:
-        _minimums_into_int4_matmul(model)
+        _export_for_our_kernels(model)
     progress.step(3, "tracing the step and sampler graphs with torch.export and emitting ONNX")
     step = export_step_graph(model, staging, shapes.max_seq_len)
     return {STEP_GRAPH: _native_kernels(kernels, step, staging, log)}, {}
@@ -597,12 +599,14 @@ def _load_weights(
     checkpoint,
     embedding_quant: QuantSpec | None,
     shapes: BuildShapes,
+    kernels: dict[str, bool],
     log: Callable[[str], None],
     share: tensor_parallel.Share | None = None,
 ):
     """The model with its weights as the options ask (GGUF blocks kept where they map exactly, the rest quantized
     from float, or GPTQ), the int8 KV cache's scales calibrated, and the manifest's quantization section. `share`:
-    a tensor-parallel rank's (its LM head holds its share of the vocabulary)."""
+    a tensor-parallel rank's (its LM head holds its share of the vocabulary). `kernels`: which of our kernels the
+    graphs run."""
     head_rows = None if share is None else tensor_parallel.head_rows(share)
     config, quant, quantization = checkpoint.config, options.quant_spec(), options.quantization()
     # the attention kernel wants rotary table rows for every position a call spans, padding tokens included
@@ -620,7 +624,9 @@ def _load_weights(
     else:
         kept, wider = {}, {}
         if options.keep_source_blocks:
-            kept = kept_block_specs(config, quant, options.quantize_lm_head, checkpoint.block_formats)
+            kept = kept_block_specs(
+                config, quant, options.quantize_lm_head, checkpoint.block_formats, kernels["QuantizedMatMul"]
+            )
             wider = wider_specs(config, quant, options.quantize_lm_head, checkpoint.weight_types, kept)
         sources = linear_sources(config, options.quantize_lm_head)
         keep = {name for module in kept for name in sources[module]}
@@ -784,13 +790,18 @@ def _native_kernel_choice(options: BuildOptions, log: Callable[[str], None]) -> 
     return wanted
 
 
-def _minimums_into_int4_matmul(model) -> None:
+def _export_for_our_kernels(model) -> None:
     """Int4 linears with block minimums (GGUF Q4_1) export as our Int4MatMul node, minimums inside it, where the
-    kernel computes what they ask: int8 activations (accuracy_level 4), blocks of 32."""
+    kernel computes what they ask: int8 activations (accuracy_level 4), blocks of 32. The embedding lookup from a
+    tied head's blocks exports as our QuantizedRows node where our kernels run the head: it then reads the head's
+    blocks in the form the head's node takes them (column tiles, factored or 6-bit), no copy and no other form."""
     for linear in model.modules():
         if isinstance(linear, QuantizedLinear) and linear.minimums is not None:
             spec = linear.spec
             linear.native_minimums = spec.bits == 4 and spec.block_size == 32 and spec.accuracy_level == 4
+    head = model.lm_head
+    if model.embedding_from_head:
+        head.native_rows = int4_matmul.covers(head.spec, head.in_features, head.qweight.numpy(), head.scales.numpy())
 
 
 def _native_kernels(wanted: dict[str, bool], graph: GraphSpec, staging: Path, log: Callable[[str], None]) -> GraphSpec:

@@ -79,20 +79,24 @@ def auto_quantization(config: ModelConfig, weight_types: Mapping[str, str]) -> s
 
 
 def kept_block_specs(
-    config: ModelConfig, quant: QuantSpec | None, quantize_lm_head: bool, block_formats: Mapping[str, str]
+    config: ModelConfig,
+    quant: QuantSpec | None,
+    quantize_lm_head: bool,
+    block_formats: Mapping[str, str],
+    head_rows_in_kernel: bool = False,
 ) -> dict[str, QuantSpec]:
     """Quantized linears whose checkpoint blocks map exactly onto the requested quantization -> their spec.
 
     A linear keeps its source blocks when every weight it is made of has an exact form (gguf_blocks.EXACT_FORMS)
     of the same number of bits and block size, the build asks for groups of 32, and the source has at least the
     requested bits (a Q8_0 LM head or Q5_0 layer stays int8 in an int4 build: more bits than asked, never fewer;
-    Q6_K int8 in blocks of 16, except in a tied head, which the embedding's lookups read). Everything else is
-    requantized from float."""
+    Q6_K int8 in blocks of 16, except in a tied head whose lookups read its blocks by Gathers: our QuantizedRows
+    node, `head_rows_in_kernel`, reads them in the head's own form). Everything else is requantized from float."""
     if quant is None:
         return {}
     kept = {}
     for module, names in linear_sources(config, quantize_lm_head).items():
-        table = module == "lm_head" and config.tie_word_embeddings  # the lookups read a tied head's blocks
+        table = module == "lm_head" and config.tie_word_embeddings and not head_rows_in_kernel
         spec = _spec_holding(quant, [block_formats.get(name, "") for name in names], table)
         if spec is not None:
             kept[module] = spec

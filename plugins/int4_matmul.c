@@ -630,5 +630,150 @@ OrtCustomOp int4_matmul_op =
     CPU_CUSTOM_OP(op_name, input_type, input_count, minimums_optional, output_count, create_kernel, compute, destroy_kernel);
 OrtCustomOp int8_matmul_op =
     CPU_CUSTOM_OP(op_name, input_type, input_count, minimums_optional, output_count, create_kernel, compute, destroy_kernel);
+/* QuantizedRows: rows of a quantized matmul's weight, dequantized. A tied LM head's blocks are the embedding table
+ * too, and the lookup reads them where the head's node does, as llama.cpp reads a GGUF's quantized token_embd: no
+ * float table, and no copy of the blocks in another layout. Inputs: ids [...] int64; then the inputs of the head's
+ * Int4MatMul / Int6MatMul / Int8MatMul node as it reads them (weights in column tiles, scales, minimums, factors).
+ * Attributes: K, N (rows of the table), bits (4, 6, 8), block_size, column_tile (16). Output [..., K] float32: each
+ * weight as plugins/quant_linear.py's reference computes it, scale x (q - zero point) or scale x q + minimum with
+ * one rounding per operation (no fma), scales and minimums that are factored formed as the matmul kernels form
+ * them. An id outside [0, N) is an error. Scalar code: a call reads one table row per token. */
+typedef struct RowsKernel {
+  OrtApiTable api;
+  int64_t k, n, block_size, bits;
+} RowsKernel;
+
+/* the unsigned value v (0 .. 31) of column j's chunk in a tile whose vectors (64 bytes each) start at `chunk` */
+static inline int chunk_value(const uint8_t *chunk, int64_t j, int64_t bits, int v) {
+  if (bits == 8) return chunk[64 * (v / 4) + 4 * j + v % 4];
+  const int s = v / 8, b = v % 8 / 2, odd = v % 2;
+  const int low = chunk[64 * s + 4 * j + b] >> (4 * odd) & 15;
+  if (bits == 4) return low;
+  return low | (chunk[64 * (4 + s / 2) + 4 * j + b] >> (2 * (2 * (s % 2) + odd)) & 3) << 4;
+}
+
+AVX2 static float stored_float(const void *values, int64_t at, int f16) {
+  return f16 ? _cvtsh_ss(((const uint16_t *)values)[at]) : ((const float *)values)[at];
+}
+
+static OrtStatus *refuse_rows(OrtApiTable api, const char *message) {
+  char named[256];
+  snprintf(named, sizeof(named), "QuantizedRows: %s", message);
+  return fail(api, named);
+}
+
+__attribute__((optimize("fp-contract=off"))) AVX2 static OrtStatus *rows_compute(void *kernel_state,
+                                                                                   OrtKernelContext *context) {
+  const RowsKernel *kernel = kernel_state;
+  OrtApiTable api = kernel->api;
+  const OrtValue *inputs[5] = {NULL};
+  void *data[5] = {NULL};
+  int64_t dims[5][4], counts[5] = {1, 1, 1, 1, 1};
+  size_t rank[5], count = 0;
+  int type[5];
+  if (API(api, KernelContext_GetInputCount, OrtStatus *(*)(const OrtKernelContext *, size_t *))(context, &count) ||
+      count < 3 || count > 5)
+    return refuse_rows(api, "takes the ids, then 2 to 4 inputs of a quantized matmul");
+  for (size_t i = 0; i < count; i++) {
+    if (API(api, KernelContext_GetInput, OrtStatus *(*)(const OrtKernelContext *, size_t, const OrtValue **))(
+            context, i, &inputs[i]) || !inputs[i] || !tensor_typed(api, inputs[i], &data[i], dims[i], &rank[i], &type[i]))
+      return refuse_rows(api, "cannot read its inputs");
+    for (size_t d = 0; d < rank[i]; d++) counts[i] *= dims[i][d];
+  }
+  const int64_t k = kernel->k, bits = kernel->bits, padded = (kernel->n + TILE_COLUMNS - 1) / TILE_COLUMNS * TILE_COLUMNS;
+  const int64_t chunks = k / 32, supers = k / (32 * CHUNKS_PER_SUPER_BLOCK), blocks = k / kernel->block_size;
+  /* the layouts the matmul kernels take: 6-bit with int8 multipliers and factors; int4 with uint8 multipliers of
+   * scales and minimums and factors; else float or float16 scales (and minimums of their type, int4 only) */
+  const int six = bits == 6, factored = count == 5, minimums = count >= 4 && !six;
+  const int f16 = !six && !factored && type[2] == ELEMENT_FLOAT16;
+  int ok = type[0] == ELEMENT_INT64 && type[1] == ELEMENT_UINT8 && counts[1] == padded * k * bits / 8;
+  if (six)
+    ok = ok && count == 4 && type[2] == ELEMENT_INT8 && counts[2] == padded * (k / 16) && type[3] == ELEMENT_FLOAT16 &&
+         counts[3] == padded * supers;
+  else if (factored)
+    ok = ok && bits == 4 && type[2] == ELEMENT_UINT8 && type[3] == ELEMENT_UINT8 && type[4] == ELEMENT_FLOAT16 &&
+         counts[2] == padded * chunks && counts[3] == padded * chunks && counts[4] == padded * 2 * supers;
+  else
+    ok = ok && (type[2] == ELEMENT_FLOAT || type[2] == ELEMENT_FLOAT16) && counts[2] == padded * blocks &&
+         (!minimums || (bits == 4 && type[3] == type[2] && counts[3] == padded * chunks));
+  if (!ok)
+    return refuse_rows(api, "its inputs are not a quantized matmul's of its K, N, bits and block_size");
+  int64_t out_dims[5];
+  memcpy(out_dims, dims[0], sizeof(int64_t) * rank[0]);
+  out_dims[rank[0]] = k;
+  OrtValue *output = NULL;
+  void *out = NULL;
+  int64_t ignored[4];
+  if (rank[0] > 3 ||
+      API(api, KernelContext_GetOutput, OrtStatus *(*)(OrtKernelContext *, size_t, const int64_t *, size_t, OrtValue **))(
+          context, 0, out_dims, rank[0] + 1, &output) || !tensor(api, output, &out, ignored))
+    return refuse_rows(api, "cannot allocate its output (ids of at most 3 dimensions)");
+  const int64_t *ids = data[0];
+  const int zero_point = bits == 4 ? 8 : bits == 6 ? 32 : 128;
+  for (int64_t r = 0; r < counts[0]; r++) {
+    const int64_t id = ids[r];
+    if (id < 0 || id >= kernel->n) return refuse_rows(api, "an id is outside the table");
+    const int64_t t = id / TILE_COLUMNS, j = id % TILE_COLUMNS;
+    float *row = (float *)out + r * k;
+    for (int64_t c = 0; c < chunks; c++) {
+      const uint8_t *chunk = (const uint8_t *)data[1] + (t * chunks + c) * 64 * bits;
+      const int64_t super_block = t * supers + c / CHUNKS_PER_SUPER_BLOCK;
+      for (int v = 0; v < 32; v++) {
+        const int q = chunk_value(chunk, j, bits, v);
+        float scale, minimum = 0.0f;
+        if (six) {
+          const int8_t multiplier = ((const int8_t *)data[2])[(t * (k / 16) + 2 * c + v / 16) * TILE_COLUMNS + j];
+          scale = _cvtsh_ss(((const uint16_t *)data[3])[super_block * TILE_COLUMNS + j]) * (float)multiplier;
+        } else if (factored) {
+          const int64_t at = (t * chunks + c) * TILE_COLUMNS + j;
+          const uint16_t *factor = (const uint16_t *)data[4] + super_block * 2 * TILE_COLUMNS + j;
+          scale = _cvtsh_ss(factor[0]) * (float)((const uint8_t *)data[2])[at];
+          minimum = _cvtsh_ss(factor[TILE_COLUMNS]) * (float)((const uint8_t *)data[3])[at];
+        } else {
+          scale = stored_float(data[2], (t * blocks + c * 32 / kernel->block_size) * TILE_COLUMNS + j, f16);
+          if (minimums) minimum = stored_float(data[3], (t * chunks + c) * TILE_COLUMNS + j, f16);
+        }
+        row[c * 32 + v] = minimums || factored ? (float)q * scale + minimum : (float)(q - zero_point) * scale;
+      }
+    }
+  }
+  return NULL;
+}
+
+static OrtStatus *create_rows_kernel(const OrtCustomOp *op, OrtApiTable api, const OrtKernelInfo *info, void **out) {
+  (void)op;
+  RowsKernel *kernel = calloc(1, sizeof(RowsKernel));
+  if (!kernel) return refuse_rows(api, "out of memory");
+  kernel->api = api;
+  OrtStatus *(*get_int)(const OrtKernelInfo *, const char *, int64_t *) =
+      API(api, KernelInfoGetAttribute_int64, OrtStatus *(*)(const OrtKernelInfo *, const char *, int64_t *));
+  int64_t column_tile = 0;
+  OrtStatus *status = get_int(info, "K", &kernel->k);
+  if (!status) status = get_int(info, "N", &kernel->n);
+  if (!status) status = get_int(info, "bits", &kernel->bits);
+  if (!status) status = get_int(info, "block_size", &kernel->block_size);
+  if (!status) status = get_int(info, "column_tile", &column_tile);
+  const int64_t k = kernel->k, block = kernel->block_size;
+  if (!status && (column_tile != TILE_COLUMNS || kernel->n <= 0 || k <= 0 || k % 32 ||
+                  (kernel->bits == 6 ? block != 16 || k % (32 * CHUNKS_PER_SUPER_BLOCK)
+                                     : (kernel->bits != 4 && kernel->bits != 8) || block < 32 || (block & (block - 1)) ||
+                                           k % block)))
+    status = refuse_rows(api, "K, N, bits and block_size must be a quantized matmul's, in column tiles of 16");
+  if (!status && !(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")))
+    status = refuse_rows(api, "this CPU lacks AVX2 or F16C, which our kernels need");
+  if (status) {
+    free(kernel);
+    return status;
+  }
+  *out = kernel;
+  return NULL;
+}
+
+static const char *rows_name(const OrtCustomOp *op) { (void)op; return "QuantizedRows"; }
+static const int rows_input_types[5] = {ELEMENT_INT64, ELEMENT_UINT8, ELEMENT_ANY, ELEMENT_ANY, ELEMENT_FLOAT16};
+static int rows_input_type(const OrtCustomOp *op, size_t index) { (void)op; return rows_input_types[index]; }
+
+OrtCustomOp quantized_rows_op = CPU_CUSTOM_OP(rows_name, rows_input_type, input_count, minimums_optional, output_count,
+                                              create_rows_kernel, rows_compute, destroy_kernel);
 OrtCustomOp int6_matmul_op =
     CPU_CUSTOM_OP(op_name, input_type, input_count, minimums_optional, output_count, create_kernel, compute, destroy_kernel);

@@ -47,6 +47,7 @@ def unavailable_reason(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
 OPS = {4: "Int4MatMul", 8: "Int8MatMul"}  # bits -> our op
 INT6_OP = "Int6MatMul"  # Q6_K's 6-bit blocks, which no MatMulNBits node holds as such (`six_bit_nodes`)
 KERNEL_OPS = (*OPS.values(), INT6_OP)
+ROWS_OP = "QuantizedRows"  # the embedding lookup from a tied head's blocks (plugins/quant_linear.py's `rows`)
 
 
 def kernel_for(attributes: dict, input_count: int) -> str | None:
@@ -69,11 +70,11 @@ def use_in_graph(graph_file: Path) -> dict[str, int]:
     """Replace every MatMulNBits node of `graph_file` our kernels cover by Int4MatMul / Int8MatMul (Int6MatMul for
     Q6_K's blocks, `six_bit_nodes`: their values in 6 bits, their scales as int8 multipliers of float16 factors),
     store their weights, scales and minimums in the kernels' column tiles (`tile_weights`, `tile_per_block`; a
-    Gather that reads one, the embedding from a tied head's blocks, is rewritten to read the tiles and cast the
-    scales back), the scales of int4 nodes as float16 (`half_scales`; int8 nodes' only where float16 holds them
-    exactly, as GGUF Q8_0's; those of nodes with float32 minimums, GGUF Q4_K's, stay float32 as the kernel wants
-    them, or factored where they factor: `factored_scales`), and fold the MLP activation into the gate / up node
-    (`fuse_swiglu`); returns how many nodes run each op."""
+    tied head's QuantizedRows node, the embedding lookup, then reads them as its head does:
+    `_rows_read_their_matmuls`), the scales of int4 nodes as float16 (`half_scales`; int8 nodes' only where float16
+    holds them exactly, as GGUF Q8_0's; those of nodes with float32 minimums, GGUF Q4_K's, stay float32 as the
+    kernel wants them, or factored where they factor: `factored_scales`), and fold the MLP activation into the gate
+    / up node (`fuse_swiglu`); returns how many nodes run each op."""
     from onnx import helper
 
     counts = dict.fromkeys(KERNEL_OPS, 0)
@@ -108,7 +109,7 @@ def use_in_graph(graph_file: Path) -> dict[str, int]:
         )
 
     rewrite_nodes(graph_file, replace)
-    _gathers_read_tiles(graph_file, {name: (role, n) for name, (role, n, _) in tiled.items()})
+    _refuse_other_readers(graph_file, set(tiled))
     float32 = _float32_initializers(graph_file)
     float_minimums = {scales for scales, minimums in minimums_of.items() if minimums in float32}
     multipliers, factored = _factored_nodes(graph_file, {s: minimums_of[s] for s in float_minimums}, tiled)
@@ -137,8 +138,41 @@ def use_in_graph(graph_file: Path) -> dict[str, int]:
         return helper.make_node(node.op_type, inputs, list(node.output), name=node.name, domain=DOMAIN, **attributes)
 
     rewrite_nodes(graph_file, reads_factors)
+    counts[ROWS_OP] = _rows_read_their_matmuls(graph_file)
     fuse_swiglu(graph_file)
     return counts
+
+
+def _rows_read_their_matmuls(graph_file: Path) -> int:
+    """Give each QuantizedRows node the inputs of the matmul node of ours that reads the same weights, in the form
+    they are stored now (tiles, float16 or factored scales, factors), and that node's format; returns how many."""
+    import onnx
+    from onnx import helper
+
+    model = onnx.load(str(graph_file), load_external_data=False)
+    matmuls = {node.input[1]: node for node in model.graph.node if node.domain == DOMAIN and node.op_type in KERNEL_OPS}
+
+    def replace(node):
+        if node.op_type != ROWS_OP or node.domain != DOMAIN:
+            return None
+        matmul = matmuls.get(node.input[1])
+        if matmul is None:
+            raise ValueError(f"{ROWS_OP} node {node.name!r} reads {node.input[1]!r}, which none of our matmuls reads")
+        attributes = {a.name: helper.get_attribute_value(a) for a in matmul.attribute}
+        return helper.make_node(
+            ROWS_OP,
+            [node.input[0], *matmul.input[1:]],
+            list(node.output),
+            name=node.name,
+            domain=DOMAIN,
+            K=attributes["K"],
+            N=attributes["N"],
+            bits={"Int8MatMul": 8, INT6_OP: 6}.get(matmul.op_type, 4),
+            block_size=attributes["block_size"],
+            column_tile=COLUMN_TILE,
+        )
+
+    return rewrite_nodes(graph_file, replace)
 
 
 CHUNKS_PER_SUPER_BLOCK = 8  # blocks of 32 whose scales share a factor: a K-quant super-block of 256 (int4_matmul.c)
@@ -161,7 +195,7 @@ def _factored_nodes(
     multipliers, factors = {}, {}
     for scales, minimums in minimums_of.items():
         if readers.get(scales) != 1 or readers.get(minimums) != 1:
-            continue  # a tied head's blocks read as the embedding table too: its Gathers want the floats
+            continue  # read by another node too, which wants the floats
         n = tiled[scales][1]
         both = [
             numpy_helper.to_array(tensors[name], str(graph_file.parent)).reshape(n, -1) for name in (scales, minimums)
@@ -174,12 +208,15 @@ def _factored_nodes(
 
 
 def _readers_and_initializers(graph_file: Path) -> tuple:
-    """The graph (no weights loaded), how many node inputs read each name, and its initializers by name."""
+    """The graph (no weights loaded), how many node inputs other than QuantizedRows nodes' read each name, and its
+    initializers by name."""
     import onnx
 
     model = onnx.load(str(graph_file), load_external_data=False)
     readers: dict[str, int] = {}
     for node in model.graph.node:
+        if node.op_type == ROWS_OP and node.domain == DOMAIN:
+            continue  # reads a matmul node's inputs in whatever form they are stored (`_rows_read_their_matmuls`)
         for name in node.input:
             readers[name] = readers.get(name, 0) + 1
     return model, readers, {t.name: t for t in model.graph.initializer}
@@ -211,12 +248,32 @@ def six_bit_nodes(graph_file: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         ):
             continue
         weights, scales = (numpy_helper.to_array(tensors[name], str(graph_file.parent)) for name in node.input[1:])
-        if weights.min() < SIX_BIT_OFFSET or weights.max() > SIX_BIT_OFFSET + 63:
-            continue
-        factored = factored_scales(scales.reshape(attributes["N"], -1), SIX_BIT_PER_SUPER_BLOCK, signed=True)
-        if factored is not None:
+        if (factored := six_bit_form(weights, scales.reshape(attributes["N"], -1))) is not None:
             found[node.input[2]] = factored
     return found
+
+
+def six_bit_form(weights: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """Int8 blocks of 16 (stored q + 128, scales [N, K / 16]) as Int6MatMul takes them, (int8 multipliers, float16
+    factors), or None where they are not Q6_K's: a value beyond 6 bits, or scales that do not factor."""
+    if weights.min() < SIX_BIT_OFFSET or weights.max() > SIX_BIT_OFFSET + 63:
+        return None
+    return factored_scales(scales, SIX_BIT_PER_SUPER_BLOCK, signed=True)
+
+
+def covers(spec, in_features: int, weights: np.ndarray, scales: np.ndarray) -> bool:
+    """Whether the build's kernels run a quantized linear of this spec (plugins/quant_linear.py's QuantSpec) and
+    these blocks (MatMulNBits's layout): the matmul node it exports becomes one of ours."""
+    attributes = {
+        "bits": spec.bits,
+        "block_size": spec.block_size,
+        "K": in_features,
+        "accuracy_level": spec.accuracy_level,
+    }
+    if kernel_for(attributes, 3) is not None:
+        return True
+    six_bit = (spec.bits, spec.block_size, spec.accuracy_level) == (8, SIX_BIT_BLOCK, 4) and not spec.minimums
+    return six_bit and not in_features % 256 and six_bit_form(weights, scales.reshape(len(weights), -1)) is not None
 
 
 def six_bit_bytes(values: np.ndarray) -> np.ndarray:
@@ -282,7 +339,7 @@ def _float32_initializers(graph_file: Path) -> set[str]:
 def tile_weights(packed: np.ndarray, bits: int) -> np.ndarray:
     """MatMulNBits's weights [N, K / block, block * bits / 8] in the kernels' column tiles: per tile of COLUMN_TILE
     columns (N padded with zero columns to whole tiles), per 32 values of K, `bits` vectors whose lane j holds 4
-    bytes of column j; returned as [N' * K / 32 * bits, 4], one row a lane (a Gather of the embedding reads rows)."""
+    bytes of column j; returned as [N' * K / 32 * bits, 4], one row a lane."""
     n = packed.shape[0]
     words = _pad_columns(packed.reshape(n, -1, bits, 4))  # [N', chunks, vectors, 4]
     tiles = words.reshape(-1, COLUMN_TILE, *words.shape[1:])  # [tiles, columns, chunks, vectors, 4]
@@ -305,88 +362,15 @@ def _or_as_is(narrowed: np.ndarray | None, values: np.ndarray) -> np.ndarray:
     return values if narrowed is None else narrowed
 
 
-def _gathers_read_tiles(graph_file: Path, columns: dict[str, tuple[str, int]]) -> None:
-    """Rewrite each Gather that reads one of the initializers about to be tiled (`columns`: name -> its role and N)
-    to read the tiles instead (`_tiled_gather`); any other reader is an error."""
+def _refuse_other_readers(graph_file: Path, tiled: set[str]) -> None:
+    """An error where a node other than ours reads an initializer about to be tiled (it would read the tiles as
+    the layout it was exported for). A tied head's embedding lookup is our QuantizedRows node wherever our kernels
+    run the head (builder/build.py's `_export_for_our_kernels`)."""
     import onnx
-    from onnx import helper
 
-    model = onnx.load(str(graph_file), load_external_data=False)
-    tensors = {t.name: t for t in model.graph.initializer if t.name in columns}
-    nodes = []
-    for node in model.graph.node:
-        if node.domain == DOMAIN or not set(node.input) & set(columns):
-            nodes.append(node)
-            continue
-        data = node.input[0]
-        axis = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "axis"), 0)
-        if node.op_type != "Gather" or data not in columns or axis != 0 or node.input[1] in columns:
-            raise ValueError(f"{node.op_type} node {node.name!r} reads {data!r}, which the quantized matmuls tile")
-        nodes.extend(_tiled_gather(node, list(tensors[data].dims), tensors[data].data_type, *columns[data]))
-    del model.graph.node[:]
-    model.graph.node.extend(nodes)
-    onnx.save(model, str(graph_file))
-
-
-def _tiled_gather(gather, shape: list[int], data_type: int, role: str, n: int) -> list:
-    """The nodes that do what `gather` did to an initializer of `shape` in column order ([N, ...]: by column, the
-    embedding's lookup of a token's row; [N * R]: by flat index n R + i) on its column tiles, where column n's i-th
-    lane (weights: 4 bytes) or value lies at base(n) + 16 i, base(n) = (n // 16) 16 R + n % 16, R lanes or values a
-    column. Floats (scales) are cast back to `data_type`, which they keep only if the build does not store them as
-    float16 (onnxruntime drops a Cast to the type its input has)."""
-    from onnx import TensorProto, helper
-
-    by_column = shape[0] == n
-    per_column = int(np.prod(shape)) // n // (4 if role == "weights" else 1)  # R: weights in lanes of 4 bytes
-    data, index, out = gather.input[0], gather.input[1], list(gather.output)
-    name = lambda key: f"{gather.name}/tiled/{key}"  # noqa: E731
-    floats = data_type in (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
-    result = [name("gathered")] if floats else out
-
-    def node(op: str, inputs: list[str], key: str, **attributes):
-        return helper.make_node(op, [name(i) for i in inputs], [name(key)], **attributes)
-
-    def constant(key: str, values: list[int]):
-        return helper.make_node(
-            "Constant", [], [name(key)], value=helper.make_tensor(name(key), TensorProto.INT64, [len(values)], values)
-        )
-
-    nodes = [
-        constant("tile", [COLUMN_TILE]),
-        constant("tile_span", [COLUMN_TILE * per_column]),
-        constant("per_column", [per_column]),
-        helper.make_node("Cast", [index], [name("index")], to=TensorProto.INT64),
-    ]
-    column = "index"
-    if not by_column:
-        nodes.append(node("Div", ["index", "per_column"], "column"))
-        column = "column"
-    nodes += [
-        node("Div", [column, "tile"], "tile_of"),
-        node("Mul", ["tile_of", "tile_span"], "tile_start"),
-        node("Mod", [column, "tile"], "lane"),
-        node("Add", ["tile_start", "lane"], "base"),
-    ]
-    if not by_column:
-        nodes += [
-            node("Mod", ["index", "per_column"], "value"),
-            node("Mul", ["value", "tile"], "offset"),
-            node("Add", ["base", "offset"], "tiled"),
-            helper.make_node("Gather", [data, name("tiled")], result, name=gather.name, axis=0),
-        ]
-    else:
-        nodes += [
-            constant("lanes", [COLUMN_TILE * i for i in range(per_column)]),
-            constant("last", [-1]),
-            constant("row_shape", shape[1:]),
-            node("Unsqueeze", ["base", "last"], "first"),
-            node("Add", ["first", "lanes"], "tiled"),
-            helper.make_node("Gather", [data, name("tiled")], [name("rows")], axis=0),
-            node("Shape", ["index"], "index_shape"),
-            node("Concat", ["index_shape", "row_shape"], "shape", axis=0),
-            helper.make_node("Reshape", [name("rows"), name("shape")], result, name=gather.name),
-        ]
-    return nodes + ([helper.make_node("Cast", result, out, name=name("cast"), to=data_type)] if floats else [])
+    for node in onnx.load(str(graph_file), load_external_data=False).graph.node:
+        if node.domain != DOMAIN and (read := set(node.input) & tiled):
+            raise ValueError(f"{node.op_type} node {node.name!r} reads {min(read)!r}, which the quantized matmuls tile")
 
 
 def fuse_swiglu(graph_file: Path) -> int:

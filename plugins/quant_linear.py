@@ -160,6 +160,48 @@ def _(x, qweight, scales, minimums, in_features, out_features, block_size):
     return x.new_empty(*x.shape[:-1], out_features)
 
 
+def dequantized_rows(
+    ids: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    minimums: torch.Tensor | None,
+    in_features: int,
+    bits: int,
+) -> torch.Tensor:
+    """Rows `ids` [...] of blocks in MatMulNBits's layout (flat scales, minimums [N, blocks]), dequantized to fp32
+    [..., in_features] as `dequantize_blockwise` computes them."""
+    n_blocks = qweight.shape[1]
+    flat = ids.reshape(-1)
+    picked = None if minimums is None else minimums.index_select(0, flat)
+    # indices into the flat scales the matmul reads too (a reshaped view would be stored again as a constant)
+    scale_index = (flat.unsqueeze(-1) * n_blocks + torch.arange(n_blocks, device=flat.device)).reshape(-1)
+    rows = dequantize_blockwise(
+        qweight.index_select(0, flat), scales.index_select(0, scale_index), in_features, bits, picked
+    )
+    return rows.reshape(*ids.shape, in_features)
+
+
+@torch.library.custom_op("plugins::quantized_rows", mutates_args=())
+def quantized_rows(
+    ids: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    minimums: torch.Tensor | None,
+    in_features: int,
+    out_features: int,
+    bits: int,
+    block_size: int,
+) -> torch.Tensor:
+    """Reference of our QuantizedRows node (plugins/int4_matmul.c), which reads the rows from the head's matmul
+    node's own inputs, in whatever form the build stores them for that node."""
+    return dequantized_rows(ids, qweight, scales, minimums, in_features, bits)
+
+
+@quantized_rows.register_fake
+def _(ids, qweight, scales, minimums, in_features, out_features, bits, block_size):
+    return ids.new_empty(*ids.shape, in_features, dtype=torch.float32)
+
+
 class QuantizedLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, spec: QuantSpec) -> None:
         super().__init__()
@@ -182,6 +224,8 @@ class QuantizedLinear(nn.Module):
         self.fused_kernel = False
         # int4 blocks with minimums (and int8 activations) as our Int4MatMul node, minimums inside it
         self.native_minimums = False
+        # `rows` as our QuantizedRows node, which reads this linear's blocks where our matmul node reads them
+        self.native_rows = False
 
     def load_rows(self, start: int, weight: torch.Tensor) -> None:
         """Quantize checkpoint rows [start, start + len(weight)) into place (fused weights arrive in slices)."""
@@ -211,15 +255,12 @@ class QuantizedLinear(nn.Module):
         """Rows `ids` [...] of the weight, dequantized to fp32 [..., in_features]: a tied LM head's blocks read as
         the embedding table, as llama.cpp reads a GGUF's quantized token_embd and onnxruntime-genai its int4 head, so
         no float copy of the table exists."""
-        n_blocks = self.qweight.shape[1]
-        flat = ids.reshape(-1)
-        minimums = None if self.minimums is None else self.minimums.index_select(0, flat)
-        # indices into the flat scales the matmul reads too (a reshaped view would be stored again as a constant)
-        scale_index = (flat.unsqueeze(-1) * n_blocks + torch.arange(n_blocks, device=flat.device)).reshape(-1)
-        scales = self.scales.index_select(0, scale_index)
-        qweight = self.qweight.index_select(0, flat)
-        rows = dequantize_blockwise(qweight, scales, self.in_features, self.spec.bits, minimums)
-        return rows.reshape(*ids.shape, self.in_features)
+        s = self.spec
+        if self.native_rows:
+            return torch.ops.plugins.quantized_rows(
+                ids, self.qweight, self.scales, self.minimums, self.in_features, self.out_features, s.bits, s.block_size
+            )
+        return dequantized_rows(ids, self.qweight, self.scales, self.minimums, self.in_features, s.bits)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s = self.spec
@@ -303,6 +344,19 @@ def _register_schema() -> None:
         attributes={name: int for name in ("K", "N", "block_size")},
         domain=DOMAIN,
     )
+    register_contrib_op(
+        "QuantizedRows",
+        inputs=["ids:T0", "B:T2", "scales:T1", "minimums?:T3"],
+        outputs=["Y:T1"],
+        types={
+            "T0": ["tensor(int64)"],
+            "T1": ["tensor(float)"],
+            "T2": ["tensor(uint8)"],
+            "T3": ["tensor(float16)", "tensor(float)"],
+        },
+        attributes={name: int for name in ("K", "N", "bits", "block_size")},
+        domain=DOMAIN,
+    )
 
 
 def onnx_translations() -> dict:
@@ -330,7 +384,14 @@ def onnx_translations() -> dict:
     def int4_matmul_to_onnx(x, qweight, scales, minimums, in_features: int, out_features: int, block_size: int):
         return ours.Int4MatMul(x, qweight, scales, minimums, K=in_features, N=out_features, block_size=block_size)
 
+    def quantized_rows_to_onnx(
+        ids, qweight, scales, minimums, in_features: int, out_features: int, bits: int, block_size: int
+    ):
+        inputs = [ids, qweight, scales] + ([] if minimums is None else [minimums])
+        return ours.QuantizedRows(*inputs, K=in_features, N=out_features, bits=bits, block_size=block_size)
+
     return {
         torch.ops.plugins.matmul_nbits.default: matmul_nbits_to_onnx,
         torch.ops.plugins.int4_matmul.default: int4_matmul_to_onnx,
+        torch.ops.plugins.quantized_rows.default: quantized_rows_to_onnx,
     }

@@ -162,7 +162,8 @@ def untiled(tiled: np.ndarray, n: int, bits: int | None = None) -> np.ndarray:
 def test_auto_builds_a_gguf_at_its_own_blocks_in_our_fused_kernels(tiny_gguf, tmp_path):
     """The default (--quant auto) keeps the file's Q4_1 / Q8_0 blocks: each linear one Int4MatMul (minimums inside)
     or Int8MatMul node holding the file's codes, float16 scales and minimums bit for bit; no MatMulNBits, no
-    block-sum offset matmul, no split-out activation left in the graph; the embedding read from the head's blocks."""
+    block-sum offset matmul, no split-out activation left in the graph; the embedding read from the head's blocks
+    by one QuantizedRows node."""
     import gguf
     import onnx
     from onnx import numpy_helper
@@ -189,9 +190,10 @@ def test_auto_builds_a_gguf_at_its_own_blocks_in_our_fused_kernels(tiny_gguf, tm
     nibbles = untiled(constants[o_proj.input[1]], n, bits=4)
     values = np.stack([nibbles & 15, nibbles >> 4], axis=-1).reshape(*blocks.shape[:2], 32)
     assert np.array_equal(values, np.concatenate((blocks[..., 4:] & 15, blocks[..., 4:] >> 4), axis=-1))
-    # the tied LM head's Q8_0 blocks are the embedding table too: read by a Gather, no float copy of the table
+    # the tied LM head's Q8_0 blocks are the embedding table too: read by our lookup node, no float copy of the table
     (head,) = [n for n in model.graph.node if n.op_type == "Int8MatMul"]
-    assert any(n.op_type == "Gather" and n.input[0] == head.input[1] for n in model.graph.node)
+    (rows,) = [n for n in model.graph.node if n.op_type == "QuantizedRows"]
+    assert rows.input[1:] == head.input[1:] and "Gather" not in ops
     table = [engine.manifest.model.vocab_size, engine.manifest.model.hidden_size]
     assert not [t.name for t in model.graph.initializer if list(t.dims) == table]
     # ... so a decode step reads all of the head's blocks, which runner bench's MBU counts
@@ -343,28 +345,55 @@ def test_a_q4_k_gguf_engine_holds_the_files_sub_blocks(checkpoint_factory, tmp_p
     assert np.array_equal(untiled(constants[o_proj.input[1]], n, bits=4), values.numpy().reshape(n, -1))
 
 
-def test_a_tied_q4_k_table_is_read_from_the_heads_sub_blocks(checkpoint_factory, tmp_path):
-    """A Q4_K token_embd with no output.weight: the LM head keeps its sub-blocks, and the lookup reads them (float32
-    scales and minimums): computed in float, the engine is the fp32 engine of the file; with our kernel, the lookup
-    reads the head's column tiles, all three of them (the tiles' Gather is checked against numpy for every type in
-    tests/plugins/test_int4_matmul.py)."""
+@pytest.mark.parametrize("kind, op", [("Q4_K", "Int4MatMul"), ("Q6_K", "Int6MatMul")])
+def test_a_tied_k_quant_table_is_read_from_the_heads_own_form(checkpoint_factory, tmp_path, kind, op):
+    """A K-quant token_embd with no output.weight: the LM head keeps the file's blocks, and the lookup reads them:
+    computed in float, the engine is the fp32 engine of the file; with our kernels, one QuantizedRows node reads the
+    head's node's own inputs (Q4_K factored, Q6_K in 6 bits: the file's bytes a weight) and nothing else reads
+    them (the rows against the reference, bit for bit, in tests/plugins/test_int4_matmul.py)."""
     import onnx
 
-    source = make_gguf(
-        tmp_path / "tied.gguf", checkpoint_factory("k_quants"), linear_type="Q4_K", embedding_type="Q4_K"
-    )
+    source = make_gguf(tmp_path / "tied.gguf", checkpoint_factory("k_quants"), linear_type="Q4_K", embedding_type=kind)
     fp32 = build(source, tmp_path / "fp32", quant="none")
     exact = build(source, tmp_path / "exact", int8_compute=False)
     facts = exact.manifest.quantization
-    assert facts.source_blocks_kept == {"Q4_K": 15} and facts.embedding_from_head
+    kept = {"Q4_K": 15} if kind == "Q4_K" else {"Q4_K": 14, "Q6_K": 1}
+    assert facts.source_blocks_kept == kept and facts.linears_requantized == 0 and facts.embedding_from_head
     assert_computes_what(fp32, exact)
     engine = build(source, tmp_path / "auto")
+    assert engine.manifest.quantization.source_blocks_kept == facts.source_blocks_kept
     model = onnx.load(str(engine.artifact.path(engine.manifest.graphs["step"].file)), load_external_data=False)
-    (head,) = [n for n in model.graph.node if n.op_type == "Int4MatMul" and "lm_head" in n.input[1]]
-    gathered = {n.input[0] for n in model.graph.node if n.op_type == "Gather"}
-    assert set(head.input[1:]) <= gathered
-    types = {t.name: t.data_type for t in model.graph.initializer}
-    assert types[head.input[2]] == types[head.input[3]] == onnx.TensorProto.FLOAT
+    (head,) = [n for n in model.graph.node if n.op_type == op and "lm_head" in n.input[1]]
+    (rows,) = [n for n in model.graph.node if n.op_type == "QuantizedRows"]
+    assert list(rows.input[1:]) == list(head.input[1:]) and len(head.input) == (5 if kind == "Q4_K" else 4)
+    readers = [n for n in model.graph.node if set(n.input) & set(head.input[1:])]
+    assert readers == [rows, head] or readers == [head, rows]
+    assert "QuantizedRows" in engine.manifest.graphs["step"].native_ops
+    # the node alone, on the engine's stored inputs: every row of the table is the file's, bit for bit
+    import gguf
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    stored = onnx.load(str(engine.artifact.path(engine.manifest.graphs["step"].file)))
+    ids = rows.input[0]
+    graph = helper.make_graph(
+        [rows],
+        "rows",
+        [helper.make_tensor_value_info(ids, TensorProto.INT64, [1, "tokens"])],
+        [helper.make_tensor_value_info(rows.output[0], TensorProto.FLOAT, None)],
+        [t for t in stored.graph.initializer if t.name in rows.input[1:]],
+    )
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid(rows.domain, 1)]
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(str(engine.artifact.path(engine.manifest.graphs["step"].native_library)))
+    session = ort.InferenceSession(
+        helper.make_model(graph, opset_imports=opsets).SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+    vocab = engine.manifest.model.vocab_size
+    table = session.run(None, {ids: np.arange(vocab, dtype=np.int64)[None]})[0][0]
+    raw = next(t for t in gguf.GGUFReader(str(source)).tensors if t.name == "token_embd.weight")
+    expected = gguf.quants.dequantize(np.asarray(raw.data), raw.tensor_type).reshape(vocab, -1)
+    np.testing.assert_array_equal(table, expected)
 
 
 def test_q6_k_blocks_convert_exactly():

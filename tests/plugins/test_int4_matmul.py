@@ -558,16 +558,15 @@ def test_an_int4_engine_runs_it_in_every_matmul_and_pads_no_lone_row(engine_fact
 
     llm = LLM(str(engine_factory("gqa", quant="int4")))
     step = llm.engine.manifest.graphs["step"]
-    assert step.native_ops == ["DecodeAttention", "Int4MatMul"]
+    assert step.native_ops == ["DecodeAttention", "Int4MatMul", "QuantizedRows"]
     assert llm.engine.executor.min_rows == 1  # the probe found a lone row rounds as it does in a batch
     graph = onnx.load(str(llm.engine.artifact.path(step.file)), load_external_data=False)
     scales = {node.input[2] for node in graph.graph.node if node.op_type == "Int4MatMul"}
     types = {t.name: t.data_type for t in graph.graph.initializer if t.name in scales}
-    # float16, the tied head's too: the embedding's Gather reads them and casts what it read back to float
+    # float16, the tied head's too: the embedding lookup reads them as the head's node does
     assert "lm_head.scales" in types and set(types.values()) == {onnx.TensorProto.FLOAT16}
-    (lookup,) = [node for node in graph.graph.node if node.op_type == "Gather" and node.input[0] == "lm_head.scales"]
-    (cast,) = [node for node in graph.graph.node if lookup.output[0] in node.input]
-    assert cast.op_type == "Cast" and cast.attribute[0].i == onnx.TensorProto.FLOAT
+    (lookup,) = [node for node in graph.graph.node if "lm_head.scales" in node.input and node.op_type != "Int4MatMul"]
+    assert lookup.op_type == "QuantizedRows"
     prompts = [[5, 6, 7, 8, 9], [11, 3, 4], [1, 2]]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     alone = [llm.generate(prompt_token_ids=[p], sampling_params=params)[0].token_ids for p in prompts]
@@ -627,53 +626,58 @@ def test_the_vnni_tiles_compute_what_the_avx2_tiles_compute_bit_for_bit(library,
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q4_K"])
-def test_gathers_of_a_heads_blocks_read_its_column_tiles(library, tmp_path, kind):
-    """A tied head's blocks are the embedding table too: after `use_in_graph` tiles them, the Gathers that read rows
-    of the weights and minimums and flat scales (as QuantizedLinear.rows exports them) return what they returned
-    before, whatever the types (Q4_1: scales stored as float16 and cast back, float16 minimums; Q4_K: float32)."""
+def test_a_rows_node_reads_its_heads_inputs_as_the_build_stores_them(library, tmp_path, kind):
+    """A tied head's blocks are the embedding table too: after `use_in_graph`, the QuantizedRows node exported
+    beside the head reads the head's node's inputs in their stored form (Q4_1: float16 scales and minimums; Q4_K:
+    factored, a fifth input) and returns the rows the reference dequantizes; a Gather of them is refused."""
+    import onnx
     import onnxruntime as ort
+    import torch
     from onnx import TensorProto, helper, numpy_helper
 
-    n, k = 37, 96  # a column tail
+    from plugins.quant_linear import dequantized_rows
+
+    n, k = 37, 256  # a column tail, one Q4_K super-block
     packed, scales, minimums = q4_k_blocks(n, k) if kind == "Q4_K" else q4_1_blocks(n, k)
     scales = scales.astype(np.float32)  # as the export holds them
-    ids = np.array([[0, 36, 17, 16, 15]], np.int64)
-    flat = (ids[..., None] * (k // 32) + np.arange(k // 32)).reshape(1, -1)
     nodes = [
         helper.make_node("Int4MatMul", ["a", "w", "s", "m"], ["y"], domain=DOMAIN, K=k, N=n, block_size=32),
-        helper.make_node("Gather", ["w", "ids"], ["rows_w"], name="gw", axis=0),
-        helper.make_node("Gather", ["m", "ids"], ["rows_m"], name="gm", axis=0),
-        helper.make_node("Gather", ["s", "flat"], ["rows_s"], name="gs", axis=0),
+        helper.make_node(
+            "QuantizedRows", ["ids", "w", "s", "m"], ["rows"], domain=DOMAIN, K=k, N=n, bits=4, block_size=32
+        ),
     ]
-    outputs = {"y": TensorProto.FLOAT, "rows_w": TensorProto.UINT8, "rows_m": None, "rows_s": TensorProto.FLOAT}
-    outputs["rows_m"] = TensorProto.FLOAT if minimums.dtype == np.float32 else TensorProto.FLOAT16
+    inputs = [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["rows", k])]
+    inputs.append(helper.make_tensor_value_info("ids", TensorProto.INT64, [1, 5]))
     graph = helper.make_graph(
         nodes,
         "head",
-        [
-            helper.make_tensor_value_info("a", TensorProto.FLOAT, ["rows", k]),
-            helper.make_tensor_value_info("ids", TensorProto.INT64, [1, 5]),
-            helper.make_tensor_value_info("flat", TensorProto.INT64, [1, 5 * k // 32]),
-        ],
-        [helper.make_tensor_value_info(name, kind_, None) for name, kind_ in outputs.items()],
+        inputs,
+        [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in ("y", "rows")],
         [numpy_helper.from_array(v, name) for name, v in (("w", packed), ("s", scales), ("m", minimums))],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)])
     path = tmp_path / "head.onnx"
-    import onnx
-
     onnx.save(model, str(path))
-    assert int4_matmul.use_in_graph(path) == {"Int4MatMul": 1, "Int8MatMul": 0, "Int6MatMul": 0}
+    counts = int4_matmul.use_in_graph(path)
+    assert counts == {"Int4MatMul": 1, "Int8MatMul": 0, "Int6MatMul": 0, "QuantizedRows": 1}
+    head, rows = onnx.load(str(path)).graph.node
+    assert rows.input[1:] == head.input[1:] and len(head.input) == (5 if kind == "Q4_K" else 4)
     options = ort.SessionOptions()
     options.register_custom_ops_library(str(library))
     run = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-    a = np.random.default_rng(2).standard_normal((1, k), dtype=np.float32)
-    _, rows_w, rows_m, rows_s = run.run(None, {"a": a, "ids": ids, "flat": flat})
-    np.testing.assert_array_equal(rows_w, packed[ids])
-    np.testing.assert_array_equal(rows_m, minimums[ids])
-    np.testing.assert_array_equal(rows_s, scales[flat])
-    tiled = {t.name: t.data_type for t in onnx.load(str(path)).graph.initializer}
-    assert tiled["s"] == (TensorProto.FLOAT if kind == "Q4_K" else TensorProto.FLOAT16)
+    ids = np.array([[0, 36, 17, 16, 15]], np.int64)
+    _, looked_up = run.run(None, {"a": np.ones((1, k), np.float32), "ids": ids})
+    stored = scales.astype(np.float16).astype(np.float32) if kind == "Q4_1" else scales  # as the build stores them
+    reference = dequantized_rows(
+        *(torch.from_numpy(np.ascontiguousarray(v)) for v in (ids, packed, stored, minimums)), k, 4
+    )
+    np.testing.assert_array_equal(looked_up, reference.numpy())
+
+    nodes[1] = helper.make_node("Gather", ["w", "ids"], ["rows"], axis=0)
+    graph = helper.make_graph(nodes, "head", inputs, list(graph.output), list(graph.initializer))
+    onnx.save(helper.make_model(graph, opset_imports=model.opset_import), str(path))
+    with pytest.raises(ValueError, match="Gather node .* reads 'w'"):
+        int4_matmul.use_in_graph(path)
 
 
 def q6_k_blocks(n: int, k: int, seed: int = 0):
@@ -806,3 +810,102 @@ def test_the_build_stores_only_q6_k_blocks_in_six_bits(library, tmp_path):
     y = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"]).run(None, {"a": a})[0]
     reference = int8_activations(a) @ weight.T
     np.testing.assert_allclose(y, reference, rtol=0, atol=2e-6 * np.abs(reference).max())
+
+
+def rows_session(library: Path, tiled: list[np.ndarray], k: int, n: int, bits: int, block: int):
+    """A session of one QuantizedRows node reading `tiled` (a matmul node's inputs as the build stores them)."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    names = [f"input{i}" for i in range(len(tiled))]
+    node = helper.make_node(
+        "QuantizedRows",
+        ["ids", *names],
+        ["rows"],
+        domain=DOMAIN,
+        K=k,
+        N=n,
+        bits=bits,
+        block_size=block,
+        column_tile=int4_matmul.COLUMN_TILE,
+    )
+    graph = helper.make_graph(
+        [node],
+        "rows",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", "tokens"])],
+        [helper.make_tensor_value_info("rows", TensorProto.FLOAT, ["batch", "tokens", k])],
+        [numpy_helper.from_array(array, name) for name, array in zip(names, tiled)],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)])
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(str(library))
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def rows_case(kind: str, n: int, k: int):
+    """(the node's inputs as the build tiles them, bits, block, the reference's blocks: MatMulNBits-layout weights,
+    float32 scales, minimums or None) for one storage form of a head."""
+    tile = lambda values: int4_matmul.tile_per_block(values, n)  # noqa: E731
+    if kind == "Q6_K":
+        values, multipliers, factors = q6_k_blocks(n, k, seed=3)
+        stored = (values.astype(np.int16) + 96).astype(np.uint8).reshape(n, -1, 16)
+        scales = np.repeat(factors.astype(np.float32), 16, -1) * multipliers
+        tiled = [int4_matmul.tile_weights(int4_matmul.six_bit_bytes(values), 6), tile(multipliers), tile(factors)]
+        return tiled, 6, 16, (stored, scales, None)
+    if kind == "Q4_K":
+        (packed, multipliers, minimum_multipliers, factors), (scales, minimums) = factored_q4_k(n, k, seed=3)
+        tiled = [int4_matmul.tile_weights(packed, 4), tile(multipliers), tile(minimum_multipliers), tile(factors)]
+        return tiled, 4, 32, (packed, scales, minimums)
+    if kind == "Q8_0":
+        packed = np.random.default_rng(3).integers(0, 256, (n, k // 32, 32), dtype=np.uint8)
+        scales = (np.random.default_rng(4).random(n * k // 32) * 0.02).astype(np.float16)
+        return [int4_matmul.tile_weights(packed, 8), tile(scales)], 8, 32, (packed, scales.astype(np.float32), None)
+    block = 128 if kind == "int4 g128" else 32
+    packed, scales, minimums = q4_1_blocks(n, k, seed=3)
+    if kind != "Q4_1":
+        packed, scales = weights(n, k, block, seed=3)
+        minimums = None
+    scales = scales.astype(np.float16) if kind != "int4 g128" else scales  # as the build stores int4 scales
+    tiled = [int4_matmul.tile_weights(packed, 4), tile(scales)] + ([] if minimums is None else [tile(minimums)])
+    return tiled, 4, block, (packed, scales.astype(np.float32), minimums)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q8_0", "int4 g128"])
+def test_rows_of_a_heads_tiles_are_the_references_rows_bit_for_bit(library, kind):
+    """QuantizedRows, the embedding lookup of a tied head: from the head's node's inputs as the build stores them
+    (column tiles; float16, factored or 6-bit), each row what plugins/quant_linear.py's reference dequantizes from
+    the blocks in MatMulNBits's layout, bit for bit."""
+    import torch
+
+    from plugins.quant_linear import dequantized_rows
+
+    n, k = 37, 512
+    tiled, bits, block, (packed, scales, minimums) = rows_case(kind, n, k)
+    ids = np.array([[0, 36, 5], [16, 15, 17]], np.int64)
+    ours = rows_session(library, tiled, k, n, bits, block).run(None, {"ids": ids})[0]
+    reference = dequantized_rows(
+        torch.from_numpy(ids),
+        torch.from_numpy(packed),
+        torch.from_numpy(np.ascontiguousarray(scales).reshape(-1)),
+        None if minimums is None else torch.from_numpy(minimums),
+        k,
+        8 if bits == 6 else bits,
+    )
+    assert ours.shape == (2, 3, k)
+    np.testing.assert_array_equal(ours, reference.numpy())
+
+
+def test_rows_refuse_an_id_outside_the_table_and_inputs_of_another_form(library):
+    import onnxruntime as ort
+
+    n, k = 37, 512
+    tiled, bits, block, _ = rows_case("Q6_K", n, k)
+    state = ort.capi.onnxruntime_pybind11_state
+    with pytest.raises(state.Fail, match="outside the table"):
+        rows_session(library, tiled, k, n, bits, block).run(None, {"ids": np.array([[n]], np.int64)})
+    with pytest.raises(state.Fail, match="not a quantized matmul's"):
+        rows_session(library, tiled[:2] + [tiled[2][:-1]], k, n, bits, block).run(
+            None, {"ids": np.zeros((1, 1), np.int64)}
+        )
+    with pytest.raises(state.RuntimeException, match="block_size"):
+        rows_session(library, tiled, k, n, bits, 32).run(None, {"ids": np.zeros((1, 1), np.int64)})
