@@ -270,6 +270,8 @@ def covers(spec, in_features: int, weights: np.ndarray, scales: np.ndarray) -> b
         "K": in_features,
         "accuracy_level": spec.accuracy_level,
     }
+    if spec.minimums and (spec.bits, spec.block_size, spec.accuracy_level) != (4, 32, 4):
+        return False  # exported as MatMulNBits beside an offset matmul, which holds the minimums (quant_linear.py)
     if kernel_for(attributes, 3) is not None:
         return True
     six_bit = (spec.bits, spec.block_size, spec.accuracy_level) == (8, SIX_BIT_BLOCK, 4) and not spec.minimums

@@ -909,3 +909,20 @@ def test_rows_refuse_an_id_outside_the_table_and_inputs_of_another_form(library)
         )
     with pytest.raises(state.RuntimeException, match="block_size"):
         rows_session(library, tiled, k, n, bits, 32).run(None, {"ids": np.zeros((1, 1), np.int64)})
+
+
+def test_covers_says_which_heads_our_kernels_run():
+    """The build exports a tied head's lookup as QuantizedRows only where the head's node becomes one of ours."""
+    from plugins.quant_linear import QuantSpec
+
+    n, k = 16, 256
+    values, multipliers, factors = q6_k_blocks(n, k)
+    stored = (values.astype(np.int16) + 96).astype(np.uint8).reshape(n, -1, 16)
+    scales = (np.repeat(factors.astype(np.float32), 16, -1) * multipliers).reshape(-1)
+    rtn = np.random.default_rng(1).integers(0, 256, stored.shape, dtype=np.uint8)
+    assert int4_matmul.covers(QuantSpec(4, 32), k, stored, scales)
+    assert int4_matmul.covers(QuantSpec(4, 32, minimums=True), k, stored, scales)
+    assert not int4_matmul.covers(QuantSpec(4, 64, minimums=True), k, stored, scales)  # an offset matmul beside
+    assert not int4_matmul.covers(QuantSpec(4, 32, accuracy_level=0), k, stored, scales)
+    assert int4_matmul.covers(QuantSpec(8, 16), k, stored, scales)  # Q6_K's blocks: Int6MatMul
+    assert not int4_matmul.covers(QuantSpec(8, 16), k, rtn, scales)  # 8-bit values: MatMulNBits
