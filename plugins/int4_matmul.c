@@ -485,26 +485,47 @@ static OrtStatus *refuse(OrtApiTable api, int bits, const char *message) {
   return fail(api, named);
 }
 
+/* a node's inputs (at most 5, each of at most 4 dimensions), read for compute */
+typedef struct Inputs {
+  size_t count;
+  void *data[5];
+  int64_t dims[5][4], counts[5]; /* counts: each input's number of values */
+  size_t rank[5];
+  int type[5];
+} Inputs;
+
+enum { INPUTS_READ, INPUTS_NOT_3_TO_5, INPUTS_UNREADABLE };
+
+static int read_inputs(OrtApiTable api, OrtKernelContext *context, Inputs *in) {
+  if (API(api, KernelContext_GetInputCount, OrtStatus *(*)(const OrtKernelContext *, size_t *))(context, &in->count) ||
+      in->count < 3 || in->count > 5)
+    return INPUTS_NOT_3_TO_5;
+  for (size_t i = 0; i < in->count; i++) {
+    const OrtValue *value = NULL;
+    if (API(api, KernelContext_GetInput, OrtStatus *(*)(const OrtKernelContext *, size_t, const OrtValue **))(
+            context, i, &value) || !value ||
+        !tensor_typed(api, value, &in->data[i], in->dims[i], &in->rank[i], &in->type[i]))
+      return INPUTS_UNREADABLE;
+    in->counts[i] = 1;
+    for (size_t d = 0; d < in->rank[i]; d++) in->counts[i] *= in->dims[i][d];
+  }
+  return INPUTS_READ;
+}
+
 static OrtStatus *compute(void *kernel_state, OrtKernelContext *context) {
   const Kernel *kernel = kernel_state;
   OrtApiTable api = kernel->api;
-  const OrtValue *inputs[5] = {NULL};
-  void *data[5] = {NULL};
-  int64_t dims[5][4];
-  size_t rank[5], count = 0;
-  int element_type[5];
-  if (API(api, KernelContext_GetInputCount, OrtStatus *(*)(const OrtKernelContext *, size_t *))(context, &count) ||
-      count < 3 || count > 5)
+  Inputs in = {0};
+  const int read = read_inputs(api, context, &in);
+  if (read == INPUTS_NOT_3_TO_5)
     return refuse(api, kernel->bits, "takes 3 inputs (A, B, scales), 4 (and minimums, int4 only) or 5 (and factors)");
-  for (size_t i = 0; i < count; i++)
-    if (API(api, KernelContext_GetInput, OrtStatus *(*)(const OrtKernelContext *, size_t, const OrtValue **))(
-            context, i, &inputs[i]) || !inputs[i] || !tensor_typed(api, inputs[i], &data[i], dims[i], &rank[i], &element_type[i]))
-      return refuse(api, kernel->bits, "cannot read its inputs");
-  int64_t m = 1, weight_bytes = 1, counts[5] = {1, 1, 1, 1, 1};
+  if (read == INPUTS_UNREADABLE) return refuse(api, kernel->bits, "cannot read its inputs");
+  void **data = in.data;
+  int64_t(*dims)[4] = in.dims, *counts = in.counts, m = 1;
+  const size_t *rank = in.rank, count = in.count;
+  const int *element_type = in.type;
+  const int64_t weight_bytes = counts[1];
   for (size_t i = 0; i + 1 < rank[0]; i++) m *= dims[0][i];
-  for (size_t i = 0; i < rank[1]; i++) weight_bytes *= dims[1][i];
-  for (size_t input = 2; input < count; input++)
-    for (size_t i = 0; i < rank[input]; i++) counts[input] *= dims[input][i];
   const int64_t tiles = (kernel->n + TILE_COLUMNS - 1) / TILE_COLUMNS, padded = tiles * TILE_COLUMNS;
   const int64_t super_blocks = kernel->k / (32 * CHUNKS_PER_SUPER_BLOCK);
   if (kernel->bits == 6 &&
@@ -666,20 +687,14 @@ __attribute__((optimize("fp-contract=off"))) AVX2 static OrtStatus *rows_compute
                                                                                    OrtKernelContext *context) {
   const RowsKernel *kernel = kernel_state;
   OrtApiTable api = kernel->api;
-  const OrtValue *inputs[5] = {NULL};
-  void *data[5] = {NULL};
-  int64_t dims[5][4], counts[5] = {1, 1, 1, 1, 1};
-  size_t rank[5], count = 0;
-  int type[5];
-  if (API(api, KernelContext_GetInputCount, OrtStatus *(*)(const OrtKernelContext *, size_t *))(context, &count) ||
-      count < 3 || count > 5)
-    return refuse_rows(api, "takes the ids, then 2 to 4 inputs of a quantized matmul");
-  for (size_t i = 0; i < count; i++) {
-    if (API(api, KernelContext_GetInput, OrtStatus *(*)(const OrtKernelContext *, size_t, const OrtValue **))(
-            context, i, &inputs[i]) || !inputs[i] || !tensor_typed(api, inputs[i], &data[i], dims[i], &rank[i], &type[i]))
-      return refuse_rows(api, "cannot read its inputs");
-    for (size_t d = 0; d < rank[i]; d++) counts[i] *= dims[i][d];
-  }
+  Inputs in = {0};
+  const int read = read_inputs(api, context, &in);
+  if (read == INPUTS_NOT_3_TO_5) return refuse_rows(api, "takes the ids, then 2 to 4 inputs of a quantized matmul");
+  if (read == INPUTS_UNREADABLE) return refuse_rows(api, "cannot read its inputs");
+  void **data = in.data;
+  int64_t(*dims)[4] = in.dims, *counts = in.counts;
+  const size_t *rank = in.rank, count = in.count;
+  const int *type = in.type;
   const int64_t k = kernel->k, bits = kernel->bits, padded = (kernel->n + TILE_COLUMNS - 1) / TILE_COLUMNS * TILE_COLUMNS;
   const int64_t chunks = k / 32, supers = k / (32 * CHUNKS_PER_SUPER_BLOCK), blocks = k / kernel->block_size;
   /* the layouts the matmul kernels take: 6-bit with int8 multipliers and factors; int4 with uint8 multipliers of
