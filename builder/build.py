@@ -34,6 +34,7 @@ from builder.weights import (
     kept_block_specs,
     linear_sources,
     load_model,
+    split_linears,
     store_embedding,
     wider_specs,
 )
@@ -622,13 +623,16 @@ def _load_weights(
         if embedding_quant is not None:
             store_embedding(model, embedding_quant)
     else:
-        kept, wider = {}, {}
+        kept, wider, splits = {}, {}, {}
         if options.keep_source_blocks:
+            splits = split_linears(config, quant, checkpoint.block_formats, checkpoint.weight_types)
             kept = kept_block_specs(
-                config, quant, options.quantize_lm_head, checkpoint.block_formats, kernels["QuantizedMatMul"]
+                config, quant, options.quantize_lm_head, checkpoint.block_formats, kernels["QuantizedMatMul"], splits
             )
-            wider = wider_specs(config, quant, options.quantize_lm_head, checkpoint.weight_types, kept)
-        sources = linear_sources(config, options.quantize_lm_head)
+            wider = wider_specs(config, quant, options.quantize_lm_head, checkpoint.weight_types, kept, splits)
+        if splits:
+            log(f"      {len(splits)} fused linears run as parts stored apart (their weights' GGUF types differ)")
+        sources = linear_sources(config, options.quantize_lm_head, splits)
         keep = {name for module in kept for name in sources[module]}
         if _kept_embedding_blocks(embedding_quant, checkpoint):
             keep.add(f"{EMBEDDING}.weight")
@@ -644,6 +648,7 @@ def _load_weights(
             head_rows,
             embedding_quant,
             wider,
+            splits,
         )
         if quant is not None:
             quantization = _kept_blocks(quantization, kept, wider, sources, checkpoint, log)

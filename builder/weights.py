@@ -1,7 +1,9 @@
 """Fill the model's parameters from a checkpoint's lazy tensor stream, one tensor at a time.
 
 Checkpoints name q/k/v and gate/up projections apart; the model runs each group as one fused matmul, so those
-tensors are copied into row ranges of the fused weight as they stream by.
+tensors are copied into row ranges of the fused weight as they stream by. Where a GGUF file stores the parts of one
+group in forms no single layout holds (Q4_K queries and keys beside Q6_K values), the fused linear is split into
+parts of one form each (`split_linears`), each its own matmul.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from builder.loaders.checkpoint import CheckpointError
 from builder.loaders.gguf_blocks import BLOCK, EXACT_FORMS, BlockQuantized
 from builder.model import LlamaForCausalLM
 from engines.model_config import ModelConfig
+from plugins.linear import StackedLinear, make_linear
 from plugins.quant_linear import QuantizedEmbedding, QuantizedLinear, QuantSpec
 
 # Checkpoint entries that carry no model weight (rotary tables some exporters save).
@@ -38,8 +41,22 @@ def fused_rows(config: ModelConfig) -> dict[str, tuple[str, int, int]]:
     }
 
 
-def linear_sources(config: ModelConfig, quantize_lm_head: bool) -> dict[str, list[str]]:
-    """Each quantized linear of the model -> the checkpoint weights it is made of."""
+def part_name(module: str, part: int) -> str:
+    """The name of part `part` of a split fused linear (plugins.linear.StackedLinear's `parts`)."""
+    return f"{module}.parts.{part}"
+
+
+def _part_holding(bounds: tuple[int, ...], row: int) -> int:
+    """The part of a split linear whose rows [bounds[i], bounds[i + 1]) hold `row`."""
+    return next(part for part in range(len(bounds) - 1) if bounds[part] <= row < bounds[part + 1])
+
+
+def linear_sources(
+    config: ModelConfig, quantize_lm_head: bool, splits: Mapping[str, tuple[int, ...]] | None = None
+) -> dict[str, list[str]]:
+    """Each quantized linear of the model -> the checkpoint weights it is made of. The parts of a split fused
+    linear (`splits`, see split_linears) are linears of their own (`part_name`)."""
+    splits = splits or {}
     rows = fused_rows(config)
     sources: dict[str, list[str]] = {}
     projections = (
@@ -54,8 +71,11 @@ def linear_sources(config: ModelConfig, quantize_lm_head: bool) -> dict[str, lis
     for layer in range(config.num_layers):
         prefix = f"model.layers.{layer}"
         for projection in projections:
-            module = rows.get(projection, (projection,))[0]
-            sources.setdefault(f"{prefix}.{module}", []).append(f"{prefix}.{projection}.weight")
+            module, first_row = rows.get(projection, (projection, 0))[:2]
+            module = f"{prefix}.{module}"
+            if module in splits:
+                module = part_name(module, _part_holding(splits[module], first_row))
+            sources.setdefault(module, []).append(f"{prefix}.{projection}.weight")
     if quantize_lm_head:
         sources["lm_head"] = [f"{EMBEDDING}.weight" if config.tie_word_embeddings else "lm_head.weight"]
     return sources
@@ -78,12 +98,44 @@ def auto_quantization(config: ModelConfig, weight_types: Mapping[str, str]) -> s
     return "int8" if types <= set(FLOAT_TYPES + WIDE_TYPES) else "int4"
 
 
+def split_linears(
+    config: ModelConfig, quant: QuantSpec | None, block_formats: Mapping[str, str], weight_types: Mapping[str, str]
+) -> dict[str, tuple[int, ...]]:
+    """Fused linears whose checkpoint weights no one stored form holds -> the row bounds of their parts, each a run
+    of consecutive weights stored alike: the same exact form's bits and block size (kept_block_specs), or quantized
+    from float to the same bits (wider_specs). llama.cpp's Q4_K_M gives some layers' value projection Q6_K beside
+    Q4_K queries and keys: one layout for the three would be int8 (8.5 bits a weight for queries and keys the file
+    packs in 4.5); split, the queries and keys keep their Q4_K blocks and the values their Q6_K ones, at the price of
+    one more matmul node and a concatenation."""
+    if quant is None:
+        return {}
+    rows = fused_rows(config)
+    splits = {}
+    for module, names in linear_sources(config, False).items():
+        if len(names) < 2 or _spec_holding(quant, [block_formats.get(name, "") for name in names]) is not None:
+            continue
+        forms = [_stored_form(quant, block_formats.get(name, ""), weight_types.get(name, "")) for name in names]
+        starts = [rows[_FUSED_PATTERN.fullmatch(name).group(2)][1] for name in names]
+        bounds = [first for first, form, before in zip(starts, forms, [None, *forms]) if form != before]
+        if len(bounds) > 1:
+            splits[module] = (*bounds, rows[_FUSED_PATTERN.fullmatch(names[-1]).group(2)][2])
+    return splits
+
+
+def _stored_form(quant: QuantSpec, block_format: str, weight_type: str) -> tuple[bool, int, int]:
+    """(kept as the file's blocks, bits, block size) of one weight stored on its own."""
+    kept = _spec_holding(quant, [block_format])
+    spec = kept or _at_least_source_bits(quant, [weight_type]) or quant
+    return kept is not None, spec.bits, spec.block_size
+
+
 def kept_block_specs(
     config: ModelConfig,
     quant: QuantSpec | None,
     quantize_lm_head: bool,
     block_formats: Mapping[str, str],
     head_rows_in_kernel: bool = False,
+    splits: Mapping[str, tuple[int, ...]] | None = None,
 ) -> dict[str, QuantSpec]:
     """Quantized linears whose checkpoint blocks map exactly onto the requested quantization -> their spec.
 
@@ -91,11 +143,12 @@ def kept_block_specs(
     of the same number of bits and block size, the build asks for groups of 32, and the source has at least the
     requested bits (a Q8_0 LM head or Q5_0 layer stays int8 in an int4 build: more bits than asked, never fewer;
     Q6_K int8 in blocks of 16, except in a tied head whose lookups read its blocks by Gathers: our QuantizedRows
-    node, `head_rows_in_kernel`, reads them in the head's own form). Everything else is requantized from float."""
+    node, `head_rows_in_kernel`, reads them in the head's own form). Everything else is requantized from float.
+    `splits`: fused linears split into parts (split_linears), each part a linear here."""
     if quant is None:
         return {}
     kept = {}
-    for module, names in linear_sources(config, quantize_lm_head).items():
+    for module, names in linear_sources(config, quantize_lm_head, splits).items():
         table = module == "lm_head" and config.tie_word_embeddings and not head_rows_in_kernel
         spec = _spec_holding(quant, [block_formats.get(name, "") for name in names], table)
         if spec is not None:
@@ -109,16 +162,16 @@ def wider_specs(
     quantize_lm_head: bool,
     weight_types: Mapping[str, str],
     kept: Mapping[str, QuantSpec],
+    splits: Mapping[str, tuple[int, ...]] | None = None,
 ) -> dict[str, QuantSpec]:
-    """Linears requantized from GGUF weights of more bits than `quant` has (Q5_1, Q5_K in an int4 build, and Q6_K
-    where it shares a fused weight with another type: llama.cpp's Q4_K_M gives the value projection of some layers
-    Q6_K, beside Q4_K queries and keys) -> int8 in `quant`'s groups: a build that keeps the
-    file's blocks never rounds a weight to fewer bits than the file gives it."""
+    """Linears requantized from GGUF weights of more bits than `quant` has (Q5_1, Q5_K in an int4 build; a fused
+    weight's parts apart where `splits` splits it) -> int8 in `quant`'s groups: a build that keeps the file's blocks
+    never rounds a weight to fewer bits than the file gives it."""
     if quant is None:
         return {}
     return {
         module: wider
-        for module, names in linear_sources(config, quantize_lm_head).items()
+        for module, names in linear_sources(config, quantize_lm_head, splits).items()
         if module not in kept and (wider := _at_least_source_bits(quant, [weight_types.get(n, "") for n in names]))
     }
 
@@ -211,6 +264,7 @@ def load_model(
     head_rows: int | None = None,
     embedding_quant: QuantSpec | None = None,
     wider: Mapping[str, QuantSpec] | None = None,
+    splits: Mapping[str, tuple[int, ...]] | None = None,
 ) -> LlamaForCausalLM:
     """Build the model on the meta device and give each parameter its checkpoint tensor as it streams by.
     Quantized projections quantize each tensor (or fused slice) on arrival: no float copy of them is kept.
@@ -218,10 +272,19 @@ def load_model(
     those weights as BlockQuantized. `max_positions`: rows of the rotary tables (every position a call may span).
     `head_rows`: the LM head's rows where it holds a share of the vocabulary (a tensor-parallel rank's).
     `embedding_quant`: the embedding table's blocks (embedding_spec; None: float); GGUF blocks that layout holds
-    go in as they are. `wider`: linears quantized from float in another spec than `quant` (wider_specs)."""
-    kept = kept or {}
+    go in as they are. `wider`: linears quantized from float in another spec than `quant` (wider_specs).
+    `splits`: fused linears run as parts over these row bounds (split_linears), named by `part_name` in `kept` and
+    `wider`."""
+    kept, splits = kept or {}, splits or {}
     with torch.device("meta"):
         model = LlamaForCausalLM(config, dtype, quant, quantize_lm_head, max_positions, head_rows, embedding_quant)
+        for name, bounds in splits.items():
+            old = model.get_submodule(name)
+            parts = [
+                make_linear(old.in_features, stop - start, old.bias is not None, dtype, quant)
+                for start, stop in zip(bounds, bounds[1:])
+            ]
+            model.set_submodule(name, StackedLinear(parts))
         for name, spec in {**(wider or {}), **kept}.items():
             old = model.get_submodule(name)
             model.set_submodule(
@@ -260,7 +323,12 @@ def load_model(
         if fused is not None:
             prefix, projection, kind = fused.groups()
             fused_name, start, stop = rows[projection]
-            target = f"{prefix}.{fused_name}.{kind}"
+            module = f"{prefix}.{fused_name}"
+            if module in splits:
+                bounds = splits[module]
+                part = _part_holding(bounds, start)
+                module, start, stop = part_name(module, part), start - bounds[part], stop - bounds[part]
+            target = f"{module}.{kind}"
         if target not in expected:
             raise CheckpointError(f"unexpected tensor {name!r} in checkpoint (not a Llama weight)")
         want = expected[target]

@@ -3,7 +3,7 @@
 The model never calls `nn.Linear` itself: it asks `make_linear` for its projections, so the quantized variant
 (plugins/quant_linear.py: int8/int4 weights lowered to a fused quantized matmul) replaces the float one without
 touching the model code. `FloatLinear` is plain `x @ W^T (+ b)`, which the ONNX exporter lowers to a MatMul on the
-weight initializer.
+weight initializer. `StackedLinear` runs one projection as parts stored in different forms.
 """
 
 from __future__ import annotations
@@ -27,6 +27,21 @@ class FloatLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
+
+
+class StackedLinear(nn.Module):
+    """One projection as several linears over consecutive row ranges of its weight, outputs concatenated: a fused
+    projection whose parts are stored in different forms (a GGUF file's Q4_K queries and keys beside its Q6_K
+    values), each part one matmul in its own form."""
+
+    def __init__(self, parts: list[nn.Module]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(part.out_features for part in parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
 
 
 def make_linear(

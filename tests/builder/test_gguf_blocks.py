@@ -10,7 +10,7 @@ import torch
 from builder.build import BuildOptions, build_engine
 from builder.loaders import load_checkpoint
 from builder.loaders.gguf_blocks import BlockQuantized
-from builder.weights import auto_quantization, kept_block_specs, wider_specs
+from builder.weights import auto_quantization, kept_block_specs, linear_sources, split_linears, wider_specs
 from plugins.quant_linear import QuantSpec, dequantize_blockwise
 from runner.core.args import EngineArgs
 from runner.core.engine import LLMEngine
@@ -104,9 +104,40 @@ def test_which_linears_keep_their_blocks(checkpoint_factory, tmp_path):
     assert kept["model.layers.0.mlp.gate_up_proj"] == QuantSpec(4, 32, minimums=True, minimum_dtype="float32")
 
 
+def test_a_fused_linear_of_weights_stored_apart_runs_as_parts(checkpoint_factory):
+    """A fused linear whose weights no one layout holds (Q4_K queries and keys beside Q6_K values, as llama.cpp's
+    Q4_K_M writes some layers) is split into runs of weights stored alike, each part keeping its own blocks (or
+    quantized on its own); weights one layout holds stay one linear."""
+    config = load_checkpoint(checkpoint_factory("gqa")).config
+    qkv, layer = "model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn"
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    formats = {f"{layer}.q_proj.weight": "Q4_K", f"{layer}.k_proj.weight": "Q4_K", f"{layer}.v_proj.weight": "Q6_K"}
+    int4 = QuantSpec(4, 32)
+    splits = split_linears(config, int4, formats, formats)
+    assert splits == {qkv: (0, q + kv, q + 2 * kv)}
+    sources = linear_sources(config, False, splits)
+    assert sources[f"{qkv}.parts.0"] == [f"{layer}.q_proj.weight", f"{layer}.k_proj.weight"]
+    kept = kept_block_specs(config, int4, False, formats, splits=splits)
+    assert qkv not in kept and kept[f"{qkv}.parts.0"] == QuantSpec(4, 32, minimums=True, minimum_dtype="float32")
+    assert kept[f"{qkv}.parts.1"] == QuantSpec(8, 16)
+    # q, k and v of three forms: three parts
+    three = formats | {f"{layer}.k_proj.weight": "Q8_0"}
+    assert split_linears(config, int4, three, three) == {qkv: (0, q, q + kv, q + 2 * kv)}
+    # Q5_1 has no exact form: the values part is int8 from float, the rest keeps its blocks
+    types = formats | {f"{layer}.v_proj.weight": "Q5_1"}
+    formats.pop(f"{layer}.v_proj.weight")
+    splits = split_linears(config, int4, formats, types)
+    kept = kept_block_specs(config, int4, False, formats, splits=splits)
+    assert wider_specs(config, int4, False, types, kept, splits) == {f"{qkv}.parts.1": QuantSpec(8, 32)}
+    # one layout holds Q4_0 and Q4_1 (minimums of zero for Q4_0), and float weights quantize alike: no split
+    alike = {f"{layer}.q_proj.weight": "Q4_0", f"{layer}.k_proj.weight": "Q4_1", f"{layer}.v_proj.weight": "Q4_0"}
+    assert split_linears(config, int4, alike, alike) == {}
+    assert split_linears(config, int4, {}, {}) == {} and split_linears(config, None, formats, types) == {}
+
+
 def test_a_weight_with_more_bits_than_the_build_is_quantized_to_int8(checkpoint_factory):
-    """Q5_K / Q5_1 have no exact form, and Q6_K none beside other types in a fused weight: requantized, but never to
-    fewer bits than the file gives them."""
+    """Q5_K / Q5_1 have no exact form: requantized, but never to fewer bits than the file gives them (a fused
+    linear not split into parts goes int8 whole)."""
     config = load_checkpoint(checkpoint_factory("gqa")).config
     down = "model.layers.1.mlp.down_proj"
     types = {f"{down}.weight": "Q6_K", "model.layers.0.self_attn.v_proj.weight": "Q5_1"}
@@ -413,6 +444,48 @@ def test_q6_k_blocks_convert_exactly():
     np.testing.assert_array_equal(dequantize_blockwise(qweight, scales, 512, 8).numpy(), expected)
 
 
+def q6_k_engines(checkpoint_factory, tmp_path, q6_k_module: str) -> tuple:
+    """A Q4_K GGUF whose `q6_k_module` projections are Q6_K, its fp32 engine and its engine of the file's blocks
+    computed in float, checked to keep every block and compute what the fp32 engine does."""
+    source = make_gguf(
+        tmp_path / "k_quants.gguf",
+        checkpoint_factory("k_quants"),
+        linear_type="Q4_K",
+        module_types={q6_k_module: "Q6_K"},
+    )
+    fp32 = build(source, tmp_path / "fp32", quant="none")
+    exact = build(source, tmp_path / "exact", int8_compute=False)
+    facts = exact.manifest.quantization
+    assert facts.source_blocks_kept == {"Q4_K": 12, "Q6_K": 2, "Q8_0": 1} and facts.linears_requantized == 0
+    assert_computes_what(fp32, exact)
+    return source, fp32, exact
+
+
+def test_q4_k_queries_and_keys_beside_q6_k_values_keep_their_blocks(checkpoint_factory, tmp_path):
+    """The fused q/k/v of a layer whose values are Q6_K and queries and keys Q4_K (llama.cpp's Q4_K_M) runs as two
+    nodes, each holding its weights' own blocks: computed in float, the engine is the file's fp32 engine; with int8
+    activations the parts are our Int4MatMul and Int6MatMul, their outputs concatenated into the packed q | k | v."""
+    import onnx
+
+    source, fp32, exact = q6_k_engines(checkpoint_factory, tmp_path, "self_attn.v_proj")
+    facts = exact.manifest.quantization
+    assert (facts.linears_kept, facts.linears_widened) == (11, 0)
+
+    engine = build(source, tmp_path / "auto")
+    model = onnx.load(str(engine.artifact.path(engine.manifest.graphs["step"].file)), load_external_data=False)
+    ops = [node.op_type for node in model.graph.node]
+    assert ops.count("Int6MatMul") == 2 and "MatMulNBits" not in ops
+    values = [n for n in model.graph.node if n.op_type == "Int6MatMul"]
+    assert all("self_attn.qkv_proj.parts.1" in n.input[1] for n in values)
+    for node in values:
+        (concat,) = [n for n in model.graph.node if node.output[0] in n.input]
+        assert concat.op_type == "Concat"
+    prompt = fp32.codec.encode(TEXT)
+    reference = teacher_forced_logits(exact, prompt, prompt[1:4])
+    logits = teacher_forced_logits(engine, prompt, prompt[1:4])
+    assert np.abs(logits - reference).max() < 0.15 * np.abs(reference).max()
+
+
 def test_a_q6_k_layer_keeps_its_blocks_in_six_bits(checkpoint_factory, tmp_path):
     """llama.cpp's Q4_K_M gives some down projections Q6_K: they go in as int8 blocks of 16 holding the file's
     values and products d x sc (computed in float, the engine is the file's fp32 engine), and with int8 activations
@@ -424,17 +497,7 @@ def test_a_q6_k_layer_keeps_its_blocks_in_six_bits(checkpoint_factory, tmp_path)
 
     from plugins.int4_matmul import six_bit_bytes
 
-    source = make_gguf(
-        tmp_path / "q6_k.gguf",
-        checkpoint_factory("k_quants"),
-        linear_type="Q4_K",
-        module_types={"mlp.down_proj": "Q6_K"},
-    )
-    fp32 = build(source, tmp_path / "fp32", quant="none")
-    exact = build(source, tmp_path / "exact", int8_compute=False)
-    facts = exact.manifest.quantization
-    assert facts.source_blocks_kept == {"Q4_K": 12, "Q6_K": 2, "Q8_0": 1} and facts.linears_requantized == 0
-    assert_computes_what(fp32, exact)
+    source, fp32, exact = q6_k_engines(checkpoint_factory, tmp_path, "mlp.down_proj")
 
     engine = build(source, tmp_path / "auto")
     model = onnx.load(str(engine.artifact.path(engine.manifest.graphs["step"].file)))
