@@ -9,12 +9,11 @@
  * of 2 of at least 32 that divides K), column_tile (16: the layout below, which the node must say it holds), swiglu
  * (optional, 0 or 1).
  *
- * Factored scales (a Q4_K sub-block's as the file stores them, 4.5 bits a weight instead of 6): with a fifth input,
+ * Factored scales (a Q4_K sub-block's as the file stores them, 4.625 bits a weight instead of 6): with a fifth input,
  * factors, float16 [tiles][K / 256][2][16] (per 256 inputs, the scales' factor d, then the minimums' factor -dmin),
- * the scales and minimums are 6-bit multipliers (sc and m), per tile and chunk 12 bytes (`six_bit_multipliers`),
- * and the kernel forms d x sc and -dmin x m in float32 as it reads them: the same floats (a float16 times an integer
- * below 64 is exact there), so the same results bit for bit as those products stored as floats. Blocks of 32, K a
- * multiple of 256.
+ * the scales and minimums are uint8 multipliers in column tiles (sc and m), and the kernel forms d x sc and
+ * -dmin x m in float32 as it reads them: the same floats (a float16 times an integer below 256 is exact there), so
+ * the same results bit for bit as those products stored as floats. Blocks of 32, K a multiple of 256.
  *
  * Int8MatMul, the same op for MatMulNBits's 8-bit blocks (q + 128 stored as uint8, w = scale * q), which hold
  * llama.cpp's Q8_0 blocks (blocks of 32, float16 scales) exactly; no minimums.
@@ -74,7 +73,6 @@
 #define KEEP_IN_REGISTER(v) __asm__("" : "+x"(v))
 #define PREFETCH_BYTES 2048 /* how far ahead of use the weights are fetched (a tile's chunks are contiguous) */
 #define CHUNKS_PER_SUPER_BLOCK 8 /* chunks of 32 that share factored scales' factors: a K-quant super-block of 256 */
-#define MULTIPLIER_BYTES 12     /* a tile's 16 six-bit multipliers of one chunk (factored scales or minimums) */
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 #define INLINE_AVX2 __attribute__((always_inline, target("avx2,fma,f16c"))) static inline
 #define VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vnni")))
@@ -95,7 +93,7 @@ typedef struct Work {
   const uint8_t *w;
   const void *wscale;       /* float, or float16 (scales_f16); int8 multipliers for 6-bit weights */
   const void *minimums;     /* per chunk, of the scales' type (w = scale * q + minimum), or NULL */
-  const uint16_t *factors;  /* float16 per 256 inputs, or NULL: then the scales and minimums are 6-bit multipliers */
+  const uint16_t *factors;  /* float16 per 256 inputs, or NULL: then the scales and minimums are uint8 multipliers */
   float *y;
   QuantizedRows q;
   int64_t m, k, n, chunks, tiles, row_blocks, tile_groups;
@@ -221,7 +219,6 @@ static inline int64_t scales_at(const Work *w, int64_t t, int64_t c) {
   return (t * (w->chunks >> w->shift) + (c >> w->shift)) * TILE_COLUMNS;
 }
 static inline int64_t minimums_at(const Work *w, int64_t t, int64_t c) { return (t * w->chunks + c) * TILE_COLUMNS; }
-static inline int64_t multipliers_at(const Work *w, int64_t t, int64_t c) { return (t * w->chunks + c) * MULTIPLIER_BYTES; }
 static inline int64_t factors_at(const Work *w, int64_t t, int64_t c, int which) {
   return ((t * (w->chunks / CHUNKS_PER_SUPER_BLOCK) + c / CHUNKS_PER_SUPER_BLOCK) * 2 + which) * TILE_COLUMNS;
 }
@@ -236,30 +233,15 @@ INLINE_AVX2 __m256 factors_256(const Work *w, int64_t t, int64_t c, int64_t lane
   return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->factors + factors_at(w, t, c, which) + lane)));
 }
 
-/* A tile's 16 six-bit multipliers of one chunk from their 12 bytes (plugins/int4_matmul.py's `tile_six_bit`), one
- * byte per column: column j's low four bits are the low nibble of byte j (j < 8) or the high nibble of byte j - 8,
- * its high two bits bits 2 (j / 4) and up of byte 8 + j % 4. Shifting 32-bit lane g of the high bytes right by 2g
- * and keeping each byte's lowest two bits gives column 4g + b's from byte b: no bit comes across a byte (2g < 7). */
-INLINE_AVX2 __m128i six_bit_multipliers(const uint8_t *packed) {
-  const __m128i low = _mm_set1_epi8(0x0F), two = _mm_set1_epi8(0x03);
-  const __m128i nibbles = _mm_loadl_epi64((const __m128i *)packed);
-  const __m128i lows = _mm_unpacklo_epi64(_mm_and_si128(nibbles, low), _mm_and_si128(_mm_srli_epi16(nibbles, 4), low));
-  int32_t word;
-  memcpy(&word, packed + 8, sizeof(word));
-  const __m128i highs = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32(word), _mm_setr_epi32(0, 2, 4, 6)), two);
-  return _mm_or_si128(lows, _mm_slli_epi16(highs, 4));
-}
-
-/* tile t's 16 multipliers of chunk c (or those of columns 8 half .. 8 half + 7) times their factors, in float32 (the
- * tiles convert a super-block's factors once) */
+/* 16 (or 8) uint8 multipliers from `at` times their factors, in float32 (the tiles convert a super-block's factors
+ * once) */
 INLINE_VNNI __m512 multiplied_512(const void *multipliers, int64_t at, __m512 factors) {
-  const __m128i sixteen = six_bit_multipliers((const uint8_t *)multipliers + at);
+  const __m128i sixteen = _mm_loadu_si128((const __m128i *)((const uint8_t *)multipliers + at));
   return _mm512_mul_ps(factors, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sixteen)));
 }
 
-INLINE_AVX2 __m256 multiplied_256(const void *multipliers, int64_t at, int half, __m256 factors) {
-  const __m128i sixteen = six_bit_multipliers((const uint8_t *)multipliers + at);
-  const __m128i eight = half ? _mm_unpackhi_epi64(sixteen, sixteen) : sixteen;
+INLINE_AVX2 __m256 multiplied_256(const void *multipliers, int64_t at, __m256 factors) {
+  const __m128i eight = _mm_loadl_epi64((const __m128i *)((const uint8_t *)multipliers + at));
   return _mm256_mul_ps(factors, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eight)));
 }
 
@@ -287,9 +269,9 @@ INLINE_VNNI void tile_512(const Work *w, int64_t r, int64_t t, const int ROWS, c
     } else {
       for (int s = 0; s < 8; s++) u[s] = _mm512_loadu_si512(p + 64 * s);
     }
-    const __m512 ws = FACTORED ? multiplied_512(w->wscale, multipliers_at(w, t, c), factors[0])
+    const __m512 ws = FACTORED ? multiplied_512(w->wscale, minimums_at(w, t, c), factors[0])
                                : floats_512(w->wscale, scales_at(w, t, c), F16);
-    const __m512 wmin = FACTORED ? multiplied_512(w->minimums, multipliers_at(w, t, c), factors[1])
+    const __m512 wmin = FACTORED ? multiplied_512(w->minimums, minimums_at(w, t, c), factors[1])
                         : MIN    ? floats_512(w->minimums, minimums_at(w, t, c), F16)
                                  : _mm512_setzero_ps();
     for (int i = 0; i < ROWS; i++) {
@@ -358,9 +340,9 @@ INLINE_AVX2 void tile_256(const Work *w, int64_t r, int64_t t, const int ROWS, c
           }
         }
       }
-      const __m256 ws = FACTORED ? multiplied_256(w->wscale, multipliers_at(w, t, c), half, factors[0])
+      const __m256 ws = FACTORED ? multiplied_256(w->wscale, minimums_at(w, t, c) + 8 * half, factors[0])
                                  : floats_256(w->wscale, scales_at(w, t, c) + 8 * half, F16);
-      const __m256 wmin = FACTORED ? multiplied_256(w->minimums, multipliers_at(w, t, c), half, factors[1])
+      const __m256 wmin = FACTORED ? multiplied_256(w->minimums, minimums_at(w, t, c) + 8 * half, factors[1])
                           : MIN    ? floats_256(w->minimums, minimums_at(w, t, c) + 8 * half, F16)
                                    : _mm256_setzero_ps();
       for (int i = 0; i < ROWS; i++) {
@@ -552,21 +534,19 @@ static OrtStatus *compute(void *kernel_state, OrtKernelContext *context) {
     return refuse(api, kernel->bits, "takes A, the weights, N * K / 16 int8 multipliers and N * K / 256 float16 "
                                      "factors (N padded to whole tiles)");
   const int factored = count == 5;
-  /* per block of 32: a float (or float16) per column, or factored 12 bytes per tile */
-  const int64_t per_chunk = factored ? tiles * (kernel->k / 32) * MULTIPLIER_BYTES : padded * (kernel->k / 32);
   if (kernel->bits != 6 && count >= 4 && (kernel->bits != 4 || kernel->block_size != 32 || element_type[3] != element_type[2] ||
-                     counts[3] != per_chunk))
-    return refuse(api, kernel->bits, "minimums must be N * K / 32 values of the scales' type (N padded to whole tiles; "
-                                     "6-bit multipliers where factored), for blocks of 32");
+                     counts[3] != padded * (kernel->k / 32)))
+    return refuse(api, kernel->bits, "minimums must be N * K / 32 values of the scales' type (N padded to whole tiles), "
+                                     "for blocks of 32");
   if (rank[0] < 1 || dims[0][rank[0] - 1] != kernel->k || weight_bytes != padded * kernel->k * kernel->bits / 8)
     return refuse(api, kernel->bits, "the input's last axis or the weights' size does not match K and N (N padded to whole tiles)");
   if (count == 5 && (element_type[2] != ELEMENT_UINT8 || element_type[4] != ELEMENT_FLOAT16 ||
                      kernel->k % (32 * CHUNKS_PER_SUPER_BLOCK) || counts[4] != padded * 2 * super_blocks))
-    return refuse(api, kernel->bits, "factored scales are 6-bit multipliers (12 bytes per tile and 32 inputs) beside "
-                                     "N * 2 * K / 256 float16 factors (N padded to whole tiles), K a multiple of 256");
-  if (kernel->bits != 6 && ((factored ? element_type[2] != ELEMENT_UINT8 || counts[2] != per_chunk
-                                       : (element_type[2] != ELEMENT_FLOAT && element_type[2] != ELEMENT_FLOAT16) ||
-                                             counts[2] != padded * (kernel->k / kernel->block_size))))
+    return refuse(api, kernel->bits, "factored scales are uint8 multipliers beside N * 2 * K / 256 float16 factors "
+                                     "(N padded to whole tiles), K a multiple of 256");
+  if (kernel->bits != 6 && ((factored ? element_type[2] != ELEMENT_UINT8
+                                       : element_type[2] != ELEMENT_FLOAT && element_type[2] != ELEMENT_FLOAT16) ||
+                             counts[2] != padded * (kernel->k / kernel->block_size)))
     return refuse(api, kernel->bits, "the scales must be N * K / block_size floats or float16s (N padded to whole tiles)");
   int64_t out_dims[4];
   memcpy(out_dims, dims[0], sizeof(out_dims));
@@ -656,7 +636,7 @@ static void destroy_kernel(void *kernel) { free(kernel); }
 static const char *op_name(const OrtCustomOp *op) {
   return op == &int8_matmul_op ? "Int8MatMul" : op == &int6_matmul_op ? "Int6MatMul" : "Int4MatMul";
 }
-/* scales: float or float16 (6-bit multipliers in uint8 where factored, int8 for Int6MatMul); minimums: the scales' type
+/* scales: float or float16 (uint8 multipliers where factored, int8 for Int6MatMul); minimums: the scales' type
  * (Int6MatMul: its factors); factors: float16 */
 static const int input_types[5] = {ELEMENT_FLOAT, ELEMENT_UINT8, ELEMENT_ANY, ELEMENT_ANY, ELEMENT_FLOAT16};
 static int input_type(const OrtCustomOp *op, size_t index) { (void)op; return input_types[index]; }
@@ -693,11 +673,6 @@ static inline int chunk_value(const uint8_t *chunk, int64_t j, int64_t bits, int
   return low | (chunk[64 * (4 + s / 2) + 4 * j + b] >> (2 * (2 * (s % 2) + odd)) & 3) << 4;
 }
 
-/* column j's multiplier of a tile's 12 bytes of six-bit multipliers (`six_bit_multipliers`) */
-static inline int six_bit_multiplier(const uint8_t *packed, int64_t j) {
-  return (packed[j % 8] >> (j < 8 ? 0 : 4) & 15) | (packed[8 + j % 4] >> (2 * (j / 4)) & 3) << 4;
-}
-
 AVX2 static float stored_float(const void *values, int64_t at, int f16) {
   return f16 ? _cvtsh_ss(((const uint16_t *)values)[at]) : ((const float *)values)[at];
 }
@@ -722,7 +697,7 @@ __attribute__((optimize("fp-contract=off"))) AVX2 static OrtStatus *rows_compute
   const int *type = in.type;
   const int64_t k = kernel->k, bits = kernel->bits, padded = (kernel->n + TILE_COLUMNS - 1) / TILE_COLUMNS * TILE_COLUMNS;
   const int64_t chunks = k / 32, supers = k / (32 * CHUNKS_PER_SUPER_BLOCK), blocks = k / kernel->block_size;
-  /* the layouts the matmul kernels take: 6-bit with int8 multipliers and factors; int4 with 6-bit multipliers of
+  /* the layouts the matmul kernels take: 6-bit with int8 multipliers and factors; int4 with uint8 multipliers of
    * scales and minimums and factors; else float or float16 scales (and minimums of their type, int4 only) */
   const int six = bits == 6, factored = count == 5, minimums = count >= 4 && !six;
   const int f16 = !six && !factored && type[2] == ELEMENT_FLOAT16;
@@ -732,8 +707,7 @@ __attribute__((optimize("fp-contract=off"))) AVX2 static OrtStatus *rows_compute
          counts[3] == padded * supers;
   else if (factored)
     ok = ok && bits == 4 && type[2] == ELEMENT_UINT8 && type[3] == ELEMENT_UINT8 && type[4] == ELEMENT_FLOAT16 &&
-         counts[2] == padded / TILE_COLUMNS * chunks * MULTIPLIER_BYTES && counts[3] == counts[2] &&
-         counts[4] == padded * 2 * supers;
+         counts[2] == padded * chunks && counts[3] == padded * chunks && counts[4] == padded * 2 * supers;
   else
     ok = ok && (type[2] == ELEMENT_FLOAT || type[2] == ELEMENT_FLOAT16) && counts[2] == padded * blocks &&
          (!minimums || (bits == 4 && type[3] == type[2] && counts[3] == padded * chunks));
@@ -766,10 +740,10 @@ __attribute__((optimize("fp-contract=off"))) AVX2 static OrtStatus *rows_compute
           const int8_t multiplier = ((const int8_t *)data[2])[(t * (k / 16) + 2 * c + v / 16) * TILE_COLUMNS + j];
           scale = _cvtsh_ss(((const uint16_t *)data[3])[super_block * TILE_COLUMNS + j]) * (float)multiplier;
         } else if (factored) {
-          const int64_t at = (t * chunks + c) * MULTIPLIER_BYTES;
+          const int64_t at = (t * chunks + c) * TILE_COLUMNS + j;
           const uint16_t *factor = (const uint16_t *)data[4] + super_block * 2 * TILE_COLUMNS + j;
-          scale = _cvtsh_ss(factor[0]) * (float)six_bit_multiplier((const uint8_t *)data[2] + at, j);
-          minimum = _cvtsh_ss(factor[TILE_COLUMNS]) * (float)six_bit_multiplier((const uint8_t *)data[3] + at, j);
+          scale = _cvtsh_ss(factor[0]) * (float)((const uint8_t *)data[2])[at];
+          minimum = _cvtsh_ss(factor[TILE_COLUMNS]) * (float)((const uint8_t *)data[3])[at];
         } else {
           scale = stored_float(data[2], (t * blocks + c * 32 / kernel->block_size) * TILE_COLUMNS + j, f16);
           if (minimums) minimum = stored_float(data[3], (t * chunks + c) * TILE_COLUMNS + j, f16);

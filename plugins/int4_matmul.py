@@ -18,8 +18,8 @@ of 16) keep MatMulNBits. Int4
 blocks with minimums (GGUF Q4_1: w = scale * q + minimum, float16 minimums as the file holds them; Q4_K: float32
 scales and minimums, the products llama.cpp computes) are exported as Int4MatMul nodes with a fourth input already
 (plugins/quant_linear.py), which MatMulNBits cannot express exactly; Q4_K's are stored as the file factors them
-(`factored_scales`: 6-bit multipliers per 32 inputs, `tile_six_bit`, float16 factors per 256, a fifth input), and
-the kernel forms the same products. The kernel needs AVX2, FMA and F16C at run time.
+(`factored_scales`: uint8 multipliers per 32 inputs, float16 factors per 256, a fifth input), and the kernel forms
+the same products. The kernel needs AVX2, FMA and F16C at run time.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def use_in_graph(graph_file: Path) -> dict[str, int]:
     float_minimums = {scales for scales, minimums in minimums_of.items() if minimums in float32}
     multipliers, factored = _factored_nodes(graph_file, {s: minimums_of[s] for s in float_minimums}, tiled)
     factors.update(factored)
-    six_bit_multipliers = {scales: found[0] for scales, found in six_bit.items()}
+    multipliers.update({scales: found[0] for scales, found in six_bit.items()})
 
     def convert(name: str, role: str, n: int, bits: int):
         if role == "weights" and bits == 6:
@@ -122,9 +122,7 @@ def use_in_graph(graph_file: Path) -> dict[str, int]:
         if role == "weights":
             return lambda packed: tile_weights(packed, bits)
         if name in multipliers:
-            return lambda _: tile_six_bit(multipliers[name], n)
-        if name in six_bit_multipliers:
-            return lambda _: tile_per_block(six_bit_multipliers[name], n)
+            return lambda _: tile_per_block(multipliers[name], n)
         if role == "scales" and name not in float_minimums:
             narrow = half_scales if bits == 4 else exact_half_scales
             return lambda scales: tile_per_block(_or_as_is(narrow(scales), scales), n)
@@ -188,7 +186,7 @@ def _factored_nodes(
     graph_file: Path, minimums_of: dict[str, str], tiled: dict[str, tuple]
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """The nodes whose float32 scales and minimums (`minimums_of`: scales -> minimums) both factor
-    (`factored_scales`) and that nothing but the node reads: (scales and minimums -> their 6-bit multipliers
+    (`factored_scales`) and that nothing but the node reads: (scales and minimums -> their uint8 multipliers
     [N, K / 32], `_factors_of(scales)` -> the float16 factors in column tiles, per 256 inputs the scales' then the
     minimums')."""
     from onnx import numpy_helper
@@ -298,10 +296,10 @@ def factored_scales(
     values: np.ndarray, per_super_block: int = CHUNKS_PER_SUPER_BLOCK, signed: bool = False
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """Per-block float32 values [N, K / block] as a float16 factor per `per_super_block` of them (256 inputs) times
-    6-bit multipliers (uint8 of 0..63; int8 where `signed`), exactly, or None where they do not factor so: GGUF Q4_K's
-    scales d x sc and minimums -(dmin x m) of 32 inputs are such products (d, dmin float16, sc and m 6-bit), as Q6_K's
-    scales d x sc of 16 are (sc int8). The kernels read them factored (Q4_K: 4.5 bits a weight instead of 6, as the
-    file), forming the same products. Which factoring is found does not matter: every one gives the same products.
+    uint8 multipliers (int8 where `signed`), exactly, or None where they do not factor so: GGUF Q4_K's scales d x sc
+    and minimums -(dmin x m) of 32 inputs are such products (d, dmin float16, sc and m 6-bit), as Q6_K's scales
+    d x sc of 16 are (sc int8). The kernels read them factored (Q4_K: 4.625 bits a weight instead of 6), forming the
+    same products. Which factoring is found does not matter: every one gives the same products.
 
     How: the value of largest magnitude of a super-block is factor x multiplier for some multiplier in range
     (llama.cpp's largest is mostly 63 for Q4_K, -128 for Q6_K: tried first); each candidate factor is kept where it
@@ -311,7 +309,7 @@ def factored_scales(
     if signed:
         lowest, highest, candidates = -128, 127, (-128, *range(127, 0, -1), *range(-127, 0))
     else:
-        lowest, highest, candidates = 0, SIX_BITS - 1, range(SIX_BITS - 1, 0, -1)
+        lowest, highest, candidates = 0, 255, (*range(63, 0, -1), *range(64, 256))
     largest = groups[np.arange(len(groups)), np.abs(groups).argmax(-1)]
     factors = np.zeros(len(groups), np.float32)
     multipliers = np.zeros(groups.shape, np.int8 if signed else np.uint8)
@@ -348,24 +346,6 @@ def tile_weights(packed: np.ndarray, bits: int) -> np.ndarray:
     words = _pad_columns(packed.reshape(n, -1, bits, 4))  # [N', chunks, vectors, 4]
     tiles = words.reshape(-1, COLUMN_TILE, *words.shape[1:])  # [tiles, columns, chunks, vectors, 4]
     return np.ascontiguousarray(tiles.transpose(0, 2, 3, 1, 4)).reshape(-1, 4)
-
-
-SIX_BITS = 64  # values of a 6-bit multiplier
-MULTIPLIER_BYTES = 12  # a tile's 16 six-bit multipliers of one chunk of 32 inputs (int4_matmul.c)
-
-
-def tile_six_bit(multipliers: np.ndarray, n: int) -> np.ndarray:
-    """6-bit multipliers, one per column and 32 inputs ([N, K / 32], Q4_K's sc or m), in column tiles of 12 bytes per
-    tile and chunk: column j's low four bits in byte j's low nibble (j < 8) or byte j - 8's high one, its high two
-    bits in byte 8 + j % 4 from bit 2 (j // 4) up; [N' / 16 * K / 32 * 12]."""
-    if multipliers.max(initial=0) >= SIX_BITS:
-        raise ValueError("six-bit multipliers must be below 64")
-    per_chunk = _pad_columns(multipliers.reshape(n, -1).astype(np.uint8))
-    tiles = per_chunk.reshape(-1, COLUMN_TILE, per_chunk.shape[1]).transpose(0, 2, 1)  # [tiles, chunks, 16]
-    nibbles = (tiles[..., :8] & 15) | (tiles[..., 8:] & 15) << 4
-    highs = (tiles >> 4).reshape(*tiles.shape[:-1], 4, 4)  # [tiles, chunks, j // 4, j % 4]
-    high_bytes = (highs << (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1)).sum(-2, dtype=np.uint8)
-    return np.ascontiguousarray(np.concatenate((nibbles, high_bytes), -1)).reshape(-1)
 
 
 def tile_per_block(values: np.ndarray, n: int) -> np.ndarray:

@@ -190,16 +190,6 @@ def untiled(tiled: np.ndarray, n: int, bits: int | None = None) -> np.ndarray:
     return lanes.transpose(0, 3, 1, 2, 4).reshape(padded, -1)[:n]
 
 
-def untiled_six_bit(tiled: np.ndarray, n: int) -> np.ndarray:
-    """Six-bit multipliers in column tiles (12 bytes per tile and chunk: column j's low nibble in byte j % 8, the
-    high one from column 8 on, its high two bits in byte 8 + j % 4 from bit 2 (j // 4)) back as [N, chunks]."""
-    padded = -(-n // 16) * 16
-    packed = tiled.reshape(padded // 16, -1, 12).astype(np.int64)
-    j = np.arange(16)
-    values = (packed[..., j % 8] >> (4 * (j // 8)) & 15) | (packed[..., 8 + j % 4] >> (2 * (j // 4)) & 3) << 4
-    return values.transpose(0, 2, 1).reshape(padded, -1)[:n]
-
-
 def test_auto_builds_a_gguf_at_its_own_blocks_in_our_fused_kernels(tiny_gguf, tmp_path):
     """The default (--quant auto) keeps the file's Q4_1 / Q8_0 blocks: each linear one Int4MatMul (minimums inside)
     or Int8MatMul node holding the file's codes, float16 scales and minimums bit for bit; no MatMulNBits, no
@@ -355,7 +345,7 @@ def assert_computes_what(reference_engine: LLMEngine, engine: LLMEngine) -> None
 def test_a_q4_k_gguf_engine_holds_the_files_sub_blocks(checkpoint_factory, tmp_path):
     """Q4_K layers go in as they are: computed in float, the engine equals the fp32 engine of the same file; with
     int8 activations each linear is one Int4MatMul node whose scales and minimums are the file's factors (float16 d
-    and -dmin per 256 inputs, 6-bit sc and m per 32), which multiply to the file's sub-block products d x sc and
+    and -dmin per 256 inputs, uint8 sc and m per 32), which multiply to the file's sub-block products d x sc and
     -(dmin x m), and whose nibbles are the file's (the kernel's numerics against float64, and against the products
     stored as float32: tests/plugins/test_int4_matmul.py)."""
     import gguf
@@ -378,9 +368,8 @@ def test_a_q4_k_gguf_engine_holds_the_files_sub_blocks(checkpoint_factory, tmp_p
     n = next(a.i for a in o_proj.attribute if a.name == "N")
     raw = next(t for t in gguf.GGUFReader(str(source)).tensors if t.name == "blk.1.attn_output.weight")
     values, scales, minimums = BlockQuantized("Q4_K", np.asarray(raw.data), 256).to_matmul_nbits()
-    multipliers, minimum_multipliers = (untiled_six_bit(constants[name], n) for name in o_proj.input[2:4])
-    factors = untiled(constants[o_proj.input[4]], n)
-    assert multipliers.max() < 64 and minimum_multipliers.max() < 64 and factors.dtype == np.float16
+    multipliers, minimum_multipliers, factors = (untiled(constants[name], n) for name in o_proj.input[2:])
+    assert multipliers.dtype == minimum_multipliers.dtype == np.uint8 and factors.dtype == np.float16
     per_chunk = factors.reshape(n, -1, 1, 2).repeat(8, axis=2).reshape(n, -1, 2).astype(np.float32)
     assert np.array_equal(per_chunk[..., 0] * multipliers, scales.numpy().reshape(n, -1))
     assert np.array_equal(per_chunk[..., 1] * minimum_multipliers, minimums.numpy())

@@ -79,10 +79,8 @@ def session(
     elif op in ("Int4MatMul", "Int8MatMul"):
         if tile:
             packed = int4_matmul.tile_weights(packed, 8 if op == "Int8MatMul" else 4)
-            # factored scales and minimums are 6-bit multipliers
-            tile = int4_matmul.tile_per_block if factors is None else int4_matmul.tile_six_bit
-            scales = tile(scales, n)
-            minimums = None if minimums is None else tile(minimums, n)
+            scales = int4_matmul.tile_per_block(scales, n)
+            minimums = None if minimums is None else int4_matmul.tile_per_block(minimums, n)
             factors = None if factors is None else int4_matmul.tile_per_block(factors, n)
         constants = [numpy_helper.from_array(packed, "w"), numpy_helper.from_array(scales, "s")]
         extra = {"swiglu": swiglu} if swiglu else {}
@@ -328,31 +326,16 @@ def test_factored_scales_of_the_wrong_size_type_or_k_are_refused(library):
     n, k = 37, 512
     (packed, multipliers, minimum_multipliers, factors), (scales, _) = factored_q4_k(n, k)
     a = np.ones((1, k), np.float32)
-    six_bit = [int4_matmul.tile_six_bit(values, n) for values in (multipliers, minimum_multipliers)]
-    per_column = [int4_matmul.tile_per_block(values, n) for values in (multipliers, minimum_multipliers)]
-    tiled_factors = int4_matmul.tile_per_block(factors, n)
     bad_inputs = [
-        (*six_bit, tiled_factors[:-1]),  # short factors
-        (*six_bit, tiled_factors.astype(np.float32)),  # not float16
-        (*per_column, tiled_factors),  # a byte per column and chunk, not 6 bits
-        (six_bit[0], six_bit[1][:-1], tiled_factors),  # short minimums
-        (int4_matmul.tile_per_block(scales, n), per_column[1].astype(np.float32), tiled_factors),  # floats
+        (multipliers, minimum_multipliers, factors[:, :-1]),  # short factors
+        (multipliers, minimum_multipliers, factors.astype(np.float32)),  # not float16
+        (scales.reshape(n, -1), minimum_multipliers.astype(np.float32), factors),  # float scales beside factors
     ]
     state = ort.capi.onnxruntime_pybind11_state
-    tiled_weights = int4_matmul.tile_weights(packed, 4)
     for scale_input, minimum_input, factor_input in bad_inputs:
         with pytest.raises((state.Fail, state.InvalidGraph, state.InvalidArgument)):
             session(
-                library,
-                "Int4MatMul",
-                tiled_weights,
-                scale_input,
-                k,
-                n,
-                32,
-                minimums=minimum_input,
-                factors=factor_input,
-                tile=False,
+                library, "Int4MatMul", packed, scale_input, k, n, 32, minimums=minimum_input, factors=factor_input
             ).run(None, {"a": a})
     k = 96  # K not a multiple of 256
     (packed, multipliers, minimum_multipliers, _), _ = factored_q4_k(n, 256)
@@ -424,23 +407,6 @@ def test_the_build_stores_float32_scales_factored_where_they_factor(library, tmp
     )
 
 
-def test_six_bit_multipliers_are_tiled_as_the_kernels_read_them():
-    """12 bytes per tile of 16 columns and chunk of 32 inputs: column j's low nibble in byte j % 8 (the high nibble
-    from column 8 on), its high two bits in byte 8 + j % 4 from bit 2 (j // 4) up; N padded with zero columns."""
-    n, chunks = 21, 3
-    multipliers = np.random.default_rng(2).integers(0, 64, (n, chunks), dtype=np.uint8)
-    tiled = int4_matmul.tile_six_bit(multipliers, n).reshape(2, chunks, 12)
-    for column in range(32):
-        t, j = divmod(column, 16)
-        for chunk in range(chunks):
-            packed = tiled[t, chunk]
-            low = packed[j % 8] >> (4 * (j // 8)) & 15
-            high = packed[8 + j % 4] >> (2 * (j // 4)) & 3
-            assert low | high << 4 == (multipliers[column, chunk] if column < n else 0)
-    with pytest.raises(ValueError, match="below 64"):
-        int4_matmul.tile_six_bit(np.full((n, chunks), 64, np.uint8), n)
-
-
 def test_factored_scales_factor_exactly_or_not_at_all():
     rng = np.random.default_rng(1)
     d = rng.random((3, 2)).astype(np.float16) * np.float16(0.01)
@@ -450,10 +416,7 @@ def test_factored_scales_factor_exactly_or_not_at_all():
     multipliers, factors = int4_matmul.factored_scales(products)
     assert multipliers.dtype == np.uint8 and factors.dtype == np.float16 and factors.shape == (3, 2)
     np.testing.assert_array_equal(factors.astype(np.float32).repeat(8, -1) * multipliers, products)
-    assert int4_matmul.factored_scales(-products)[0].max() < 64  # negative factors: -(dmin x m)
-    wide = products.copy()
-    wide[2, :8] = np.float32(np.float16(0.001)) * np.arange(57, 65)  # only a multiplier of 64 holds it
-    assert int4_matmul.factored_scales(wide) is None
+    assert int4_matmul.factored_scales(-products)[0].max() < 256  # negative factors: -(dmin x m)
     assert int4_matmul.factored_scales(rng.random((3, 16), dtype=np.float32)) is None  # independent floats
     unshared = products.copy()
     unshared[1, 3] = np.float32(np.float16(0.003)) * 7  # one value off its super-block's float16
@@ -891,8 +854,7 @@ def rows_case(kind: str, n: int, k: int):
         return tiled, 6, 16, (stored, scales, None)
     if kind == "Q4_K":
         (packed, multipliers, minimum_multipliers, factors), (scales, minimums) = factored_q4_k(n, k, seed=3)
-        six_bit = [int4_matmul.tile_six_bit(values, n) for values in (multipliers, minimum_multipliers)]
-        tiled = [int4_matmul.tile_weights(packed, 4), *six_bit, tile(factors)]
+        tiled = [int4_matmul.tile_weights(packed, 4), tile(multipliers), tile(minimum_multipliers), tile(factors)]
         return tiled, 4, 32, (packed, scales, minimums)
     if kind == "Q8_0":
         packed = np.random.default_rng(3).integers(0, 256, (n, k // 32, 32), dtype=np.uint8)
