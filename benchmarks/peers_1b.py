@@ -11,8 +11,9 @@ decides the speed: a random-weight Llama of 1B shape, made here (its quality is 
    picks, Q6_K). `--file-type Q4_K_M` makes llama.cpp's Q4_K_M mix instead (Q4_K, with Q6_K on half the down
    projections and value projections and on the table), the type most GGUFs people download have.
 3. Ours, built from that same GGUF (its Q4_0 / Q4_K / Q6_K blocks kept, a fused q/k/v whose parts have different
-   types as one node per part, as the build says) and from the checkpoint (`--quant int4`, round-to-nearest); onnxruntime-genai's int4 CPU model from the checkpoint (its model builder, RTN block 32,
-   accuracy level 4) where asked.
+   types as one node per part, as the build says) and from the checkpoint (`--quant int4`, round-to-nearest);
+   onnxruntime-genai's int4 CPU model from the checkpoint (its model builder, RTN block 32, accuracy level 4) where
+   asked.
 4. Every engine in its own process, runs interleaved round-robin (benchmarks/interleave.py), the chat prompts of
    `runner bench` (~40 and ~650 tokens), greedy, --new-tokens tokens; the memory bandwidth measured in the same run.
 Each step is skipped when its output exists in --work. Writes benchmarks/results/<--name>_<commit>.{json,md}.

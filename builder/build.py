@@ -625,7 +625,9 @@ def _load_weights(
     else:
         kept, wider, splits = {}, {}, {}
         if options.keep_source_blocks:
-            splits = split_linears(config, quant, checkpoint.block_formats, checkpoint.weight_types)
+            splits = split_linears(
+                config, quant, checkpoint.block_formats, checkpoint.weight_types, kernels["QuantizedMatMul"]
+            )
             kept = kept_block_specs(
                 config, quant, options.quantize_lm_head, checkpoint.block_formats, kernels["QuantizedMatMul"], splits
             )

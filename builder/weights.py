@@ -99,22 +99,30 @@ def auto_quantization(config: ModelConfig, weight_types: Mapping[str, str]) -> s
 
 
 def split_linears(
-    config: ModelConfig, quant: QuantSpec | None, block_formats: Mapping[str, str], weight_types: Mapping[str, str]
+    config: ModelConfig,
+    quant: QuantSpec | None,
+    block_formats: Mapping[str, str],
+    weight_types: Mapping[str, str],
+    packed_forms: bool = False,
 ) -> dict[str, tuple[int, ...]]:
-    """Fused linears whose checkpoint weights no one stored form holds -> the row bounds of their parts, each a run
-    of consecutive weights stored alike: the same exact form's bits and block size (kept_block_specs), or quantized
-    from float to the same bits (wider_specs). llama.cpp's Q4_K_M gives some layers' value projection Q6_K beside
-    Q4_K queries and keys: one layout for the three would be int8 (8.5 bits a weight for queries and keys the file
-    packs in 4.5); split, the queries and keys keep their Q4_K blocks and the values their Q6_K ones, at the price of
-    one more matmul node and a concatenation."""
+    """Fused linears whose checkpoint weights are stored in different forms -> the row bounds of their parts, each a
+    run of consecutive weights stored alike: the same exact form's bits and block size (kept_block_specs), or
+    quantized from float to the same bits (wider_specs); with `packed_forms` (our CPU kernels run the build's int8
+    matmuls), also the same bits in those kernels' own form (a Q5_0 block takes 5.5 bits there, a Q8_0 one 8.5).
+    llama.cpp's Q4_K_M gives some layers' value projection Q6_K beside Q4_K queries and keys (or, where a row is not
+    a multiple of 256, Q8_0 beside Q5_0): one layout for the three would be int8 for all; split, each part keeps its
+    own blocks, at the price of one more matmul node and a concatenation."""
     if quant is None:
         return {}
+    packed_forms = packed_forms and quant.accuracy_level == 4  # the kernels' own forms take int8 activations
     rows = fused_rows(config)
     splits = {}
     for module, names in linear_sources(config, False).items():
-        if len(names) < 2 or _spec_holding(quant, [block_formats.get(name, "") for name in names]) is not None:
-            continue
-        forms = [_stored_form(quant, block_formats.get(name, ""), weight_types.get(name, "")) for name in names]
+        if len(names) < 2:
+            continue  # not a fused linear
+        forms = [
+            _stored_form(quant, block_formats.get(name, ""), weight_types.get(name, ""), packed_forms) for name in names
+        ]
         starts = [rows[_FUSED_PATTERN.fullmatch(name).group(2)][1] for name in names]
         bounds = [first for first, form, before in zip(starts, forms, [None, *forms]) if form != before]
         if len(bounds) > 1:
@@ -122,11 +130,15 @@ def split_linears(
     return splits
 
 
-def _stored_form(quant: QuantSpec, block_format: str, weight_type: str) -> tuple[bool, int, int]:
-    """(kept as the file's blocks, bits, block size) of one weight stored on its own."""
+def _stored_form(
+    quant: QuantSpec, block_format: str, weight_type: str, packed_forms: bool
+) -> tuple[bool, int, int, int | None]:
+    """(kept as the file's blocks, bits, block size, bits in our kernels' own form where `packed_forms` and fewer)
+    of one weight stored on its own."""
     kept = _spec_holding(quant, [block_format])
     spec = kept or _at_least_source_bits(quant, [weight_type]) or quant
-    return kept is not None, spec.bits, spec.block_size
+    packed = EXACT_FORMS[block_format].packed_bits if kept and packed_forms else None
+    return kept is not None, spec.bits, spec.block_size, packed
 
 
 def kept_block_specs(

@@ -25,6 +25,11 @@
  * 256. A chunk's integer sum over both its sub-blocks, sc x (q . a - 32 x the sub-block's sum of a), is exact in int32
  * and meets d and the activations' scale in one fma. Its tiles are AVX2 ones on every CPU (none for VNNI yet).
  *
+ * Int5MatMul, for llama.cpp's Q5_0 (5.5 bits a weight, as the file holds it): w = scale x (q - 16) with q of 5 bits,
+ * under Int8MatMul's contract otherwise (A, B, scales float or float16 per block). B in column tiles of 5 vectors a
+ * chunk: the low nibbles as int4's 4, then one whose lane byte b holds the high bit of vector s's even value b in
+ * bit 2s and of its odd one in bit 2s + 1.
+ *
  * Column tiles (plugins/int4_matmul.py's `tile_columns` writes them from MatMulNBits's [N, K / block, block * bits /
  * 8]): the columns in tiles of 16, N padded with zero columns to a multiple of 16; per tile, per 32 values of K (a
  * "chunk"), `bits` vectors of 64 bytes, in which lane j (4 bytes) of vector s holds bytes 4s .. 4s + 3 of column j's
@@ -99,7 +104,7 @@ typedef struct Work {
   int64_t m, k, n, chunks, tiles, row_blocks, tile_groups;
   int shift; /* chunk c takes the scale of block c >> shift */
   int scales_f16; /* the scales, and minimums where there are, are float16 */
-  int bits; /* 4, 6 (Int6MatMul) or 8 (Int8MatMul) */
+  int bits; /* 4, 5 (Int5MatMul), 6 (Int6MatMul) or 8 (Int8MatMul) */
   int vnni; /* the tiles' AVX-512 VNNI variant */
 } Work;
 
@@ -156,7 +161,8 @@ AVX2 static void quantize_rows(void *data, size_t unit) {
   const __m256i in_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* after packing to bytes */
   const __m256i evens_first = _mm256_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15,
                                                0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
-  const int32_t zero_point = w->bits == 4 ? 8 : 128; /* 6-bit weights' 32 goes with their multipliers */
+  /* 6-bit weights' 32 goes with their multipliers */
+  const int32_t zero_point = w->bits == 4 ? 8 : w->bits == 5 ? 16 : 128;
   for (int64_t r = first; r < last; r++) {
     for (int64_t c = 0; c < w->chunks; c++) {
       const float *v = w->a + r * w->k + c * 32;
@@ -413,6 +419,59 @@ INLINE_AVX2 void tile6_256(const Work *w, int64_t r, int64_t t, const int ROWS) 
   }
 }
 
+/* Int5MatMul's tiles, half of tile t (8 columns) at a time: a chunk is int4's 4 vectors of low nibbles and one of
+ * high bits (vector s's even value b in lane byte b's bit 2s, its odd one in bit 2s + 1), each shifted to bit 4 of
+ * its value's byte (a 16-bit shift of at most 4 moves no bit across a byte to bit 4). vpmaddubsw pairs of values up
+ * to 31 reach 2 x 2 x 31 x 127 = 15748 per vector, so two vectors' are summed in int16 before vpmaddwd; 16 x the
+ * activations' sum comes off as int4's 8 does. */
+INLINE_AVX2 void tile5_256(const Work *w, int64_t r, int64_t t, const int ROWS, const int F16) {
+  const int64_t chunks = w->chunks;
+  const __m256i low = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10), ones = _mm256_set1_epi16(1);
+  for (int half = 0; half < 2; half++) {
+    const uint8_t *p = w->w + t * chunks * 64 * 5 + 32 * half;
+    __m256 acc[ROW_TILE_AVX2];
+    for (int i = 0; i < ROWS; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < chunks; c++, p += 64 * 5) {
+      if (!half)
+        for (int s = 0; s < 5; s++) _mm_prefetch((const char *)p + PREFETCH_BYTES + 64 * s, _MM_HINT_T0);
+      const int32_t *x[ROW_TILE_AVX2];
+      for (int i = 0; i < ROWS; i++) x[i] = w->q.x + ((r + i) * chunks + c) * 8;
+      const __m256i h = _mm256_loadu_si256((const __m256i *)(p + 64 * 4));
+      __m256i dots[ROW_TILE_AVX2], pairs[ROW_TILE_AVX2];
+      for (int s = 0; s < 4; s++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 64 * s));
+        /* bit 2s (evens) and 2s + 1 (odds) of h to bit 4 */
+        const __m256i even_high = s == 0 ? _mm256_slli_epi16(h, 4) : s == 1 ? _mm256_slli_epi16(h, 2)
+                                : s == 2 ? h : _mm256_srli_epi16(h, 2);
+        const __m256i odd_high = s == 0 ? _mm256_slli_epi16(h, 3) : s == 1 ? _mm256_slli_epi16(h, 1)
+                               : s == 2 ? _mm256_srli_epi16(h, 1) : _mm256_srli_epi16(h, 3);
+        const __m256i evens = _mm256_or_si256(_mm256_and_si256(v, low), _mm256_and_si256(even_high, bit4));
+        const __m256i odds = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), _mm256_and_si256(odd_high, bit4));
+        for (int i = 0; i < ROWS; i++) {
+          const __m256i sum = _mm256_add_epi16(_mm256_maddubs_epi16(evens, _mm256_set1_epi32(x[i][2 * s])),
+                                               _mm256_maddubs_epi16(odds, _mm256_set1_epi32(x[i][2 * s + 1])));
+          if (s % 2 == 0) {
+            pairs[i] = sum;
+            KEEP_IN_REGISTER(pairs[i]);
+          } else {
+            const __m256i products = _mm256_madd_epi16(_mm256_add_epi16(pairs[i], sum), ones);
+            dots[i] = s == 1 ? products : _mm256_add_epi32(dots[i], products);
+            KEEP_IN_REGISTER(dots[i]);
+          }
+        }
+      }
+      const __m256 ws = floats_256(w->wscale, scales_at(w, t, c) + 8 * half, F16);
+      for (int i = 0; i < ROWS; i++) {
+        const int64_t at = (r + i) * chunks + c;
+        const __m256i centred = _mm256_sub_epi32(dots[i], _mm256_set1_epi32(w->q.zero[at]));
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(centred), _mm256_mul_ps(ws, _mm256_set1_ps(w->q.scale[at])), acc[i]);
+      }
+    }
+    for (int i = 0; i < ROWS; i++)
+      store_columns_256(w->y + (r + i) * w->n + t * 16 + 8 * half, acc[i], w->n - t * 16 - 8 * half);
+  }
+}
+
 typedef void (*Tile)(const Work *w, int64_t r, int64_t t);
 /* one function per tile kind and number of rows (1 .. its ROW_TILE), each with its loops unrolled for them */
 #define DEFINE_ROW(NAME, ISA, WIDTH, ROWS, BITS, MIN, F16, FACTORED) \
@@ -448,6 +507,16 @@ DEFINE_INT6_ROW(2)
 DEFINE_INT6_ROW(3)
 DEFINE_INT6_ROW(4)
 static const Tile int6_tiles[ROW_TILE_AVX2] = {int6_1, int6_2, int6_3, int6_4};
+#define DEFINE_INT5_ROW(ROWS)                                                                                 \
+  AVX2 static void int5_##ROWS(const Work *w, int64_t r, int64_t t) { tile5_256(w, r, t, ROWS, 0); }          \
+  AVX2 static void int5_f16_##ROWS(const Work *w, int64_t r, int64_t t) { tile5_256(w, r, t, ROWS, 1); }
+DEFINE_INT5_ROW(1)
+DEFINE_INT5_ROW(2)
+DEFINE_INT5_ROW(3)
+DEFINE_INT5_ROW(4)
+/* [float16 scales][rows - 1] */
+static const Tile int5_tiles[2][ROW_TILE_AVX2] = {{int5_1, int5_2, int5_3, int5_4},
+                                                  {int5_f16_1, int5_f16_2, int5_f16_3, int5_f16_4}};
 enum { INT4, INT4_MIN, INT4_FACTORED, INT8 };
 /* [kind][float16 scales][VNNI][rows - 1] (factored scales are uint8: never float16) */
 static const Tile tiles[4][2][2][ROW_TILE_VNNI] = {
@@ -465,8 +534,9 @@ static void multiply_unit(void *data, size_t unit) {
   const int64_t per_group = TILES_PER_UNIT(w->tiles), t0 = group * per_group;
   const int64_t t1 = t0 + per_group < w->tiles ? t0 + per_group : w->tiles;
   const int kind = w->bits == 8 ? INT8 : w->factors ? INT4_FACTORED : w->minimums ? INT4_MIN : INT4;
-  const Tile *tile = w->bits == 6 ? int6_tiles : tiles[kind][w->scales_f16][w->vnni];
-  const int64_t rows = w->vnni && w->bits != 6 ? ROW_TILE_VNNI : ROW_TILE_AVX2;
+  /* Int6MatMul and Int5MatMul have AVX2 tiles only */
+  const Tile *tile = w->bits == 6 ? int6_tiles : w->bits == 5 ? int5_tiles[w->scales_f16] : tiles[kind][w->scales_f16][w->vnni];
+  const int64_t rows = w->vnni && w->bits != 6 && w->bits != 5 ? ROW_TILE_VNNI : ROW_TILE_AVX2;
   for (int64_t t = t0; t < t1; t++)
     for (int64_t r = r0; r < r1; r += rows) tile[(r1 - r < rows ? r1 - r : rows) - 1](w, r, t);
 }
@@ -474,7 +544,7 @@ static void multiply_unit(void *data, size_t unit) {
 typedef struct Kernel {
   OrtApiTable api;
   int64_t k, n, block_size, swiglu;
-  int bits; /* 4: Int4MatMul, 8: Int8MatMul */
+  int bits; /* 4: Int4MatMul, 5: Int5MatMul, 6: Int6MatMul, 8: Int8MatMul */
   int vnni; /* this CPU has AVX-512 (F, BW) and VNNI and KERNEL_ISA_VARIABLE does not say avx2 */
 } Kernel;
 
@@ -534,6 +604,8 @@ static OrtStatus *compute(void *kernel_state, OrtKernelContext *context) {
     return refuse(api, kernel->bits, "takes A, the weights, N * K / 16 int8 multipliers and N * K / 256 float16 "
                                      "factors (N padded to whole tiles)");
   const int factored = count == 5;
+  if (kernel->bits == 5 && count != 3)
+    return refuse(api, kernel->bits, "takes 3 inputs (A, the weights, the scales)");
   if (kernel->bits != 6 && count >= 4 && (kernel->bits != 4 || kernel->block_size != 32 || element_type[3] != element_type[2] ||
                      counts[3] != padded * (kernel->k / 32)))
     return refuse(api, kernel->bits, "minimums must be N * K / 32 values of the scales' type (N padded to whole tiles), "
@@ -591,7 +663,7 @@ static int use_vnni(void) {
 __attribute__((visibility("default"))) const char *QuantizedMatMulIsa(void) { return use_vnni() ? "avx512vnni" : "avx2"; }
 
 static OrtStatus *create_kernel(const OrtCustomOp *op, OrtApiTable api, const OrtKernelInfo *info, void **out) {
-  const int bits = op == &int8_matmul_op ? 8 : op == &int6_matmul_op ? 6 : 4;
+  const int bits = op == &int8_matmul_op ? 8 : op == &int6_matmul_op ? 6 : op == &int5_matmul_op ? 5 : 4;
   Kernel *kernel = calloc(1, sizeof(Kernel));
   if (!kernel) return refuse(api, bits, "out of memory");
   kernel->api = api;
@@ -634,7 +706,10 @@ static OrtStatus *create_kernel(const OrtCustomOp *op, OrtApiTable api, const Or
 
 static void destroy_kernel(void *kernel) { free(kernel); }
 static const char *op_name(const OrtCustomOp *op) {
-  return op == &int8_matmul_op ? "Int8MatMul" : op == &int6_matmul_op ? "Int6MatMul" : "Int4MatMul";
+  return op == &int8_matmul_op   ? "Int8MatMul"
+         : op == &int6_matmul_op ? "Int6MatMul"
+         : op == &int5_matmul_op ? "Int5MatMul"
+                                 : "Int4MatMul";
 }
 /* scales: float or float16 (uint8 multipliers where factored, int8 for Int6MatMul); minimums: the scales' type
  * (Int6MatMul: its factors); factors: float16 */
@@ -651,11 +726,13 @@ OrtCustomOp int4_matmul_op =
     CPU_CUSTOM_OP(op_name, input_type, input_count, minimums_optional, output_count, create_kernel, compute, destroy_kernel);
 OrtCustomOp int8_matmul_op =
     CPU_CUSTOM_OP(op_name, input_type, input_count, minimums_optional, output_count, create_kernel, compute, destroy_kernel);
+OrtCustomOp int5_matmul_op =
+    CPU_CUSTOM_OP(op_name, input_type, input_count, minimums_optional, output_count, create_kernel, compute, destroy_kernel);
 /* QuantizedRows: rows of a quantized matmul's weight, dequantized. A tied LM head's blocks are the embedding table
  * too, and the lookup reads them where the head's node does, as llama.cpp reads a GGUF's quantized token_embd: no
  * float table, and no copy of the blocks in another layout. Inputs: ids [...] int64; then the inputs of the head's
- * Int4MatMul / Int6MatMul / Int8MatMul node as it reads them (weights in column tiles, scales, minimums, factors).
- * Attributes: K, N (rows of the table), bits (4, 6, 8), block_size, column_tile (16). Output [..., K] float32: each
+ * Int4MatMul / Int5MatMul / Int6MatMul / Int8MatMul node as it reads them (weights in column tiles, scales, minimums,
+ * factors). Attributes: K, N (rows of the table), bits (4, 5, 6, 8), block_size, column_tile (16). Output [..., K] float32: each
  * weight as plugins/quant_linear.py's reference computes it, scale x (q - zero point) or scale x q + minimum with
  * one rounding per operation (no fma), scales and minimums that are factored formed as the matmul kernels form
  * them. An id outside [0, N) is an error. Scalar code: a call reads one table row per token. */
@@ -670,6 +747,7 @@ static inline int chunk_value(const uint8_t *chunk, int64_t j, int64_t bits, int
   const int s = v / 8, b = v % 8 / 2, odd = v % 2;
   const int low = chunk[64 * s + 4 * j + b] >> (4 * odd) & 15;
   if (bits == 4) return low;
+  if (bits == 5) return low | (chunk[64 * 4 + 4 * j + b] >> (2 * s + odd) & 1) << 4;
   return low | (chunk[64 * (4 + s / 2) + 4 * j + b] >> (2 * (2 * (s % 2) + odd)) & 3) << 4;
 }
 
@@ -724,7 +802,7 @@ __attribute__((optimize("fp-contract=off"))) AVX2 static OrtStatus *rows_compute
           context, 0, out_dims, rank[0] + 1, &output) || !tensor(api, output, &out, ignored))
     return refuse_rows(api, "cannot allocate its output (ids of at most 3 dimensions)");
   const int64_t *ids = data[0];
-  const int zero_point = bits == 4 ? 8 : bits == 6 ? 32 : 128;
+  const int zero_point = bits == 4 ? 8 : bits == 5 ? 16 : bits == 6 ? 32 : 128;
   for (int64_t r = 0; r < counts[0]; r++) {
     const int64_t id = ids[r];
     if (id < 0 || id >= kernel->n) return refuse_rows(api, "an id is outside the table");
@@ -771,7 +849,7 @@ static OrtStatus *create_rows_kernel(const OrtCustomOp *op, OrtApiTable api, con
   const int64_t k = kernel->k, block = kernel->block_size;
   if (!status && (column_tile != TILE_COLUMNS || kernel->n <= 0 || k <= 0 || k % 32 ||
                   (kernel->bits == 6 ? block != 16 || k % (32 * CHUNKS_PER_SUPER_BLOCK)
-                                     : (kernel->bits != 4 && kernel->bits != 8) || block < 32 || (block & (block - 1)) ||
+                                     : (kernel->bits != 4 && kernel->bits != 5 && kernel->bits != 8) || block < 32 || (block & (block - 1)) ||
                                            k % block)))
     status = refuse_rows(api, "K, N, bits and block_size must be a quantized matmul's, in column tiles of 16");
   if (!status && !(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")))

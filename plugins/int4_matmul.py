@@ -46,7 +46,9 @@ def unavailable_reason(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
 
 OPS = {4: "Int4MatMul", 8: "Int8MatMul"}  # bits -> our op
 INT6_OP = "Int6MatMul"  # Q6_K's 6-bit blocks, which no MatMulNBits node holds as such (`six_bit_nodes`)
-KERNEL_OPS = (*OPS.values(), INT6_OP)
+INT5_OP = "Int5MatMul"  # Q5_0's 5-bit blocks, held by int8 MatMulNBits nodes (`five_bit_nodes`)
+KERNEL_OPS = (*OPS.values(), INT6_OP, INT5_OP)
+OP_BITS = {"Int4MatMul": 4, INT5_OP: 5, INT6_OP: 6, "Int8MatMul": 8}  # bits a weight's value takes in each op
 ROWS_OP = "QuantizedRows"  # the embedding lookup from a tied head's blocks (plugins/quant_linear.py's `rows`)
 
 
@@ -68,7 +70,8 @@ COLUMN_TILE = 16  # columns per tile of the kernels' weight layout (int4_matmul.
 
 def use_in_graph(graph_file: Path) -> dict[str, int]:
     """Replace every MatMulNBits node of `graph_file` our kernels cover by Int4MatMul / Int8MatMul (Int6MatMul for
-    Q6_K's blocks, `six_bit_nodes`: their values in 6 bits, their scales as int8 multipliers of float16 factors),
+    Q6_K's blocks, `six_bit_nodes`: their values in 6 bits, their scales as int8 multipliers of float16 factors;
+    Int5MatMul for int8 blocks whose values fit 5 bits, Q5_0's, `five_bit_nodes`),
     store their weights, scales and minimums in the kernels' column tiles (`tile_weights`, `tile_per_block`; a
     tied head's QuantizedRows node, the embedding lookup, then reads them as its head does:
     `_rows_read_their_matmuls`), the scales of int4 nodes as float16 (`half_scales`; int8 nodes' only where float16
@@ -81,6 +84,7 @@ def use_in_graph(graph_file: Path) -> dict[str, int]:
     tiled: dict[str, tuple] = {}  # initializer -> (role, N, bits) of the node that reads it
     minimums_of: dict[str, str] = {}  # scales -> the minimums beside them
     six_bit = six_bit_nodes(graph_file)  # scales -> their int8 multipliers and float16 factors
+    five_bit = five_bit_nodes(graph_file)  # weights
     factors: dict[str, np.ndarray] = {}  # initializers added: factors in column tiles
 
     def replace(node):
@@ -91,13 +95,15 @@ def use_in_graph(graph_file: Path) -> dict[str, int]:
         elif node.op_type == "MatMulNBits" and node.domain == "com.microsoft" and inputs[2] in six_bit:
             op, inputs = INT6_OP, [*inputs, _factors_of(inputs[2])]
             factors[inputs[3]] = tile_per_block(six_bit[inputs[2]][1], attributes["N"])
+        elif node.op_type == "MatMulNBits" and node.domain == "com.microsoft" and inputs[1] in five_bit:
+            op = INT5_OP
         elif node.op_type == "MatMulNBits" and node.domain == "com.microsoft":
             op = kernel_for(attributes, len(node.input))
         else:
             return None
         if op is None:
             return None
-        bits = {"Int8MatMul": 8, INT6_OP: 6}.get(op, 4)
+        bits = OP_BITS[op]
         for role, name in zip(("weights", "scales", "minimums"), node.input[1:]):
             tiled[name] = (role, attributes["N"], bits)
         if len(node.input) == 4:
@@ -119,6 +125,8 @@ def use_in_graph(graph_file: Path) -> dict[str, int]:
     def convert(name: str, role: str, n: int, bits: int):
         if role == "weights" and bits == 6:
             return lambda packed: tile_weights(six_bit_bytes(packed.reshape(n, -1) - np.uint8(SIX_BIT_OFFSET)), 6)
+        if role == "weights" and bits == 5:
+            return lambda packed: tile_weights(five_bit_bytes(packed.reshape(n, -1) - np.uint8(FIVE_BIT_OFFSET)), 5)
         if role == "weights":
             return lambda packed: tile_weights(packed, bits)
         if name in multipliers:
@@ -167,7 +175,7 @@ def _rows_read_their_matmuls(graph_file: Path) -> int:
             domain=DOMAIN,
             K=attributes["K"],
             N=attributes["N"],
-            bits={"Int8MatMul": 8, INT6_OP: 6}.get(matmul.op_type, 4),
+            bits=OP_BITS[matmul.op_type],
             block_size=attributes["block_size"],
             column_tile=COLUMN_TILE,
         )
@@ -251,6 +259,48 @@ def six_bit_nodes(graph_file: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         if (factored := six_bit_form(weights, scales.reshape(attributes["N"], -1))) is not None:
             found[node.input[2]] = factored
     return found
+
+
+FIVE_BIT_OFFSET = 112  # an int8 block's stored q + 128 less this: Q5_0's unsigned 5-bit value (q + 16)
+
+
+def five_bit_nodes(graph_file: Path) -> set[str]:
+    """The weights of the int8 MatMulNBits nodes our kernels cover whose values all fit 5 bits (q - 16 with q of
+    0..31: GGUF Q5_0's, which the build keeps as int8 blocks for every backend to run), nothing but the node reading
+    them: Int5MatMul takes them in 5 bits, 5.5 bits a weight with float16 scales as the file, where Int8MatMul reads
+    8.5."""
+    from onnx import helper, numpy_helper
+
+    model, readers, tensors = _readers_and_initializers(graph_file)
+    found = set()
+    for node in model.graph.node:
+        attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        weights = node.input[1] if len(node.input) > 1 else ""
+        if (
+            node.op_type != "MatMulNBits"
+            or node.domain != "com.microsoft"
+            or kernel_for(attributes, len(node.input)) != OPS[8]
+            or readers.get(weights) != 1
+            or weights not in tensors
+        ):
+            continue
+        values = numpy_helper.to_array(tensors[weights], str(graph_file.parent))
+        if values.min() >= FIVE_BIT_OFFSET and values.max() <= FIVE_BIT_OFFSET + 31:
+            found.add(weights)
+    return found
+
+
+def five_bit_bytes(values: np.ndarray) -> np.ndarray:
+    """Unsigned 5-bit values [N, K] -> Int5MatMul's 20 bytes per column and 32 inputs [N, K / 32, 20], which
+    `tile_weights(..., 5)` puts in column tiles: the low nibbles as int4's 16 bytes (value 2i in byte i's low nibble,
+    2i + 1 in its high one), then 4 bytes whose byte b holds the high bit of value 8s + 2b + odd in bit 2s + odd."""
+    n = values.shape[0]
+    chunks = values.reshape(n, -1, 32).astype(np.uint8)
+    lows = (chunks[..., 0::2] & 15) | (chunks[..., 1::2] & 15) << 4
+    highs = (chunks >> 4).reshape(n, -1, 4, 4, 2)  # [.., s, b, odd]
+    shifts = (2 * np.arange(4).reshape(4, 1, 1) + np.arange(2)).astype(np.uint8)  # bit 2s + odd
+    packed = (highs << shifts).sum(axis=(2, 4), dtype=np.uint8)  # [.., b]
+    return np.concatenate((lows, packed), axis=-1)
 
 
 def six_bit_form(weights: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:

@@ -40,15 +40,18 @@ class ExactForm:
     # whether an embedding table (or a tied head, which the table's lookups read) keeps them so: Q6_K's int8 blocks of
     # 16 with float32 scales are 10 bits a weight, compact only in the matmul kernel's own form (6.5625)
     in_tables: bool = True
+    # the bits a value takes in our CPU kernels' own form where fewer than `bits` (plugins/int4_matmul.py stores int8
+    # blocks whose values fit 5 or 6 bits so)
+    packed_bits: int | None = None
 
 
 EXACT_FORMS = {
     "Q8_0": ExactForm(8),
-    "Q5_0": ExactForm(8),
+    "Q5_0": ExactForm(8, packed_bits=5),
     "Q4_0": ExactForm(4),
     "Q4_1": ExactForm(4, "float16"),
     "Q4_K": ExactForm(4, "float32"),
-    "Q6_K": ExactForm(8, block_size=16, in_tables=False),
+    "Q6_K": ExactForm(8, block_size=16, in_tables=False, packed_bits=6),
 }
 # bytes of one block, and the inputs it covers
 _BLOCK_BYTES = {

@@ -11,6 +11,7 @@ from builder.build import BuildOptions, build_engine
 from builder.loaders import load_checkpoint
 from builder.loaders.gguf_blocks import BlockQuantized
 from builder.weights import auto_quantization, kept_block_specs, linear_sources, split_linears, wider_specs
+from plugins.int4_matmul import five_bit_bytes
 from plugins.quant_linear import QuantSpec, dequantize_blockwise
 from runner.core.args import EngineArgs
 from runner.core.engine import LLMEngine
@@ -133,6 +134,11 @@ def test_a_fused_linear_of_weights_stored_apart_runs_as_parts(checkpoint_factory
     alike = {f"{layer}.q_proj.weight": "Q4_0", f"{layer}.k_proj.weight": "Q4_1", f"{layer}.v_proj.weight": "Q4_0"}
     assert split_linears(config, int4, alike, alike) == {}
     assert split_linears(config, int4, {}, {}) == {} and split_linears(config, None, formats, types) == {}
+    # Q5_0 beside Q8_0: int8 blocks hold both, but our kernels keep Q5_0 in 5 bits, so they split where those run
+    q5_0 = {f"{layer}.q_proj.weight": "Q5_0", f"{layer}.k_proj.weight": "Q5_0", f"{layer}.v_proj.weight": "Q8_0"}
+    assert split_linears(config, int4, q5_0, q5_0) == {}
+    assert split_linears(config, int4, q5_0, q5_0, packed_forms=True) == {qkv: (0, q + kv, q + 2 * kv)}
+    assert split_linears(config, QuantSpec(4, 32, accuracy_level=0), q5_0, q5_0, packed_forms=True) == {}
 
 
 def test_a_weight_with_more_bits_than_the_build_is_quantized_to_int8(checkpoint_factory):
@@ -480,6 +486,48 @@ def test_q4_k_queries_and_keys_beside_q6_k_values_keep_their_blocks(checkpoint_f
     for node in values:
         (concat,) = [n for n in model.graph.node if node.output[0] in n.input]
         assert concat.op_type == "Concat"
+    prompt = fp32.codec.encode(TEXT)
+    reference = teacher_forced_logits(exact, prompt, prompt[1:4])
+    logits = teacher_forced_logits(engine, prompt, prompt[1:4])
+    assert np.abs(logits - reference).max() < 0.15 * np.abs(reference).max()
+
+
+def test_q5_0_layers_run_in_five_bits_beside_q8_0_values(checkpoint_factory, tmp_path):
+    """llama.cpp's K-quant mixes fall back to Q5_0 (and Q8_0 for the values) where a row is not a multiple of 256,
+    as in the default model's Q4_K_M: computed in float, the engine is the file's fp32 engine; with int8
+    activations every Q5_0 linear is one Int5MatMul node holding the file's values in 5 bits and its float16 scales
+    (5.5 bits a weight, as the file), the fused q/k/v split where its values are Q8_0."""
+    import gguf
+    import onnx
+    from onnx import numpy_helper
+
+    source = make_gguf(
+        tmp_path / "q5_0.gguf", checkpoint_factory("gqa"), linear_type="Q5_0", module_types={"self_attn.v_proj": "Q8_0"}
+    )
+    fp32 = build(source, tmp_path / "fp32", quant="none")
+    exact = build(source, tmp_path / "exact", int8_compute=False)
+    assert exact.manifest.quantization.source_blocks_kept == {"Q5_0": 12, "Q8_0": 3}
+    assert_computes_what(fp32, exact)
+
+    engine = build(source, tmp_path / "auto")
+    facts = engine.manifest.quantization
+    assert (facts.linears_kept, facts.linears_requantized, facts.linears_widened) == (11, 0, 0)
+    model = onnx.load(str(engine.artifact.path(engine.manifest.graphs["step"].file)))
+    five = [n for n in model.graph.node if n.op_type == "Int5MatMul"]
+    assert len(five) == 2 * 4 and "MatMulNBits" not in [node.op_type for node in model.graph.node]
+    assert "Int5MatMul" in engine.manifest.graphs["step"].native_ops
+    values = [n for n in model.graph.node if n.op_type == "Int8MatMul" and "qkv_proj.parts.1" in n.input[1]]
+    assert len(values) == 2
+    constants = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    (o_proj,) = [n for n in five if "layers.1.self_attn.o_proj" in n.input[1]]
+    n = next(a.i for a in o_proj.attribute if a.name == "N")
+    raw = next(t for t in gguf.GGUFReader(str(source)).tensors if t.name == "blk.1.attn_output.weight")
+    hidden = engine.manifest.model.hidden_size
+    stored, scales, _ = BlockQuantized("Q5_0", np.asarray(raw.data), hidden).to_matmul_nbits()
+    assert np.array_equal(untiled(constants[o_proj.input[2]], n), scales.numpy().reshape(n, -1).astype(np.float16))
+    codes = untiled(constants[o_proj.input[1]], n, bits=5).reshape(n, -1, 20)
+    expected = five_bit_bytes(stored.numpy().reshape(n, -1) - np.uint8(112)).reshape(n, -1, 20)
+    assert np.array_equal(codes, expected)
     prompt = fp32.codec.encode(TEXT)
     reference = teacher_forced_logits(exact, prompt, prompt[1:4])
     logits = teacher_forced_logits(engine, prompt, prompt[1:4])

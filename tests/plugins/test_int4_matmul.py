@@ -76,8 +76,11 @@ def session(
             column_tile=int4_matmul.COLUMN_TILE,
             **extra,
         )
-    elif op in ("Int4MatMul", "Int8MatMul"):
-        if tile:
+    elif op in ("Int4MatMul", "Int8MatMul", "Int5MatMul"):
+        if tile and op == "Int5MatMul":  # packed: the 5-bit values [N, K]
+            packed = int4_matmul.tile_weights(int4_matmul.five_bit_bytes(packed), 5)
+            scales = int4_matmul.tile_per_block(scales, n)
+        elif tile:
             packed = int4_matmul.tile_weights(packed, 8 if op == "Int8MatMul" else 4)
             scales = int4_matmul.tile_per_block(scales, n)
             minimums = None if minimums is None else int4_matmul.tile_per_block(minimums, n)
@@ -659,7 +662,7 @@ def test_a_rows_node_reads_its_heads_inputs_as_the_build_stores_them(library, tm
     path = tmp_path / "head.onnx"
     onnx.save(model, str(path))
     counts = int4_matmul.use_in_graph(path)
-    assert counts == {"Int4MatMul": 1, "Int8MatMul": 0, "Int6MatMul": 0, "QuantizedRows": 1}
+    assert counts == {"Int4MatMul": 1, "Int8MatMul": 0, "Int6MatMul": 0, "Int5MatMul": 0, "QuantizedRows": 1}
     head, rows = onnx.load(str(path)).graph.node
     assert rows.input[1:] == head.input[1:] and len(head.input) == (5 if kind == "Q4_K" else 4)
     options = ort.SessionOptions()
@@ -706,9 +709,15 @@ def test_six_bit_weights_against_a_float64_reference_for_1_to_17_rows(library, s
     n, k = SIX_BIT_SHAPES[shape]
     values, multipliers, factors = q6_k_blocks(n, k)
     run = session(library, "Int6MatMul", values, multipliers, k, n, 16, factors=factors)
-    a = np.random.default_rng(3).standard_normal((17, k), dtype=np.float32)
+    assert_reference_in_any_batch(run, q6_k_weight(values, multipliers, factors))
+
+
+def assert_reference_in_any_batch(run, weight: np.ndarray) -> None:
+    """`run` (a session of one matmul node) on 17 rows gives their int8 quantization x `weight`^T (float64), and
+    each leading run of those rows, and row 5 alone, what they give among the 17, bit for bit."""
+    a = np.random.default_rng(3).standard_normal((17, weight.shape[1]), dtype=np.float32)
     a[:, ::13] *= 30
-    reference = int8_activations(a) @ q6_k_weight(values, multipliers, factors).T
+    reference = int8_activations(a) @ weight.T
     everything = run.run(None, {"a": a})[0]
     np.testing.assert_allclose(everything, reference, rtol=0, atol=2e-6 * np.abs(reference).max())
     for rows in range(1, 17):
@@ -770,8 +779,7 @@ def test_the_build_stores_only_q6_k_blocks_in_six_bits(library, tmp_path):
     becomes an Int6MatMul node (6-bit tiles, int8 multipliers, float16 factors) computing its float64 reference; one
     whose values need 8 bits stays onnxruntime's."""
     import onnx
-    import onnxruntime as ort
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import TensorProto, numpy_helper
 
     n, k = 37, 512
     values, multipliers, factors = q6_k_blocks(n, k, seed=4)
@@ -781,6 +789,21 @@ def test_the_build_stores_only_q6_k_blocks_in_six_bits(library, tmp_path):
     wide = stored.copy()
     wide[0, 0, 0] = 200  # q - 32 beyond 6 bits
     constants = {"w": stored, "s": scales, "w2": wide, "s2": scales.copy()}
+    path = save_two_int8_nodes(tmp_path / "two.onnx", constants, k, n, 16)
+    assert int4_matmul.use_in_graph(path)["Int6MatMul"] == 1
+    model = onnx.load(str(path))
+    nodes = {node.name: (node.op_type, list(node.input)) for node in model.graph.node}
+    assert nodes == {"y": ("Int6MatMul", ["a", "w", "s", "s/factors"]), "y2": ("MatMulNBits", ["a", "w2", "s2"])}
+    tensors = {t.name: t for t in model.graph.initializer}
+    assert (tensors["s"].data_type, tensors["s/factors"].data_type) == (TensorProto.INT8, TensorProto.FLOAT16)
+    assert numpy_helper.to_array(tensors["w"]).size == -(-n // 16) * 16 * k * 6 // 8
+    assert_first_output_is(library, path, weight)
+
+
+def save_two_int8_nodes(path: Path, constants: dict[str, np.ndarray], k: int, n: int, block: int) -> Path:
+    """Two int8 MatMulNBits nodes (int8 activations) y = a x (w, s) and y2 = a x (w2, s2), saved at `path`."""
+    from onnx import helper
+
     nodes = [
         helper.make_node(
             "MatMulNBits",
@@ -791,25 +814,109 @@ def test_the_build_stores_only_q6_k_blocks_in_six_bits(library, tmp_path):
             K=k,
             N=n,
             bits=8,
-            block_size=16,
+            block_size=block,
             accuracy_level=4,
         )
         for inputs, out in ((["w", "s"], "y"), (["w2", "s2"], "y2"))
     ]
-    path = save_two_nodes(tmp_path / "two.onnx", nodes, constants, k)
-    assert int4_matmul.use_in_graph(path)["Int6MatMul"] == 1
-    model = onnx.load(str(path))
-    nodes = {node.name: (node.op_type, list(node.input)) for node in model.graph.node}
-    assert nodes == {"y": ("Int6MatMul", ["a", "w", "s", "s/factors"]), "y2": ("MatMulNBits", ["a", "w2", "s2"])}
-    tensors = {t.name: t for t in model.graph.initializer}
-    assert (tensors["s"].data_type, tensors["s/factors"].data_type) == (TensorProto.INT8, TensorProto.FLOAT16)
-    assert numpy_helper.to_array(tensors["w"]).size == -(-n // 16) * 16 * k * 6 // 8
+    return save_two_nodes(path, nodes, constants, k)
+
+
+def assert_first_output_is(library: Path, path: Path, weight: np.ndarray) -> None:
+    """The graph at `path` run on three random rows gives y = their int8 quantization x `weight`^T (float64)."""
+    import onnxruntime as ort
+
     options = ort.SessionOptions()
     options.register_custom_ops_library(str(library))
-    a = np.random.default_rng(4).standard_normal((3, k), dtype=np.float32)
+    a = np.random.default_rng(4).standard_normal((3, weight.shape[1]), dtype=np.float32)
     y = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"]).run(None, {"a": a})[0]
     reference = int8_activations(a) @ weight.T
     np.testing.assert_allclose(y, reference, rtol=0, atol=2e-6 * np.abs(reference).max())
+
+
+def q5_0_blocks(n: int, k: int, seed: int = 0):
+    """Random Q5_0-style blocks: 5-bit values [N, K] (w = scale x (q - 16)), every value, float16 scales of both
+    signs per 32 inputs."""
+    rng = np.random.default_rng(seed)
+    values = rng.integers(0, 32, (n, k), dtype=np.uint8)
+    values[0, :32] = np.arange(32)
+    scales = (rng.random((n, k // 32)) * 0.02 - 0.01).astype(np.float16)
+    return values, scales
+
+
+def q5_0_weight(values: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    n, k = values.shape
+    codes = values.astype(np.float64).reshape(n, -1, 32) - 16
+    return (codes * scales.astype(np.float64)[..., None]).reshape(n, k)
+
+
+FIVE_BIT_SHAPES = {"the default model's q/k/v": (960, 576), "odd N, one block": (37, 32)}
+
+
+@pytest.mark.parametrize("shape", FIVE_BIT_SHAPES)
+def test_five_bit_weights_against_a_float64_reference_for_1_to_17_rows(library, shape, isa):
+    """Int5MatMul, Q5_0's blocks (float16 scales, and float ones): exact integer sums, so the activations' int8
+    quantization (repeated by the reference) and float rounding are all that differ; a row's result is the same
+    alone and among others."""
+    n, k = FIVE_BIT_SHAPES[shape]
+    values, scales = q5_0_blocks(n, k, seed=2)
+    for stored in (scales, scales.astype(np.float32)):
+        run = session(library, "Int5MatMul", values, stored.reshape(-1), k, n, 32)
+        assert_reference_in_any_batch(run, q5_0_weight(values, scales))
+
+
+def test_five_bit_weights_fold_the_swiglu_activation_too(library):
+    n, k = 64, 256
+    values, scales = q5_0_blocks(n, k, seed=4)
+    a = np.random.default_rng(5).standard_normal((3, k), dtype=np.float32)
+    y = session(library, "Int5MatMul", values, scales.reshape(-1), k, n, 32).run(None, {"a": a})[0]
+    fused = session(library, "Int5MatMul", values, scales.reshape(-1), k, n, 32, swiglu=1)
+    gate, up = y[:, : n // 2], y[:, n // 2 :]
+    np.testing.assert_allclose(fused.run(None, {"a": a})[0], gate / (1 + np.exp(-gate)) * up, rtol=1e-5, atol=1e-6)
+
+
+def test_five_bit_inputs_of_the_wrong_size_or_count_are_refused(library):
+    import onnxruntime as ort
+
+    n, k = 37, 256
+    values, scales = q5_0_blocks(n, k)
+    state = ort.capi.onnxruntime_pybind11_state
+    a = np.ones((1, k), np.float32)
+    tiled = int4_matmul.tile_weights(int4_matmul.five_bit_bytes(values), 5)
+    tiled_scales = int4_matmul.tile_per_block(scales, n)
+    for weight_input, scale_input, minimums in (
+        (tiled[:-1], tiled_scales, None),  # short weights
+        (tiled, tiled_scales[:-1], None),  # short scales
+        (tiled, tiled_scales, tiled_scales),  # minimums: Q5_0 has none
+    ):
+        with pytest.raises((state.Fail, state.InvalidGraph, state.InvalidArgument)):
+            session(library, "Int5MatMul", weight_input, scale_input, k, n, 32, minimums=minimums, tile=False).run(
+                None, {"a": a}
+            )
+
+
+def test_the_build_stores_only_five_bit_int8_blocks_in_five_bits(library, tmp_path):
+    """`use_in_graph` on two int8 MatMulNBits nodes in blocks of 32: the one whose values fit 5 bits (Q5_0's, stored
+    q + 128 of 112..143) becomes an Int5MatMul node (5-bit tiles, float16 scales: 5.5 bits a weight) computing its
+    float64 reference; one whose values need 8 bits stays Int8MatMul."""
+    import onnx
+    from onnx import numpy_helper
+
+    n, k = 37, 256
+    values, scales = q5_0_blocks(n, k, seed=6)
+    stored = (values.astype(np.int16) + 112).astype(np.uint8).reshape(n, -1, 32)
+    wide = stored.copy()
+    wide[3, 2, 1] = 144  # q beyond 5 bits
+    constants = {"w": stored, "s": scales.astype(np.float32).reshape(-1), "w2": wide}
+    constants["s2"] = constants["s"].copy()
+    path = save_two_int8_nodes(tmp_path / "two.onnx", constants, k, n, 32)
+    counts = int4_matmul.use_in_graph(path)
+    assert (counts["Int5MatMul"], counts["Int8MatMul"]) == (1, 1)
+    model = onnx.load(str(path))
+    assert {node.name: node.op_type for node in model.graph.node} == {"y": "Int5MatMul", "y2": "Int8MatMul"}
+    tensors = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    assert tensors["w"].size == -(-n // 16) * 16 * k * 5 // 8 and tensors["s"].dtype == np.float16
+    assert_first_output_is(library, path, q5_0_weight(values, scales))
 
 
 def rows_session(library: Path, tiled: list[np.ndarray], k: int, n: int, bits: int, block: int):
@@ -856,6 +963,11 @@ def rows_case(kind: str, n: int, k: int):
         (packed, multipliers, minimum_multipliers, factors), (scales, minimums) = factored_q4_k(n, k, seed=3)
         tiled = [int4_matmul.tile_weights(packed, 4), tile(multipliers), tile(minimum_multipliers), tile(factors)]
         return tiled, 4, 32, (packed, scales, minimums)
+    if kind == "Q5_0":
+        values, scales = q5_0_blocks(n, k, seed=3)
+        stored = (values.astype(np.int16) + 112).astype(np.uint8).reshape(n, -1, 32)
+        tiled = [int4_matmul.tile_weights(int4_matmul.five_bit_bytes(values), 5), tile(scales)]
+        return tiled, 5, 32, (stored, scales.astype(np.float32), None)
     if kind == "Q8_0":
         packed = np.random.default_rng(3).integers(0, 256, (n, k // 32, 32), dtype=np.uint8)
         scales = (np.random.default_rng(4).random(n * k // 32) * 0.02).astype(np.float16)
@@ -870,7 +982,7 @@ def rows_case(kind: str, n: int, k: int):
     return tiled, 4, block, (packed, scales.astype(np.float32), minimums)
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q8_0", "int4 g128"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q6_K", "Q8_0", "int4 g128"])
 def test_rows_of_a_heads_tiles_are_the_references_rows_bit_for_bit(library, kind):
     """QuantizedRows, the embedding lookup of a tied head: from the head's node's inputs as the build stores them
     (column tiles; float16, factored or 6-bit), each row what plugins/quant_linear.py's reference dequantizes from
@@ -889,7 +1001,7 @@ def test_rows_of_a_heads_tiles_are_the_references_rows_bit_for_bit(library, kind
         torch.from_numpy(np.ascontiguousarray(scales).reshape(-1)),
         None if minimums is None else torch.from_numpy(minimums),
         k,
-        8 if bits == 6 else bits,
+        8 if bits in (5, 6) else bits,  # the reference holds 5- and 6-bit values as int8 blocks
     )
     assert ours.shape == (2, 3, k)
     np.testing.assert_array_equal(ours, reference.numpy())
