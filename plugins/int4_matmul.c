@@ -421,8 +421,9 @@ INLINE_AVX2 void tile6_256(const Work *w, int64_t r, int64_t t, const int ROWS) 
 
 /* Int5MatMul's tiles, half of tile t (8 columns) at a time: a chunk is int4's 4 vectors of low nibbles and one of
  * high bits (vector s's even value b in lane byte b's bit 2s, its odd one in bit 2s + 1), each shifted to bit 4 of
- * its value's byte (a 16-bit shift of at most 4 moves no bit across a byte to bit 4). vpmaddubsw pairs of values up
- * to 31 reach 2 x 2 x 31 x 127 = 15748 per vector, so two vectors' are summed in int16 before vpmaddwd; 16 x the
+ * its value's byte (a 16-bit shift of at most 4 moves no bit across a byte to bit 4). A vector's vpmaddubsw pairs,
+ * evens plus odds, reach 2 x 2 x 31 x 127 = 15748: each vector goes through vpmaddwd on its own (summing two in
+ * int16 first would hold a second sum per row, more than AVX2's 16 registers keep beside the chunk); 16 x the
  * activations' sum comes off as int4's 8 does. */
 INLINE_AVX2 void tile5_256(const Work *w, int64_t r, int64_t t, const int ROWS, const int F16) {
   const int64_t chunks = w->chunks;
@@ -437,7 +438,7 @@ INLINE_AVX2 void tile5_256(const Work *w, int64_t r, int64_t t, const int ROWS, 
       const int32_t *x[ROW_TILE_AVX2];
       for (int i = 0; i < ROWS; i++) x[i] = w->q.x + ((r + i) * chunks + c) * 8;
       const __m256i h = _mm256_loadu_si256((const __m256i *)(p + 64 * 4));
-      __m256i dots[ROW_TILE_AVX2], pairs[ROW_TILE_AVX2];
+      __m256i dots[ROW_TILE_AVX2];
       for (int s = 0; s < 4; s++) {
         const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 64 * s));
         /* bit 2s (evens) and 2s + 1 (odds) of h to bit 4 */
@@ -448,16 +449,11 @@ INLINE_AVX2 void tile5_256(const Work *w, int64_t r, int64_t t, const int ROWS, 
         const __m256i evens = _mm256_or_si256(_mm256_and_si256(v, low), _mm256_and_si256(even_high, bit4));
         const __m256i odds = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), _mm256_and_si256(odd_high, bit4));
         for (int i = 0; i < ROWS; i++) {
-          const __m256i sum = _mm256_add_epi16(_mm256_maddubs_epi16(evens, _mm256_set1_epi32(x[i][2 * s])),
-                                               _mm256_maddubs_epi16(odds, _mm256_set1_epi32(x[i][2 * s + 1])));
-          if (s % 2 == 0) {
-            pairs[i] = sum;
-            KEEP_IN_REGISTER(pairs[i]);
-          } else {
-            const __m256i products = _mm256_madd_epi16(_mm256_add_epi16(pairs[i], sum), ones);
-            dots[i] = s == 1 ? products : _mm256_add_epi32(dots[i], products);
-            KEEP_IN_REGISTER(dots[i]);
-          }
+          const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(evens, _mm256_set1_epi32(x[i][2 * s])),
+                                                 _mm256_maddubs_epi16(odds, _mm256_set1_epi32(x[i][2 * s + 1])));
+          const __m256i products = _mm256_madd_epi16(pairs, ones);
+          dots[i] = s ? _mm256_add_epi32(dots[i], products) : products;
+          KEEP_IN_REGISTER(dots[i]);
         }
       }
       const __m256 ws = floats_256(w->wscale, scales_at(w, t, c) + 8 * half, F16);
