@@ -123,10 +123,10 @@ def split_linears(
         forms = [
             _stored_form(quant, block_formats.get(name, ""), weight_types.get(name, ""), packed_forms) for name in names
         ]
-        starts = [rows[_FUSED_PATTERN.fullmatch(name).group(2)][1] for name in names]
-        bounds = [first for first, form, before in zip(starts, forms, [None, *forms]) if form != before]
+        spans = [rows[_FUSED_PATTERN.fullmatch(name).group(2)][1:] for name in names]  # (first row, end row)
+        bounds = [first for (first, _), form, before in zip(spans, forms, [None, *forms]) if form != before]
         if len(bounds) > 1:
-            splits[module] = (*bounds, rows[_FUSED_PATTERN.fullmatch(names[-1]).group(2)][2])
+            splits[module] = (*bounds, spans[-1][1])
     return splits
 
 
