@@ -2,15 +2,16 @@
 decides the speed: a random-weight Llama of 1B shape, made here (its quality is meaningless, its speed is not).
 
     python benchmarks/peers_1b.py [--work engines-out/peers-1b] [--peers llama.cpp,ort-genai] [--runs 3]
-                                  [--file-type Q4_0|Q4_K_M]
+                                  [--file-type Q4_0|Q4_K_M|Q5_K_M]
 
 1. The checkpoint: hidden 2048, 16 layers, 32 / 8 heads, intermediate 8192, vocabulary 49152 (the default model's
    tokenizer), tied embeddings, float16 safetensors in the Hugging Face layout, random with a fixed seed.
 2. llama.cpp's own Q4_0 GGUF of it: its converter (convert_hf_to_gguf.py from llama-cpp-python's source
    distribution, its gguf-py on the path), then `llama_model_quantize` (Q4_0; the tied embedding as its quantizer
    picks, Q6_K). `--file-type Q4_K_M` makes llama.cpp's Q4_K_M mix instead (Q4_K, with Q6_K on half the down
-   projections and value projections and on the table), the type most GGUFs people download have.
-3. Ours, built from that same GGUF (its Q4_0 / Q4_K / Q6_K blocks kept, a fused q/k/v whose parts have different
+   projections and value projections and on the table), the type most GGUFs people download have; `Q5_K_M` its
+   5-bit sibling (Q5_K, the same Q6_K tensors).
+3. Ours, built from that same GGUF (its Q4_0 / Q4_K / Q5_K / Q6_K blocks kept, a fused q/k/v whose parts have different
    types as one node per part, as the build says) and from the checkpoint (`--quant int4`, round-to-nearest);
    onnxruntime-genai's int4 CPU model from the checkpoint (its model builder, RTN block 32, accuracy level 4) where
    asked.
@@ -89,7 +90,7 @@ def llama_cpp_converter(work: Path) -> Path:
     return converter
 
 
-FILE_TYPES = ("Q4_0", "Q4_K_M")
+FILE_TYPES = ("Q4_0", "Q4_K_M", "Q5_K_M")
 
 
 def make_gguf(checkpoint: Path, out: Path, file_type: str, threads: int) -> Path:

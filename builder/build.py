@@ -218,8 +218,8 @@ class BuildOptions:
     def quantized_op(self) -> str:
         """What the quantized linears run, as the manifest records it."""
         if self.backend == "onnxruntime":
-            # int4 blocks with minimums (GGUF Q4_1) cannot be MatMulNBits nodes; with our kernels they are Int4MatMul
-            return "com.microsoft::MatMulNBits, or Int4MatMul for blocks with minimums"
+            # blocks with minimums (GGUF Q4_1, Q5_1, ...) cannot be MatMulNBits nodes; with our kernels they are ours
+            return "com.microsoft::MatMulNBits, or Int4MatMul / Int8MatMul for blocks with minimums"
         if self.backend == "aoti" and self.device == "cpu":
             return "plugins::blockwise_matmul as dequantize + matmul (AOTInductor CPU: not a fused kernel)"
         return "plugins::blockwise_matmul (Triton kernel, block minimums fused)"
@@ -798,14 +798,14 @@ def _native_kernel_choice(options: BuildOptions, log: Callable[[str], None]) -> 
 
 
 def _export_for_our_kernels(model) -> None:
-    """Int4 linears with block minimums (GGUF Q4_1) export as our Int4MatMul node, minimums inside it, where the
-    kernel computes what they ask: int8 activations (accuracy_level 4), blocks of 32. The embedding lookup from a
+    """Linears with block minimums (GGUF Q4_1, Q4_K; Q5_1, Q5_K) export as our Int4MatMul / Int8MatMul node (the
+    graph stage makes the latter Int5MatMul), minimums inside it, where the kernels compute what they ask: int8
+    activations (accuracy_level 4), blocks of 32, int4 values or int8 ones within 5 bits. The embedding lookup from a
     tied head's blocks exports as our QuantizedRows node where our kernels run the head: it then reads the head's
     blocks in the form the head's node takes them (column tiles, factored or 6-bit), no copy and no other form."""
     for linear in model.modules():
         if isinstance(linear, QuantizedLinear) and linear.minimums is not None:
-            spec = linear.spec
-            linear.native_minimums = spec.bits == 4 and spec.block_size == 32 and spec.accuracy_level == 4
+            linear.native_minimums = int4_matmul.takes_minimums(linear.spec, linear.qweight.numpy())
     head = model.lm_head
     if model.embedding_from_head:
         head.native_rows = int4_matmul.covers(head.spec, head.in_features, head.qweight.numpy(), head.scales.numpy())

@@ -88,9 +88,9 @@ WIDE_TYPES = ("Q8_0", "Q8_1", "Q8_K", "Q6_K", "Q5_0", "Q5_1", "Q5_K")  # more th
 def auto_quantization(config: ModelConfig, weight_types: Mapping[str, str]) -> str:
     """What `--quant auto` builds for a checkpoint whose layers' weights have these GGUF types (none for a Hugging
     Face checkpoint): "none" where they are float, "int4" where any is 4 bits or fewer, else "int8". With groups of
-    32, Q4_0 / Q4_1 / Q4_K / Q5_0 / Q6_K / Q8_0 blocks then go into the engine as they are (kept_block_specs);
-    weights of other types are requantized, those of more than 4 bits (Q5_1, Q5_K; Q6_K where it cannot be kept) to
-    int8 (wider_specs)."""
+    32, Q4_0 / Q4_1 / Q4_K / Q5_0 / Q5_1 / Q5_K / Q6_K / Q8_0 blocks then go into the engine as they are
+    (kept_block_specs); weights of other types are requantized, those of more than 4 bits (Q8_1, Q8_K; Q6_K where it
+    cannot be kept) to int8 (wider_specs)."""
     names = [name for module, sources in linear_sources(config, False).items() for name in sources]
     types = {weight_types.get(name, "F32") for name in names}
     if types <= set(FLOAT_TYPES):
@@ -108,7 +108,8 @@ def split_linears(
     """Fused linears whose checkpoint weights are stored in different forms -> the row bounds of their parts, each a
     run of consecutive weights stored alike: the same exact form's bits and block size (kept_block_specs), or
     quantized from float to the same bits (wider_specs); with `packed_forms` (our CPU kernels run the build's int8
-    matmuls), also the same bits in those kernels' own form (a Q5_0 block takes 5.5 bits there, a Q8_0 one 8.5).
+    matmuls), also the same bits and minimums in those kernels' own form (a Q5_0 block takes 5.5 bits there, a Q8_0
+    one 8.5, a Q5_1 one 6 with its minimums).
     llama.cpp's Q4_K_M gives some layers' value projection Q6_K beside Q4_K queries and keys (or, where a row is not
     a multiple of 256, Q8_0 beside Q5_0): one layout for the three would be int8 for all; split, each part keeps its
     own blocks, at the price of one more matmul node and a concatenation."""
@@ -132,12 +133,14 @@ def split_linears(
 
 def _stored_form(
     quant: QuantSpec, block_format: str, weight_type: str, packed_forms: bool
-) -> tuple[bool, int, int, int | None]:
-    """(kept as the file's blocks, bits, block size, bits in our kernels' own form where `packed_forms` and fewer)
-    of one weight stored on its own."""
+) -> tuple[bool, int, int, tuple[int, str | None] | None]:
+    """(kept as the file's blocks, bits, block size, (bits, minimums' type) in our kernels' own form where
+    `packed_forms` and fewer bits) of one weight stored on its own."""
     kept = _spec_holding(quant, [block_format])
     spec = kept or _at_least_source_bits(quant, [weight_type]) or quant
-    packed = EXACT_FORMS[block_format].packed_bits if kept and packed_forms else None
+    form = EXACT_FORMS.get(block_format)
+    # a 5-bit form with minimums (Q5_1, Q5_K) beside one without (Q5_0) or with minimums of another type: two nodes
+    packed = (form.packed_bits, form.minimum_dtype) if kept and packed_forms and form.packed_bits else None
     return kept is not None, spec.bits, spec.block_size, packed
 
 
@@ -176,9 +179,9 @@ def wider_specs(
     kept: Mapping[str, QuantSpec],
     splits: Mapping[str, tuple[int, ...]] | None = None,
 ) -> dict[str, QuantSpec]:
-    """Linears requantized from GGUF weights of more bits than `quant` has (Q5_1, Q5_K in an int4 build; a fused
-    weight's parts apart where `splits` splits it) -> int8 in `quant`'s groups: a build that keeps the file's blocks
-    never rounds a weight to fewer bits than the file gives it."""
+    """Linears requantized from GGUF weights of more bits than `quant` has (Q8_1 or Q8_K in an int4 build, or Q6_K
+    where it cannot be kept; a fused weight's parts apart where `splits` splits it) -> int8 in `quant`'s groups: a
+    build that keeps the file's blocks never rounds a weight to fewer bits than the file gives it."""
     if quant is None:
         return {}
     return {

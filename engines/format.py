@@ -167,7 +167,8 @@ class QuantizationSpec:
     source_blocks_kept: dict[str, int] = field(default_factory=dict)  # GGUF block type -> linears keeping them
     linears_kept: int = 0
     linears_requantized: int = 0
-    # of those, quantized to int8 instead of `bits`: their GGUF type has more bits (Q5_K, Q6_K in an int4 build)
+    # of those, quantized to int8 instead of `bits`: their GGUF type has more bits (Q6_K where not kept, in an int4
+    # build)
     linears_widened: int = 0
     requantized_from: dict[str, int] = field(default_factory=dict)  # GGUF type -> weights quantized again from float
     block_offsets: bool = False  # Q4_1-style per-block minimums (the blocks are scale * q + minimum)

@@ -28,7 +28,9 @@
  * Int5MatMul, for llama.cpp's Q5_0 (5.5 bits a weight, as the file holds it): w = scale x (q - 16) with q of 5 bits,
  * under Int8MatMul's contract otherwise (A, B, scales float or float16 per block). B in column tiles of 5 vectors a
  * chunk: the low nibbles as int4's 4, then one whose lane byte b holds the high bit of vector s's even value b in
- * bit 2s and of its odd one in bit 2s + 1.
+ * bit 2s and of its odd one in bit 2s + 1. With minimums (blocks of 32), w = scale x q + minimum as Int4MatMul's:
+ * llama.cpp's Q5_1 (float16 scale and minimum, 6 bits a weight) and, factored as Int4MatMul's with a fifth input,
+ * Q5_K (5.625 bits a weight against the file's 5.5).
  *
  * Column tiles (plugins/int4_matmul.py's `tile_columns` writes them from MatMulNBits's [N, K / block, block * bits /
  * 8]): the columns in tiles of 16, N padded with zero columns to a multiple of 16; per tile, per 32 values of K (a
@@ -424,17 +426,21 @@ INLINE_AVX2 void tile6_256(const Work *w, int64_t r, int64_t t, const int ROWS) 
  * its value's byte (a 16-bit shift of at most 4 moves no bit across a byte to bit 4). A vector's vpmaddubsw pairs,
  * evens plus odds, reach 2 x 2 x 31 x 127 = 15748: each vector goes through vpmaddwd on its own (summing two in
  * int16 first would hold a second sum per row, more than AVX2's 16 registers keep beside the chunk); 16 x the
- * activations' sum comes off as int4's 8 does. */
-INLINE_AVX2 void tile5_256(const Work *w, int64_t r, int64_t t, const int ROWS, const int F16) {
+ * activations' sum comes off as int4's 8 does, or with minimums (MIN; FACTORED: factored as Int4MatMul's) the
+ * minimum meets the activations' sum in a second fma, as in tile_256. */
+INLINE_AVX2 void tile5_256(const Work *w, int64_t r, int64_t t, const int ROWS, const int MIN, const int F16,
+                           const int FACTORED) {
   const int64_t chunks = w->chunks;
   const __m256i low = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10), ones = _mm256_set1_epi16(1);
   for (int half = 0; half < 2; half++) {
     const uint8_t *p = w->w + t * chunks * 64 * 5 + 32 * half;
-    __m256 acc[ROW_TILE_AVX2];
+    __m256 acc[ROW_TILE_AVX2], factors[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int i = 0; i < ROWS; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t c = 0; c < chunks; c++, p += 64 * 5) {
       if (!half)
         for (int s = 0; s < 5; s++) _mm_prefetch((const char *)p + PREFETCH_BYTES + 64 * s, _MM_HINT_T0);
+      if (FACTORED && !(c % CHUNKS_PER_SUPER_BLOCK))
+        for (int which = 0; which < 2; which++) factors[which] = factors_256(w, t, c, 8 * half, which);
       const int32_t *x[ROW_TILE_AVX2];
       for (int i = 0; i < ROWS; i++) x[i] = w->q.x + ((r + i) * chunks + c) * 8;
       const __m256i h = _mm256_loadu_si256((const __m256i *)(p + 64 * 4));
@@ -456,11 +462,16 @@ INLINE_AVX2 void tile5_256(const Work *w, int64_t r, int64_t t, const int ROWS, 
           KEEP_IN_REGISTER(dots[i]);
         }
       }
-      const __m256 ws = floats_256(w->wscale, scales_at(w, t, c) + 8 * half, F16);
+      const __m256 ws = FACTORED ? multiplied_256(w->wscale, minimums_at(w, t, c) + 8 * half, factors[0])
+                                 : floats_256(w->wscale, scales_at(w, t, c) + 8 * half, F16);
+      const __m256 wmin = FACTORED ? multiplied_256(w->minimums, minimums_at(w, t, c) + 8 * half, factors[1])
+                          : MIN    ? floats_256(w->minimums, minimums_at(w, t, c) + 8 * half, F16)
+                                   : _mm256_setzero_ps();
       for (int i = 0; i < ROWS; i++) {
         const int64_t at = (r + i) * chunks + c;
-        const __m256i centred = _mm256_sub_epi32(dots[i], _mm256_set1_epi32(w->q.zero[at]));
+        const __m256i centred = MIN ? dots[i] : _mm256_sub_epi32(dots[i], _mm256_set1_epi32(w->q.zero[at]));
         acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(centred), _mm256_mul_ps(ws, _mm256_set1_ps(w->q.scale[at])), acc[i]);
+        if (MIN) acc[i] = _mm256_fmadd_ps(wmin, _mm256_set1_ps(w->q.sum[at]), acc[i]);
       }
     }
     for (int i = 0; i < ROWS; i++)
@@ -503,17 +514,26 @@ DEFINE_INT6_ROW(2)
 DEFINE_INT6_ROW(3)
 DEFINE_INT6_ROW(4)
 static const Tile int6_tiles[ROW_TILE_AVX2] = {int6_1, int6_2, int6_3, int6_4};
-#define DEFINE_INT5_ROW(ROWS)                                                                                 \
-  AVX2 static void int5_##ROWS(const Work *w, int64_t r, int64_t t) { tile5_256(w, r, t, ROWS, 0); }          \
-  AVX2 static void int5_f16_##ROWS(const Work *w, int64_t r, int64_t t) { tile5_256(w, r, t, ROWS, 1); }
-DEFINE_INT5_ROW(1)
-DEFINE_INT5_ROW(2)
-DEFINE_INT5_ROW(3)
-DEFINE_INT5_ROW(4)
-/* [float16 scales][rows - 1] */
-static const Tile int5_tiles[2][ROW_TILE_AVX2] = {{int5_1, int5_2, int5_3, int5_4},
-                                                  {int5_f16_1, int5_f16_2, int5_f16_3, int5_f16_4}};
+#define DEFINE_INT5_ROW(NAME, ROWS, MIN, F16, FACTORED) \
+  AVX2 static void NAME##_##ROWS(const Work *w, int64_t r, int64_t t) { tile5_256(w, r, t, ROWS, MIN, F16, FACTORED); }
+#define DEFINE_INT5_KIND(NAME, MIN, F16, FACTORED) \
+  DEFINE_INT5_ROW(NAME, 1, MIN, F16, FACTORED)     \
+  DEFINE_INT5_ROW(NAME, 2, MIN, F16, FACTORED)     \
+  DEFINE_INT5_ROW(NAME, 3, MIN, F16, FACTORED)     \
+  DEFINE_INT5_ROW(NAME, 4, MIN, F16, FACTORED)
+DEFINE_INT5_KIND(int5, 0, 0, 0)
+DEFINE_INT5_KIND(int5_f16, 0, 1, 0)
+DEFINE_INT5_KIND(int5_min, 1, 0, 0)
+DEFINE_INT5_KIND(int5_min_f16, 1, 1, 0)
+DEFINE_INT5_KIND(int5_factored, 1, 0, 1)
+#define INT5_KIND_OF(NAME) {NAME##_1, NAME##_2, NAME##_3, NAME##_4}
 enum { INT4, INT4_MIN, INT4_FACTORED, INT8 };
+/* [kind (INT4: none, INT4_MIN: minimums, INT4_FACTORED: factored)][float16 scales][rows - 1] */
+static const Tile int5_tiles[3][2][ROW_TILE_AVX2] = {
+    {INT5_KIND_OF(int5), INT5_KIND_OF(int5_f16)},
+    {INT5_KIND_OF(int5_min), INT5_KIND_OF(int5_min_f16)},
+    {INT5_KIND_OF(int5_factored), INT5_KIND_OF(int5_factored)},
+};
 /* [kind][float16 scales][VNNI][rows - 1] (factored scales are uint8: never float16) */
 static const Tile tiles[4][2][2][ROW_TILE_VNNI] = {
     {KIND_OF(int4), KIND_OF(int4_f16)},
@@ -531,7 +551,9 @@ static void multiply_unit(void *data, size_t unit) {
   const int64_t t1 = t0 + per_group < w->tiles ? t0 + per_group : w->tiles;
   const int kind = w->bits == 8 ? INT8 : w->factors ? INT4_FACTORED : w->minimums ? INT4_MIN : INT4;
   /* Int6MatMul and Int5MatMul have AVX2 tiles only */
-  const Tile *tile = w->bits == 6 ? int6_tiles : w->bits == 5 ? int5_tiles[w->scales_f16] : tiles[kind][w->scales_f16][w->vnni];
+  const Tile *tile = w->bits == 6   ? int6_tiles
+                     : w->bits == 5 ? int5_tiles[kind][w->scales_f16]
+                                    : tiles[kind][w->scales_f16][w->vnni];
   const int64_t rows = w->vnni && w->bits != 6 && w->bits != 5 ? ROW_TILE_VNNI : ROW_TILE_AVX2;
   for (int64_t t = t0; t < t1; t++)
     for (int64_t r = r0; r < r1; r += rows) tile[(r1 - r < rows ? r1 - r : rows) - 1](w, r, t);
@@ -584,7 +606,8 @@ static OrtStatus *compute(void *kernel_state, OrtKernelContext *context) {
   Inputs in = {0};
   const int read = read_inputs(api, context, &in);
   if (read == INPUTS_NOT_3_TO_5)
-    return refuse(api, kernel->bits, "takes 3 inputs (A, B, scales), 4 (and minimums, int4 only) or 5 (and factors)");
+    return refuse(api, kernel->bits, "takes 3 inputs (A, B, scales), 4 (and minimums, Int4MatMul and Int5MatMul "
+                                     "only) or 5 (and factors)");
   if (read == INPUTS_UNREADABLE) return refuse(api, kernel->bits, "cannot read its inputs");
   void **data = in.data;
   int64_t(*dims)[4] = in.dims, *counts = in.counts, m = 1;
@@ -600,9 +623,9 @@ static OrtStatus *compute(void *kernel_state, OrtKernelContext *context) {
     return refuse(api, kernel->bits, "takes A, the weights, N * K / 16 int8 multipliers and N * K / 256 float16 "
                                      "factors (N padded to whole tiles)");
   const int factored = count == 5;
-  if (kernel->bits == 5 && count != 3)
-    return refuse(api, kernel->bits, "takes 3 inputs (A, the weights, the scales)");
-  if (kernel->bits != 6 && count >= 4 && (kernel->bits != 4 || kernel->block_size != 32 || element_type[3] != element_type[2] ||
+  if (kernel->bits == 8 && count != 3)
+    return refuse(api, kernel->bits, "takes 3 inputs (A, the weights, the scales): its minimums are Int5MatMul's");
+  if (kernel->bits != 6 && count >= 4 && (kernel->block_size != 32 || element_type[3] != element_type[2] ||
                      counts[3] != padded * (kernel->k / 32)))
     return refuse(api, kernel->bits, "minimums must be N * K / 32 values of the scales' type (N padded to whole tiles), "
                                      "for blocks of 32");
@@ -771,8 +794,9 @@ __attribute__((optimize("fp-contract=off"))) AVX2 static OrtStatus *rows_compute
   const int *type = in.type;
   const int64_t k = kernel->k, bits = kernel->bits, padded = (kernel->n + TILE_COLUMNS - 1) / TILE_COLUMNS * TILE_COLUMNS;
   const int64_t chunks = k / 32, supers = k / (32 * CHUNKS_PER_SUPER_BLOCK), blocks = k / kernel->block_size;
-  /* the layouts the matmul kernels take: 6-bit with int8 multipliers and factors; int4 with uint8 multipliers of
-   * scales and minimums and factors; else float or float16 scales (and minimums of their type, int4 only) */
+  /* the layouts the matmul kernels take: 6-bit with int8 multipliers and factors; int4 or 5-bit with uint8
+   * multipliers of scales and minimums and factors; else float or float16 scales (and minimums of their type, int4
+   * or 5-bit only) */
   const int six = bits == 6, factored = count == 5, minimums = count >= 4 && !six;
   const int f16 = !six && !factored && type[2] == ELEMENT_FLOAT16;
   int ok = type[0] == ELEMENT_INT64 && type[1] == ELEMENT_UINT8 && counts[1] == padded * k * bits / 8;
@@ -780,11 +804,11 @@ __attribute__((optimize("fp-contract=off"))) AVX2 static OrtStatus *rows_compute
     ok = ok && count == 4 && type[2] == ELEMENT_INT8 && counts[2] == padded * (k / 16) && type[3] == ELEMENT_FLOAT16 &&
          counts[3] == padded * supers;
   else if (factored)
-    ok = ok && bits == 4 && type[2] == ELEMENT_UINT8 && type[3] == ELEMENT_UINT8 && type[4] == ELEMENT_FLOAT16 &&
+    ok = ok && (bits == 4 || bits == 5) && type[2] == ELEMENT_UINT8 && type[3] == ELEMENT_UINT8 && type[4] == ELEMENT_FLOAT16 &&
          counts[2] == padded * chunks && counts[3] == padded * chunks && counts[4] == padded * 2 * supers;
   else
     ok = ok && (type[2] == ELEMENT_FLOAT || type[2] == ELEMENT_FLOAT16) && counts[2] == padded * blocks &&
-         (!minimums || (bits == 4 && type[3] == type[2] && counts[3] == padded * chunks));
+         (!minimums || ((bits == 4 || bits == 5) && type[3] == type[2] && counts[3] == padded * chunks));
   if (!ok)
     return refuse_rows(api, "its inputs are not a quantized matmul's of its K, N, bits and block_size");
   int64_t out_dims[5];

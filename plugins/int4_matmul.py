@@ -11,15 +11,16 @@ call's rows share the weight stream: the column tiles are unpacked once for 4 ro
 and the per-column work is one fma per 32 values (docs/quantization.md has the times per number of rows). Results
 match onnxruntime's int8 path to float rounding (the same per-32 activation quantization).
 
-Covered: bits 4 (`Int4MatMul`) and 8 (`Int8MatMul`, which holds GGUF Q8_0 and Q5_0 blocks), accuracy_level 4,
-blocks of a power of 2 from 32 that divides K; and int8 blocks of 16 that hold GGUF Q6_K's 6-bit values and
-factored scales (`six_bit_nodes`), as `Int6MatMul` in 6.5625 bits a weight; other nodes (fp32 compute, other blocks
-of 16) keep MatMulNBits. Int4
-blocks with minimums (GGUF Q4_1: w = scale * q + minimum, float16 minimums as the file holds them; Q4_K: float32
-scales and minimums, the products llama.cpp computes) are exported as Int4MatMul nodes with a fourth input already
-(plugins/quant_linear.py), which MatMulNBits cannot express exactly; Q4_K's are stored as the file factors them
-(`factored_scales`: uint8 multipliers per 32 inputs, float16 factors per 256, a fifth input), and the kernel forms
-the same products. The kernel needs AVX2, FMA and F16C at run time.
+Covered: bits 4 (`Int4MatMul`) and 8 (`Int8MatMul`, which holds GGUF Q8_0 blocks; Q5_0's, whose values fit 5 bits,
+as `Int5MatMul`: `five_bit_nodes`), accuracy_level 4, blocks of a power of 2 from 32 that divides K; and int8 blocks
+of 16 that hold GGUF Q6_K's 6-bit values and factored scales (`six_bit_nodes`), as `Int6MatMul` in 6.5625 bits a
+weight; other nodes (fp32 compute, other blocks of 16) keep MatMulNBits. Blocks of 32 with minimums (GGUF Q4_1 /
+Q5_1: w = scale * q + minimum, float16 minimums as the file holds them; Q4_K / Q5_K: float32 scales and minimums,
+the products llama.cpp computes) are exported as Int4MatMul / Int8MatMul nodes with a fourth input already
+(plugins/quant_linear.py), which MatMulNBits cannot express exactly; the int8 ones' values fit 5 bits and they run
+as Int5MatMul; Q4_K's and Q5_K's scales and minimums are stored as the file factors them (`factored_scales`: uint8
+multipliers per 32 inputs, float16 factors per 256, a fifth input), and the kernel forms the same products. The
+kernel needs AVX2, FMA and F16C at run time.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def unavailable_reason(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
 
 OPS = {4: "Int4MatMul", 8: "Int8MatMul"}  # bits -> our op
 INT6_OP = "Int6MatMul"  # Q6_K's 6-bit blocks, which no MatMulNBits node holds as such (`six_bit_nodes`)
-INT5_OP = "Int5MatMul"  # Q5_0's 5-bit blocks, held by int8 MatMulNBits nodes (`five_bit_nodes`)
+INT5_OP = "Int5MatMul"  # 5-bit blocks (Q5_0, Q5_1, Q5_K), held by int8 nodes (`five_bit_nodes`)
 KERNEL_OPS = (*OPS.values(), INT6_OP, INT5_OP)
 OP_BITS = {"Int4MatMul": 4, INT5_OP: 5, INT6_OP: 6, "Int8MatMul": 8}  # bits a weight's value takes in each op
 ROWS_OP = "QuantizedRows"  # the embedding lookup from a tied head's blocks (plugins/quant_linear.py's `rows`)
@@ -71,13 +72,14 @@ COLUMN_TILE = 16  # columns per tile of the kernels' weight layout (int4_matmul.
 def use_in_graph(graph_file: Path) -> dict[str, int]:
     """Replace every MatMulNBits node of `graph_file` our kernels cover by Int4MatMul / Int8MatMul (Int6MatMul for
     Q6_K's blocks, `six_bit_nodes`: their values in 6 bits, their scales as int8 multipliers of float16 factors;
-    Int5MatMul for int8 blocks whose values fit 5 bits, Q5_0's, `five_bit_nodes`),
+    Int5MatMul for int8 blocks whose values fit 5 bits, Q5_0's, and Int8MatMul nodes with minimums, Q5_1's and
+    Q5_K's, `five_bit_nodes`),
     store their weights, scales and minimums in the kernels' column tiles (`tile_weights`, `tile_per_block`; a
     tied head's QuantizedRows node, the embedding lookup, then reads them as its head does:
     `_rows_read_their_matmuls`), the scales of int4 nodes as float16 (`half_scales`; int8 nodes' only where float16
-    holds them exactly, as GGUF Q8_0's; those of nodes with float32 minimums, GGUF Q4_K's, stay float32 as the
-    kernel wants them, or factored where they factor: `factored_scales`), and fold the MLP activation into the gate
-    / up node (`fuse_swiglu`); returns how many nodes run each op."""
+    holds them exactly, as GGUF Q8_0's; those of nodes with float32 minimums, GGUF Q4_K's and Q5_K's, stay float32
+    as the kernel wants them, or factored where they factor: `factored_scales`), and fold the MLP activation into the
+    gate / up node (`fuse_swiglu`); returns how many nodes run each op."""
     from onnx import helper
 
     counts = dict.fromkeys(KERNEL_OPS, 0)
@@ -85,13 +87,19 @@ def use_in_graph(graph_file: Path) -> dict[str, int]:
     minimums_of: dict[str, str] = {}  # scales -> the minimums beside them
     six_bit = six_bit_nodes(graph_file)  # scales -> their int8 multipliers and float16 factors
     five_bit = five_bit_nodes(graph_file)  # weights
+    unsigned: set[str] = set()  # weights of nodes with minimums: their 5-bit values stored as they are, no offset
     factors: dict[str, np.ndarray] = {}  # initializers added: factors in column tiles
 
     def replace(node):
         attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         inputs = list(node.input)
-        if node.op_type in counts and node.domain == DOMAIN:  # exported as ours (int4 blocks with minimums)
-            op = node.op_type
+        if node.op_type in counts and node.domain == DOMAIN:  # exported as ours (blocks with minimums)
+            op = INT5_OP if inputs[1] in five_bit else node.op_type
+            if op == OPS[8]:
+                raise ValueError(
+                    f"{op} node {node.name!r} has minimums, which only Int5MatMul takes, and values beyond 5 bits"
+                )
+            unsigned.add(inputs[1])
         elif node.op_type == "MatMulNBits" and node.domain == "com.microsoft" and inputs[2] in six_bit:
             op, inputs = INT6_OP, [*inputs, _factors_of(inputs[2])]
             factors[inputs[3]] = tile_per_block(six_bit[inputs[2]][1], attributes["N"])
@@ -126,7 +134,8 @@ def use_in_graph(graph_file: Path) -> dict[str, int]:
         if role == "weights" and bits == 6:
             return lambda packed: tile_weights(six_bit_bytes(packed.reshape(n, -1) - np.uint8(SIX_BIT_OFFSET)), 6)
         if role == "weights" and bits == 5:
-            return lambda packed: tile_weights(five_bit_bytes(packed.reshape(n, -1) - np.uint8(FIVE_BIT_OFFSET)), 5)
+            offset = np.uint8(0 if name in unsigned else FIVE_BIT_OFFSET)
+            return lambda packed: tile_weights(five_bit_bytes(packed.reshape(n, -1) - offset), 5)
         if role == "weights":
             return lambda packed: tile_weights(packed, bits)
         if name in multipliers:
@@ -139,7 +148,11 @@ def use_in_graph(graph_file: Path) -> dict[str, int]:
     rewrite_initializers(graph_file, {name: convert(name, *spec) for name, spec in tiled.items()}, factors)
 
     def reads_factors(node):
-        if node.op_type != "Int4MatMul" or len(node.input) != 4 or _factors_of(node.input[2]) not in factors:
+        if (
+            node.op_type not in ("Int4MatMul", INT5_OP)
+            or len(node.input) != 4
+            or _factors_of(node.input[2]) not in factors
+        ):
             return None
         attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         inputs = [*node.input, _factors_of(node.input[2])]
@@ -265,10 +278,11 @@ FIVE_BIT_OFFSET = 112  # an int8 block's stored q + 128 less this: Q5_0's unsign
 
 
 def five_bit_nodes(graph_file: Path) -> set[str]:
-    """The weights of the int8 MatMulNBits nodes our kernels cover whose values all fit 5 bits (q - 16 with q of
-    0..31: GGUF Q5_0's, which the build keeps as int8 blocks for every backend to run), nothing but the node reading
-    them: Int5MatMul takes them in 5 bits, 5.5 bits a weight with float16 scales as the file, where Int8MatMul reads
-    8.5."""
+    """The weights of the int8 nodes our kernels run whose values all fit 5 bits, nothing but the node reading them:
+    MatMulNBits nodes with q - 16 for q of 0..31 (GGUF Q5_0's, which the build keeps as int8 blocks for every
+    backend to run), and our Int8MatMul nodes with minimums with q of 0..31 (Q5_1's and Q5_K's, w = scale x q +
+    minimum). Int5MatMul takes them in 5 bits, 5.5 bits a weight with Q5_0's float16 scales as the file, where
+    Int8MatMul reads 8.5."""
     from onnx import helper, numpy_helper
 
     model, readers, tensors = _readers_and_initializers(graph_file)
@@ -276,16 +290,17 @@ def five_bit_nodes(graph_file: Path) -> set[str]:
     for node in model.graph.node:
         attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         weights = node.input[1] if len(node.input) > 1 else ""
+        ours_with_minimums = node.op_type == OPS[8] and node.domain == DOMAIN and len(node.input) == 4
+        covered = node.domain == "com.microsoft" and kernel_for(attributes, len(node.input)) == OPS[8]
         if (
-            node.op_type != "MatMulNBits"
-            or node.domain != "com.microsoft"
-            or kernel_for(attributes, len(node.input)) != OPS[8]
+            not (ours_with_minimums or (node.op_type == "MatMulNBits" and covered))
             or readers.get(weights) != 1
             or weights not in tensors
         ):
             continue
         values = numpy_helper.to_array(tensors[weights], str(graph_file.parent))
-        if values.min() >= FIVE_BIT_OFFSET and values.max() <= FIVE_BIT_OFFSET + 31:
+        lowest = 0 if ours_with_minimums else FIVE_BIT_OFFSET
+        if values.min() >= lowest and values.max() <= lowest + 31:
             found.add(weights)
     return found
 
@@ -311,6 +326,15 @@ def six_bit_form(weights: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, n
     return factored_scales(scales, SIX_BIT_PER_SUPER_BLOCK, signed=True)
 
 
+def takes_minimums(spec, weights: np.ndarray) -> bool:
+    """Whether our kernels take a quantized linear of this spec with block minimums in its node (plugins/
+    quant_linear.py's `native_minimums`): int8 activations, blocks of 32, int4 values (Int4MatMul) or int8 ones that
+    all fit 5 bits (Int5MatMul; GGUF Q5_1's and Q5_K's). Others export as MatMulNBits beside an offset matmul."""
+    if (spec.block_size, spec.accuracy_level) != (32, 4):
+        return False
+    return spec.bits == 4 or (spec.bits == 8 and int(weights.max(initial=0)) <= 31)
+
+
 def covers(spec, in_features: int, weights: np.ndarray, scales: np.ndarray) -> bool:
     """Whether the build's kernels run a quantized linear of this spec (plugins/quant_linear.py's QuantSpec) and
     these blocks (MatMulNBits's layout): the matmul node it exports becomes one of ours."""
@@ -320,8 +344,8 @@ def covers(spec, in_features: int, weights: np.ndarray, scales: np.ndarray) -> b
         "K": in_features,
         "accuracy_level": spec.accuracy_level,
     }
-    if spec.minimums and (spec.bits, spec.block_size, spec.accuracy_level) != (4, 32, 4):
-        return False  # exported as MatMulNBits beside an offset matmul, which holds the minimums (quant_linear.py)
+    if spec.minimums:
+        return takes_minimums(spec, weights) and kernel_for(attributes, 3) is not None
     if kernel_for(attributes, 3) is not None:
         return True
     six_bit = (spec.bits, spec.block_size, spec.accuracy_level) == (8, SIX_BIT_BLOCK, 4) and not spec.minimums

@@ -1,7 +1,8 @@
 """Weight-only quantized linear: int4 / int8 blocks along the input dimension, one fp32 scale per block,
 symmetric (zero point 2^(bits-1), as onnxruntime assumes when none is given): w = scale * (q - 2^(bits-1)); or with
-one minimum per block besides the scale: w = scale * q + minimum, llama.cpp's Q4_1 block as it is (float16 minimums)
-or a Q4_K sub-block (float32 minimums: its scale and minimum are products of a float16 and a 6-bit integer).
+one minimum per block besides the scale: w = scale * q + minimum, llama.cpp's Q4_1 / Q5_1 block as it is (float16
+minimums) or a Q4_K / Q5_K sub-block (float32 minimums: its scale and minimum are products of a float16 and a 6-bit
+integer); the 5-bit values as int8 blocks.
 
 One op, in one place:
 - `quantize_blockwise` packs a float weight [N, K] into onnxruntime's MatMulNBits layout: uint8
@@ -14,11 +15,12 @@ Rows (output features) are quantized independently, so a fused weight can be qua
 checkpoint streams by.
 
 Minimums are not a MatMulNBits input (its float zero points would express them only after a division, inexactly,
-and onnxruntime runs those on a path far slower at batch 1: docs/measurements.md). Int4 linears with minimums
-export instead as our own kernel's node, `Int4MatMul` with its optional minimums input (plugins/int4_matmul.c),
-through `torch.ops.plugins.int4_matmul`, when the build uses that kernel (`native_minimums`). Without it they
-export as MatMulNBits plus sum_b(x over block b) @ (minimum + 2^(bits-1) scale)[:, b], an [M, K/block] x
-[K/block, N] float matmul next to the fused one: the same weights, more nodes, slower.
+and onnxruntime runs those on a path far slower at batch 1: docs/measurements.md). Linears with minimums export
+instead as our own kernel's node with its optional minimums input (plugins/int4_matmul.c), `Int4MatMul` for int4
+blocks and `Int8MatMul` for int8 ones whose values fit 5 bits (which the graph stage stores in 5 bits, as
+`Int5MatMul`), through `torch.ops.plugins.minimums_matmul`, when the build uses those kernels (`native_minimums`).
+Without them they export as MatMulNBits plus sum_b(x over block b) @ (minimum + 2^(bits-1) scale)[:, b], an
+[M, K/block] x [K/block, N] float matmul next to the fused one: the same weights, more nodes, slower.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from plugins.onnx_schema import register_contrib_op
 
 SUPPORTED_BITS = (4, 8)
 SUPPORTED_BLOCKS = (16, 32, 64, 128, 256)
+# bits -> our node that takes blocks with minimums (plugins/int4_matmul.c; the int8 one's values must fit 5 bits)
+MINIMUMS_OPS = {4: "Int4MatMul", 8: "Int8MatMul"}
 
 
 @dataclass(frozen=True)
@@ -140,23 +144,24 @@ def _(x, qweight, scales, in_features, out_features, bits, block_size, accuracy_
     return x.new_empty(*x.shape[:-1], out_features)
 
 
-@torch.library.custom_op("plugins::int4_matmul", mutates_args=())
-def int4_matmul(
+@torch.library.custom_op("plugins::minimums_matmul", mutates_args=())
+def minimums_matmul(
     x: torch.Tensor,
     qweight: torch.Tensor,
     scales: torch.Tensor,
     minimums: torch.Tensor,
     in_features: int,
     out_features: int,
+    bits: int,
     block_size: int,
 ) -> torch.Tensor:
-    """Reference of our Int4MatMul node with minimums (int4 blocks, w = scale * q + minimum): dequantize to fp32 and
+    """Reference of our Int4MatMul / Int8MatMul node with minimums (w = scale * q + minimum): dequantize to fp32 and
     matmul. The node itself quantizes activations to int8 per 32, as MatMulNBits's accuracy_level 4 does."""
-    return dequantize_matmul(x, qweight, scales, minimums, in_features, 4)
+    return dequantize_matmul(x, qweight, scales, minimums, in_features, bits)
 
 
-@int4_matmul.register_fake
-def _(x, qweight, scales, minimums, in_features, out_features, block_size):
+@minimums_matmul.register_fake
+def _(x, qweight, scales, minimums, in_features, out_features, bits, block_size):
     return x.new_empty(*x.shape[:-1], out_features)
 
 
@@ -222,7 +227,7 @@ class QuantizedLinear(nn.Module):
         # the torch backends' op (plugins/blockwise_matmul.py: one Triton kernel, minimums inside) instead of
         # matmul_nbits plus a minimum matmul, which the ONNX engines lower to onnxruntime's MatMulNBits
         self.fused_kernel = False
-        # int4 blocks with minimums (and int8 activations) as our Int4MatMul node, minimums inside it
+        # blocks with minimums (and int8 activations) as our Int4MatMul / Int8MatMul node, minimums inside it
         self.native_minimums = False
         # `rows` as our QuantizedRows node, which reads this linear's blocks where our matmul node reads them
         self.native_rows = False
@@ -272,8 +277,8 @@ class QuantizedLinear(nn.Module):
             )
             return y if self.bias is None else y + self.bias
         if self.minimums is not None and self.native_minimums:
-            y = torch.ops.plugins.int4_matmul(
-                x, self.qweight, self.scales, self.minimums, self.in_features, self.out_features, s.block_size
+            y = torch.ops.plugins.minimums_matmul(
+                x, self.qweight, self.scales, self.minimums, self.in_features, self.out_features, s.bits, s.block_size
             )
             return y if self.bias is None else y + self.bias
         y = torch.ops.plugins.matmul_nbits(
@@ -336,14 +341,15 @@ def _register_schema() -> None:
         types={"T1": ["tensor(float)", "tensor(float16)"], "T2": ["tensor(uint8)"]},
         attributes={name: int for name in ("K", "N", "bits", "block_size", "accuracy_level")},
     )
-    register_contrib_op(
-        "Int4MatMul",
-        inputs=["A:T1", "B:T2", "scales:T1", "minimums?:T3"],
-        outputs=["Y:T1"],
-        types={"T1": ["tensor(float)"], "T2": ["tensor(uint8)"], "T3": ["tensor(float16)", "tensor(float)"]},
-        attributes={name: int for name in ("K", "N", "block_size")},
-        domain=DOMAIN,
-    )
+    for op in MINIMUMS_OPS.values():
+        register_contrib_op(
+            op,
+            inputs=["A:T1", "B:T2", "scales:T1", "minimums?:T3"],
+            outputs=["Y:T1"],
+            types={"T1": ["tensor(float)"], "T2": ["tensor(uint8)"], "T3": ["tensor(float16)", "tensor(float)"]},
+            attributes={name: int for name in ("K", "N", "block_size")},
+            domain=DOMAIN,
+        )
     register_contrib_op(
         "QuantizedRows",
         inputs=["ids:T0", "B:T2", "scales:T1", "minimums?:T3"],
@@ -381,8 +387,11 @@ def onnx_translations() -> dict:
             accuracy_level=accuracy_level,
         )
 
-    def int4_matmul_to_onnx(x, qweight, scales, minimums, in_features: int, out_features: int, block_size: int):
-        return ours.Int4MatMul(x, qweight, scales, minimums, K=in_features, N=out_features, block_size=block_size)
+    def minimums_matmul_to_onnx(
+        x, qweight, scales, minimums, in_features: int, out_features: int, bits: int, block_size: int
+    ):
+        op = getattr(ours, MINIMUMS_OPS[bits])
+        return op(x, qweight, scales, minimums, K=in_features, N=out_features, block_size=block_size)
 
     def quantized_rows_to_onnx(
         ids, qweight, scales, minimums, in_features: int, out_features: int, bits: int, block_size: int
@@ -392,6 +401,6 @@ def onnx_translations() -> dict:
 
     return {
         torch.ops.plugins.matmul_nbits.default: matmul_nbits_to_onnx,
-        torch.ops.plugins.int4_matmul.default: int4_matmul_to_onnx,
+        torch.ops.plugins.minimums_matmul.default: minimums_matmul_to_onnx,
         torch.ops.plugins.quantized_rows.default: quantized_rows_to_onnx,
     }

@@ -125,7 +125,8 @@ def make_gguf(
 ) -> Path:
     """The tiny HF checkpoint written as llama.cpp would: GGUF names, Q/K rows permuted (for the llama architecture,
     as llama.cpp's converter does), linears, the embedding and an untied head block-quantized by gguf-py's own
-    quantizer (Q4_K and Q6_K, which it lacks, by `quantize_q4_k` and `quantize_q6_k`), tokenizer and chat template
+    quantizer (the K-quants and IQ4_NL, which it lacks, by `quantize_q4_k`, `quantize_q5_k`, `quantize_q6_k`,
+    `quantize_iq4_nl`), tokenizer and chat template
     in the metadata; `sampling`: general.sampling.* keys (float32 values; top_k int32); `module_types`: another
     type than `linear_type` for the linears of these modules (e.g. "mlp.down_proj")."""
     import gguf
@@ -201,7 +202,7 @@ def make_gguf(
             if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
                 data = permute(data, heads if module == "self_attn.q_proj" else kv_heads)
         qtype = gguf.GGMLQuantizationType[kind]
-        quantizers = {"Q4_K": quantize_q4_k, "Q6_K": quantize_q6_k}
+        quantizers = {"Q4_K": quantize_q4_k, "Q5_K": quantize_q5_k, "Q6_K": quantize_q6_k, "IQ4_NL": quantize_iq4_nl}
         raw = quantizers[kind](data) if kind in quantizers else gguf.quants.quantize(data, qtype)
         writer.add_tensor(gguf_name, raw, raw_dtype=qtype)
     writer.write_header_to_file()
@@ -215,19 +216,30 @@ def quantize_q4_k(weight):
     """Rows [N, K] (K a multiple of 256) in llama.cpp's Q4_K blocks, rounded to nearest: per 32 inputs a scale
     (max - min) / 15 and a minimum min(w, 0), each a 6-bit multiple of its super-block's float16 d / dmin (llama.cpp
     searches for better ones; the layout is what matters here). Returns uint8 [N, K / 256 x 144]."""
+    return _k_quant_with_minimums(weight, 4)
+
+
+def quantize_q5_k(weight):
+    """Rows [N, K] (K a multiple of 256) in llama.cpp's Q5_K blocks: Q4_K's with 5-bit values, their fifth bits in
+    32 bytes after the scales (byte i's bit s: input i of sub-block s). Returns uint8 [N, K / 256 x 176]."""
+    return _k_quant_with_minimums(weight, 5)
+
+
+def _k_quant_with_minimums(weight, bits: int):
     import numpy as np
 
     rows, columns = weight.shape
+    top = (1 << bits) - 1
     sub = weight.astype(np.float32).reshape(rows, columns // 256, 8, 32)
     low = np.minimum(sub.min(-1), 0)
-    scale = (sub.max(-1) - low) / 15
+    scale = (sub.max(-1) - low) / top
     d = (scale.max(-1) / 63).astype(np.float16)
     dmin = (-low.min(-1) / 63).astype(np.float16)
     sc = np.clip(np.rint(scale / np.where(d > 0, d, 1).astype(np.float32)[..., None]), 0, 63).astype(np.uint8)
     m = np.clip(np.rint(-low / np.where(dmin > 0, dmin, 1).astype(np.float32)[..., None]), 0, 63).astype(np.uint8)
     step = d.astype(np.float32)[..., None] * sc
     offset = dmin.astype(np.float32)[..., None] * m
-    q = np.clip(np.rint((sub + offset[..., None]) / np.where(step > 0, step, 1)[..., None]), 0, 15).astype(np.uint8)
+    q = np.clip(np.rint((sub + offset[..., None]) / np.where(step > 0, step, 1)[..., None]), 0, top).astype(np.uint8)
     scales = np.concatenate(  # the inverse of llama.cpp's get_scale_min_k4
         (
             sc[..., :4] | ((sc[..., 4:] >> 4) << 6),
@@ -236,10 +248,30 @@ def quantize_q4_k(weight):
         ),
         axis=-1,
     )
-    pairs = q.reshape(rows, columns // 256, 4, 2, 32)
+    pairs = q.reshape(rows, columns // 256, 4, 2, 32) & 15
     qs = (pairs[..., 0, :] | (pairs[..., 1, :] << 4)).reshape(rows, columns // 256, 128)
     halves = np.stack((d, dmin), -1).view(np.uint8)
-    return np.concatenate((halves, scales, qs), axis=-1).reshape(rows, -1)
+    high = [((q >> 4) << np.arange(8, dtype=np.uint8)[:, None]).sum(-2, dtype=np.uint8)] if bits == 5 else []
+    return np.concatenate((halves, scales, *high, qs), axis=-1).reshape(rows, -1)
+
+
+IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # llama.cpp's kvalues_iq4nl
+
+
+def quantize_iq4_nl(weight):
+    """Rows [N, K] (K a multiple of 32) in llama.cpp's IQ4_NL blocks, a type no engine layout holds: per 32 inputs a
+    float16 d = max|w| / 127 and 16 bytes of nibbles (value j low, j + 16 high, as Q4_0) indexing a fixed table of
+    16 levels, each the level nearest w / d. Returns uint8 [N, K / 32 x 18]."""
+    import numpy as np
+
+    rows, columns = weight.shape
+    blocks = weight.astype(np.float32).reshape(rows, columns // 32, 32)
+    d = (np.abs(blocks).max(-1) / 127).astype(np.float16)
+    step = np.where(d > 0, d, 1).astype(np.float32)[..., None]
+    levels = np.array(IQ4_NL_VALUES, np.float32)
+    q = np.abs(blocks[..., None] / step[..., None] - levels).argmin(-1).astype(np.uint8)
+    nibbles = q[..., :16] | (q[..., 16:] << 4)
+    return np.concatenate((d[..., None].view(np.uint8), nibbles), axis=-1).reshape(rows, -1)
 
 
 def quantize_q6_k(weight):

@@ -1,5 +1,6 @@
-"""GGUF blocks taken as they are: Q4_0 / Q4_1 / Q4_K / Q5_0 / Q8_0 map exactly onto the quantized linear, and a
-tiny GGUF's int4 engine computes exactly what its fp32 engine (the same GGUF dequantized) computes."""
+"""GGUF blocks taken as they are: Q4_0 / Q4_1 / Q4_K / Q5_0 / Q5_1 / Q5_K / Q6_K / Q8_0 map exactly onto the
+quantized linear, and a tiny GGUF's engine computes exactly what its fp32 engine (the same GGUF dequantized)
+computes."""
 
 from __future__ import annotations
 
@@ -10,7 +11,14 @@ import torch
 from builder.build import BuildOptions, build_engine
 from builder.loaders import load_checkpoint
 from builder.loaders.gguf_blocks import BlockQuantized
-from builder.weights import auto_quantization, kept_block_specs, linear_sources, split_linears, wider_specs
+from builder.weights import (
+    auto_quantization,
+    embedding_spec,
+    kept_block_specs,
+    linear_sources,
+    split_linears,
+    wider_specs,
+)
 from plugins.int4_matmul import five_bit_bytes
 from plugins.quant_linear import QuantSpec, dequantize_blockwise
 from runner.core.args import EngineArgs
@@ -21,7 +29,7 @@ from tests.runner.tools.test_bench import initializer_bytes_read_per_step
 from tests.tiny_checkpoint import make_gguf
 
 
-@pytest.mark.parametrize("kind, bits", [("Q4_0", 4), ("Q4_1", 4), ("Q5_0", 8), ("Q8_0", 8)])
+@pytest.mark.parametrize("kind, bits", [("Q4_0", 4), ("Q4_1", 4), ("Q5_0", 8), ("Q5_1", 8), ("Q8_0", 8)])
 def test_blocks_convert_exactly(kind, bits):
     """Against gguf-py's own dequantizer (llama.cpp's reference for the formats)."""
     import gguf
@@ -31,8 +39,9 @@ def test_blocks_convert_exactly(kind, bits):
     raw = gguf.quants.quantize(weight, qtype)
     qweight, scales, minimums = BlockQuantized(kind, raw, 96).to_matmul_nbits()
     assert qweight.shape == (12, 3, 32 * bits // 8) and scales.shape == (36,)
-    assert (minimums is not None) == (kind == "Q4_1")
+    assert (minimums is not None) == (kind in ("Q4_1", "Q5_1"))
     assert qweight.dtype == torch.uint8 and (kind != "Q5_0" or set(qweight.unique().tolist()) <= set(range(112, 144)))
+    assert kind != "Q5_1" or int(qweight.max()) <= 31  # as they are: w = d x q + m
     ours = dequantize_blockwise(qweight, scales, 96, bits, minimums)
     expected = gguf.quants.dequantize(raw, qtype).reshape(12, 96)
     np.testing.assert_allclose(ours.numpy(), expected, rtol=0, atol=1e-6 * np.abs(expected).max())
@@ -44,26 +53,30 @@ def test_blocks_convert_exactly(kind, bits):
         assert np.array_equal(minimums.numpy(), blocks[..., 2:4].copy().view(np.float16)[..., 0])
 
 
-def random_q4_k(rows: int, in_features: int, seed: int = 0) -> np.ndarray:
-    """Q4_K super-blocks of random bytes (gguf-py has no Q4_K quantizer): any bytes are valid blocks once the two
-    float16s are finite; d and dmin small and positive as a quantizer writes them."""
+def random_q4_k(rows: int, in_features: int, seed: int = 0, block_bytes: int = 144) -> np.ndarray:
+    """Q4_K super-blocks (Q5_K's with `block_bytes` 176) of random bytes (gguf-py has no K-quant quantizer): any
+    bytes are valid blocks once the two float16s are finite; d and dmin small and positive as a quantizer writes
+    them."""
     rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, (rows, in_features // 256, 144), dtype=np.uint8)
+    blocks = rng.integers(0, 256, (rows, in_features // 256, block_bytes), dtype=np.uint8)
     blocks[..., 0:4] = (rng.random((rows, in_features // 256, 2)) * [2e-3, 1e-2]).astype(np.float16).view(np.uint8)
     return blocks.reshape(rows, -1)
 
 
-def test_q4_k_blocks_convert_exactly():
-    """Each 32-input sub-block: its nibbles, scale d x sc and minimum -(dmin x m) in float32, computed as llama.cpp
-    computes them, so the dequantized weight is gguf-py's bit for bit."""
+@pytest.mark.parametrize("kind, bits, block_bytes", [("Q4_K", 4, 144), ("Q5_K", 8, 176)])
+def test_k_quant_blocks_with_minimums_convert_exactly(kind, bits, block_bytes):
+    """Each 32-input sub-block: its values (Q5_K's 5 bits as int8 blocks, as they are), scale d x sc and minimum
+    -(dmin x m) in float32, computed as llama.cpp computes them, so the dequantized weight is gguf-py's bit for
+    bit."""
     import gguf
 
-    raw = random_q4_k(6, 512)
-    qweight, scales, minimums = BlockQuantized("Q4_K", raw, 512).to_matmul_nbits()
-    assert qweight.shape == (6, 16, 16) and scales.shape == (96,) and minimums.shape == (6, 16)
+    raw = random_q4_k(6, 512, block_bytes=block_bytes)
+    qweight, scales, minimums = BlockQuantized(kind, raw, 512).to_matmul_nbits()
+    assert qweight.shape == (6, 16, 32 * bits // 8) and scales.shape == (96,) and minimums.shape == (6, 16)
     assert minimums.dtype == scales.dtype == torch.float32
-    expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K).reshape(6, 512)
-    np.testing.assert_array_equal(dequantize_blockwise(qweight, scales, 512, 4, minimums).numpy(), expected)
+    expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind]).reshape(6, 512)
+    np.testing.assert_array_equal(dequantize_blockwise(qweight, scales, 512, bits, minimums).numpy(), expected)
+    assert bits == 4 or set(qweight.unique().tolist()) == set(range(32))
     assert not np.array_equal(scales.numpy().astype(np.float16).astype(np.float32), scales.numpy())  # not halves
 
 
@@ -124,8 +137,8 @@ def test_a_fused_linear_of_weights_stored_apart_runs_as_parts(checkpoint_factory
     # q, k and v of three forms: three parts
     three = formats | {f"{layer}.k_proj.weight": "Q8_0"}
     assert split_linears(config, int4, three, three) == {qkv: (0, q, q + kv, q + 2 * kv)}
-    # Q5_1 has no exact form: the values part is int8 from float, the rest keeps its blocks
-    types = formats | {f"{layer}.v_proj.weight": "Q5_1"}
+    # Q8_1 has no exact form: the values part is int8 from float, the rest keeps its blocks
+    types = formats | {f"{layer}.v_proj.weight": "Q8_1"}
     formats.pop(f"{layer}.v_proj.weight")
     splits = split_linears(config, int4, formats, types)
     kept = kept_block_specs(config, int4, False, formats, splits=splits)
@@ -139,14 +152,19 @@ def test_a_fused_linear_of_weights_stored_apart_runs_as_parts(checkpoint_factory
     assert split_linears(config, int4, q5_0, q5_0) == {}
     assert split_linears(config, int4, q5_0, q5_0, packed_forms=True) == {qkv: (0, q + kv, q + 2 * kv)}
     assert split_linears(config, QuantSpec(4, 32, accuracy_level=0), q5_0, q5_0, packed_forms=True) == {}
+    # Q5_1 values beside Q5_0 or Q5_K queries and keys: one int8 layout with minimums, but 5-bit nodes of their own
+    for kind in ("Q5_0", "Q5_K"):
+        mixed = dict.fromkeys(q5_0, kind) | {f"{layer}.v_proj.weight": "Q5_1"}
+        assert split_linears(config, int4, mixed, mixed) == {}
+        assert split_linears(config, int4, mixed, mixed, packed_forms=True) == {qkv: (0, q + kv, q + 2 * kv)}
 
 
 def test_a_weight_with_more_bits_than_the_build_is_quantized_to_int8(checkpoint_factory):
-    """Q5_K / Q5_1 have no exact form: requantized, but never to fewer bits than the file gives them (a fused
-    linear not split into parts goes int8 whole)."""
+    """Q8_1 / Q8_K have no exact form (nor Q6_K where it is not kept): requantized, but never to fewer bits than the
+    file gives them (a fused linear not split into parts goes int8 whole; a table alike)."""
     config = load_checkpoint(checkpoint_factory("gqa")).config
     down = "model.layers.1.mlp.down_proj"
-    types = {f"{down}.weight": "Q6_K", "model.layers.0.self_attn.v_proj.weight": "Q5_1"}
+    types = {f"{down}.weight": "Q6_K", "model.layers.0.self_attn.v_proj.weight": "Q8_1"}
     types |= {"model.layers.0.self_attn.q_proj.weight": "Q4_K", "model.layers.0.mlp.up_proj.weight": "Q4_K"}
     wider = wider_specs(config, QuantSpec(4, 32), True, types, {})
     assert wider == {down: QuantSpec(8, 32), "model.layers.0.self_attn.qkv_proj": QuantSpec(8, 32)}
@@ -155,6 +173,8 @@ def test_a_weight_with_more_bits_than_the_build_is_quantized_to_int8(checkpoint_
     }
     assert wider_specs(config, QuantSpec(8, 128), True, types, {}) == {}
     assert wider_specs(config, None, True, types, {}) == {}
+    table = {"model.embed_tokens.weight": "Q8_1"}
+    assert embedding_spec(QuantSpec(4, 32), False, True, table) == QuantSpec(8, 32)
 
 
 @pytest.fixture(scope="module")
@@ -251,39 +271,36 @@ def test_auto_quantization_follows_the_files_types(checkpoint_factory):
 
 
 def test_auto_requantizes_other_gguf_types_and_says_from_which(checkpoint_factory, tmp_path):
-    """A Q5_1 file (no exact form here): auto builds int8 (more bits than 4, never fewer), the layers requantized from
-    Q5_1 as the manifest and the build summary say, the Q8_0 head kept. Beside Q4_0 layers (an int4 build), Q5_1 down
-    projections are requantized to int8, not int4, and run in Int8MatMul nodes."""
+    """A Q5_1 file: auto builds int8 (more bits than 4, never fewer) and keeps its blocks, each linear's 5-bit values
+    in an Int5MatMul node. Beside Q4_0 layers, IQ4_NL down projections (a type no engine layout holds) are
+    requantized to the build's int4, as the manifest and the build summary say."""
     import onnx
 
     source = make_gguf(tmp_path / "q5.gguf", checkpoint_factory("gqa"), linear_type="Q5_1")
-    lines = []
-    build_engine(BuildOptions(str(source), tmp_path / "e", max_seq_len=128, max_batch=2), log=lines.append)
-    facts = LLMEngine(EngineArgs(tmp_path / "e")).manifest.quantization
-    assert (facts.bits, facts.method, facts.linears_kept, facts.linears_widened) == (8, "gguf-blocks+rtn", 1, 0)
-    assert facts.requantized_from == {"Q5_1": 14} and facts.embedding_from_head
-    assert any("8 quantized again from the file's Q5_1=14 weights" in line for line in lines), lines
+    engine = build(source, tmp_path / "e")
+    facts = engine.manifest.quantization
+    assert (facts.bits, facts.method, facts.linears_kept, facts.linears_requantized) == (8, "gguf-blocks", 9, 0)
+    assert facts.source_blocks_kept == {"Q5_1": 14, "Q8_0": 1} and facts.embedding_from_head
+    model = onnx.load(str(engine.artifact.path(engine.manifest.graphs["step"].file)), load_external_data=False)
+    ops = [node.op_type for node in model.graph.node]
+    assert (ops.count("Int5MatMul"), ops.count("Int8MatMul")) == (2 * 4, 1)  # the layers; the Q8_0 head
 
     mixed = make_gguf(
-        tmp_path / "q4_0.gguf", checkpoint_factory("gqa"), linear_type="Q4_0", module_types={"mlp.down_proj": "Q5_1"}
+        tmp_path / "q4_0.gguf", checkpoint_factory("gqa"), linear_type="Q4_0", module_types={"mlp.down_proj": "IQ4_NL"}
     )
     lines = []
     build_engine(BuildOptions(str(mixed), tmp_path / "mixed", max_seq_len=128, max_batch=2), log=lines.append)
-    engine = LLMEngine(EngineArgs(tmp_path / "mixed"))
-    facts = engine.manifest.quantization
-    assert (facts.bits, facts.linears_kept, facts.linears_requantized, facts.linears_widened) == (4, 7, 2, 2)
-    assert facts.requantized_from == {"Q5_1": 2}
-    assert any("2 of them to int8 (the file gives them more than 4 bits)" in line for line in lines), lines
-    model = onnx.load(str(engine.artifact.path(engine.manifest.graphs["step"].file)), load_external_data=False)
-    down = [n.op_type for n in model.graph.node if any("down_proj" in name for name in n.input[1:2])]
-    assert down == ["Int8MatMul", "Int8MatMul"]
+    facts = LLMEngine(EngineArgs(tmp_path / "mixed")).manifest.quantization
+    assert (facts.bits, facts.linears_kept, facts.linears_requantized, facts.linears_widened) == (4, 7, 2, 0)
+    assert facts.requantized_from == {"IQ4_NL": 2}
+    assert any("2 quantized again from the file's IQ4_NL=2 weights" in line for line in lines), lines
 
 
 def test_an_untied_ggufs_embedding_table_keeps_the_files_blocks(checkpoint_factory, tmp_path):
     """Untied, the table is stored apart from the head: the file's Q8_0 blocks as they are (the codes and float16
     scales a Gather reads, bit for bit; the engine then computes what the fp32 engine of the same file computes),
-    or, for a type without an exact form (Q5_1), int8 blocks rounded from it (an int4 build never rounds a table of
-    more bits to 4), as the manifest and the log say."""
+    (Q5_1's with their minimums too), or, for a type without an exact form (IQ4_NL), blocks rounded from it, as the
+    manifest and the log say."""
     import gguf
     import onnx
     from onnx import numpy_helper
@@ -335,16 +352,20 @@ def test_an_untied_ggufs_embedding_table_keeps_the_files_blocks(checkpoint_facto
 
     q5 = make_gguf(tmp_path / "q5.gguf", checkpoint_factory("mqa"), embedding_type="Q5_1")
     table = build(q5, tmp_path / "q5", quant="int4").manifest.quantization.embedding
-    assert (table.bits, table.minimums, table.source_blocks, table.rounded_from) == (8, False, None, "Q5_1")
+    assert (table.bits, table.minimums, table.source_blocks, table.rounded_from) == (8, True, "Q5_1", None)
+    iq4 = make_gguf(tmp_path / "iq4.gguf", checkpoint_factory("mqa"), embedding_type="IQ4_NL")
+    table = build(iq4, tmp_path / "iq4", quant="int4").manifest.quantization.embedding
+    assert (table.bits, table.minimums, table.source_blocks, table.rounded_from) == (4, False, None, "IQ4_NL")
 
 
-def assert_computes_what(reference_engine: LLMEngine, engine: LLMEngine) -> None:
-    """The engine's logits after a prompt and forced tokens are the reference engine's (1e-4 of the largest)."""
+def assert_computes_what(reference_engine: LLMEngine, engine: LLMEngine, tolerance: float = 1e-4) -> None:
+    """The engine's logits after a prompt and forced tokens are the reference engine's (`tolerance` of the
+    largest)."""
     prompt = reference_engine.codec.encode(TEXT)
     forced = prompt[1:] + prompt[:5]
     reference = teacher_forced_logits(reference_engine, prompt, forced)
     np.testing.assert_allclose(
-        teacher_forced_logits(engine, prompt, forced), reference, rtol=0, atol=1e-4 * np.abs(reference).max()
+        teacher_forced_logits(engine, prompt, forced), reference, rtol=0, atol=tolerance * np.abs(reference).max()
     )
 
 
@@ -354,9 +375,7 @@ def test_a_q4_k_gguf_engine_holds_the_files_sub_blocks(checkpoint_factory, tmp_p
     and -dmin per 256 inputs, uint8 sc and m per 32), which multiply to the file's sub-block products d x sc and
     -(dmin x m), and whose nibbles are the file's (the kernel's numerics against float64, and against the products
     stored as float32: tests/plugins/test_int4_matmul.py)."""
-    import gguf
     import onnx
-    from onnx import numpy_helper
 
     source = make_gguf(tmp_path / "q4_k.gguf", checkpoint_factory("k_quants"), linear_type="Q4_K")
     fp32 = build(source, tmp_path / "fp32", quant="none")
@@ -369,24 +388,36 @@ def test_a_q4_k_gguf_engine_holds_the_files_sub_blocks(checkpoint_factory, tmp_p
     model = onnx.load(str(engine.artifact.path(engine.manifest.graphs["step"].file)))
     ops = [node.op_type for node in model.graph.node]
     assert ops.count("Int4MatMul") == 2 * 4 and not {"MatMulNBits", "ReduceSum"} & set(ops)
+    stored, values = factored_o_proj(model, "Int4MatMul", source, "Q4_K")
+    assert np.array_equal(untiled(stored, len(values), bits=4), values.reshape(len(values), -1))
+
+
+def factored_o_proj(model, op: str, source, kind: str) -> tuple[np.ndarray, np.ndarray]:
+    """Layer 1's o_proj node of `op` in `model`, built from `source`'s `kind` (Q4_K, Q5_K) blocks: asserts that its
+    scales and minimums are the file's sub-block products d x sc and -(dmin x m) stored factored (uint8 multipliers,
+    float16 factors); returns its stored weights (column tiles) and the file's values [N, K / 32, block bytes]."""
+    import gguf
+    from onnx import numpy_helper
+
     constants = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
-    (o_proj,) = [n for n in model.graph.node if n.op_type == "Int4MatMul" and "layers.1.self_attn.o_proj" in n.input[1]]
+    (o_proj,) = [n for n in model.graph.node if n.op_type == op and "layers.1.self_attn.o_proj" in n.input[1]]
     n = next(a.i for a in o_proj.attribute if a.name == "N")
     raw = next(t for t in gguf.GGUFReader(str(source)).tensors if t.name == "blk.1.attn_output.weight")
-    values, scales, minimums = BlockQuantized("Q4_K", np.asarray(raw.data), 256).to_matmul_nbits()
+    values, scales, minimums = BlockQuantized(kind, np.asarray(raw.data), 256).to_matmul_nbits()
     multipliers, minimum_multipliers, factors = (untiled(constants[name], n) for name in o_proj.input[2:])
     assert multipliers.dtype == minimum_multipliers.dtype == np.uint8 and factors.dtype == np.float16
     per_chunk = factors.reshape(n, -1, 1, 2).repeat(8, axis=2).reshape(n, -1, 2).astype(np.float32)
     assert np.array_equal(per_chunk[..., 0] * multipliers, scales.numpy().reshape(n, -1))
     assert np.array_equal(per_chunk[..., 1] * minimum_multipliers, minimums.numpy())
-    assert np.array_equal(untiled(constants[o_proj.input[1]], n, bits=4), values.numpy().reshape(n, -1))
+    return constants[o_proj.input[1]], values.numpy()
 
 
-@pytest.mark.parametrize("kind, op", [("Q4_K", "Int4MatMul"), ("Q6_K", "Int6MatMul")])
+@pytest.mark.parametrize("kind, op", [("Q4_K", "Int4MatMul"), ("Q5_K", "Int5MatMul"), ("Q6_K", "Int6MatMul")])
 def test_a_tied_k_quant_table_is_read_from_the_heads_own_form(checkpoint_factory, tmp_path, kind, op):
     """A K-quant token_embd with no output.weight: the LM head keeps the file's blocks, and the lookup reads them:
     computed in float, the engine is the fp32 engine of the file; with our kernels, one QuantizedRows node reads the
-    head's node's own inputs (Q4_K factored, Q6_K in 6 bits: the file's bytes a weight) and nothing else reads
+    head's node's own inputs (Q4_K and Q5_K factored, Q5_K in 5 bits, Q6_K in 6: the file's bytes a weight) and
+    nothing else reads
     them (the rows against the reference, bit for bit, in tests/plugins/test_int4_matmul.py)."""
     import onnx
 
@@ -394,7 +425,7 @@ def test_a_tied_k_quant_table_is_read_from_the_heads_own_form(checkpoint_factory
     fp32 = build(source, tmp_path / "fp32", quant="none")
     exact = build(source, tmp_path / "exact", int8_compute=False)
     facts = exact.manifest.quantization
-    kept = {"Q4_K": 15} if kind == "Q4_K" else {"Q4_K": 14, "Q6_K": 1}
+    kept = {"Q4_K": 15} if kind == "Q4_K" else {"Q4_K": 14, kind: 1}
     assert facts.source_blocks_kept == kept and facts.linears_requantized == 0 and facts.embedding_from_head
     assert_computes_what(fp32, exact)
     engine = build(source, tmp_path / "auto")
@@ -402,7 +433,7 @@ def test_a_tied_k_quant_table_is_read_from_the_heads_own_form(checkpoint_factory
     model = onnx.load(str(engine.artifact.path(engine.manifest.graphs["step"].file)), load_external_data=False)
     (head,) = [n for n in model.graph.node if n.op_type == op and "lm_head" in n.input[1]]
     (rows,) = [n for n in model.graph.node if n.op_type == "QuantizedRows"]
-    assert list(rows.input[1:]) == list(head.input[1:]) and len(head.input) == (5 if kind == "Q4_K" else 4)
+    assert list(rows.input[1:]) == list(head.input[1:]) and len(head.input) == (4 if kind == "Q6_K" else 5)
     readers = [n for n in model.graph.node if set(n.input) & set(head.input[1:])]
     assert readers == [rows, head] or readers == [head, rows]
     assert "QuantizedRows" in engine.manifest.graphs["step"].native_ops
@@ -528,6 +559,53 @@ def test_q5_0_layers_run_in_five_bits_beside_q8_0_values(checkpoint_factory, tmp
     codes = untiled(constants[o_proj.input[1]], n, bits=5).reshape(n, -1, 20)
     expected = five_bit_bytes(stored.numpy().reshape(n, -1) - np.uint8(112)).reshape(n, -1, 20)
     assert np.array_equal(codes, expected)
+    prompt = fp32.codec.encode(TEXT)
+    reference = teacher_forced_logits(exact, prompt, prompt[1:4])
+    logits = teacher_forced_logits(engine, prompt, prompt[1:4])
+    assert np.abs(logits - reference).max() < 0.15 * np.abs(reference).max()
+
+
+def test_q5_k_and_q5_1_layers_keep_their_blocks_in_five_bits(checkpoint_factory, tmp_path):
+    """llama.cpp's Q5_K_M: Q5_K layers (and here Q5_1 values beside them) go in as int8 blocks with minimums holding
+    the file's 5-bit values, scales and minimums (computed in float, the engine is the file's fp32 engine); with
+    int8 activations each linear is an Int5MatMul node storing the file's values in 5 bits, Q5_K's scales and
+    minimums factored as the file has them (uint8 sc and m, float16 d and -dmin: 5.625 bits a weight), Q5_1's
+    float16 ones, the fused q/k/v split between the two."""
+    import onnx
+
+    source = make_gguf(
+        tmp_path / "q5_k.gguf",
+        checkpoint_factory("k_quants"),
+        linear_type="Q5_K",
+        module_types={"self_attn.v_proj": "Q5_1"},
+    )
+    fp32 = build(source, tmp_path / "fp32", quant="none")
+    exact = build(source, tmp_path / "exact", int8_compute=False)
+    assert exact.manifest.quantization.source_blocks_kept == {"Q5_K": 12, "Q5_1": 2, "Q8_0": 1}
+    # in float, MatMulNBits computes scale x (q - 128) and the offset matmul adds 128 x scale x the block's sum back:
+    # for values of 0..31 the two cancel to ~1/8 of their size, so float rounding shows ~8x more than for int4
+    assert_computes_what(fp32, exact, tolerance=5e-4)
+
+    engine = build(source, tmp_path / "auto")
+    facts = engine.manifest.quantization
+    assert (facts.method, facts.linears_kept, facts.linears_requantized, facts.linears_widened) == (
+        "gguf-blocks",
+        11,
+        0,
+        0,
+    )
+    model = onnx.load(str(engine.artifact.path(engine.manifest.graphs["step"].file)))
+    five = [n for n in model.graph.node if n.op_type == "Int5MatMul"]
+    assert len(five) == 2 * 5 and not {"MatMulNBits", "ReduceSum"} & {node.op_type for node in model.graph.node}
+    values_parts = [n for n in five if "qkv_proj.parts.1" in n.input[1]]
+    assert [len(n.input) for n in values_parts] == [4, 4]  # Q5_1: float16 scales and minimums
+    stored, values = factored_o_proj(model, "Int5MatMul", source, "Q5_K")
+    n = len(values)
+    assert np.array_equal(untiled(stored, n, bits=5), five_bit_bytes(values.reshape(n, -1)).reshape(n, -1))
+    stored = {
+        out: sum(f.stat().st_size for f in (tmp_path / out).rglob("*") if f.is_file()) for out in ("auto", "exact")
+    }
+    assert stored["auto"] < 0.8 * stored["exact"]  # 5 bits a value against int8 MatMulNBits's 8
     prompt = fp32.codec.encode(TEXT)
     reference = teacher_forced_logits(exact, prompt, prompt[1:4])
     logits = teacher_forced_logits(engine, prompt, prompt[1:4])

@@ -125,6 +125,6 @@ def test_quantized_artifacts_are_smaller_and_say_how_they_were_made(engine_facto
                 "rtn",
                 int(quant[-1]),
                 group,
-                "com.microsoft::MatMulNBits, or Int4MatMul for blocks with minimums",
+                "com.microsoft::MatMulNBits, or Int4MatMul / Int8MatMul for blocks with minimums",
             )
     assert sizes["int4"] < sizes["int8"] < sizes["none"]

@@ -1,4 +1,5 @@
-"""Int4MatMul / Int8MatMul, our onnxruntime CPU kernels for int4 (Q4_0, Q4_1 with minimums) and int8 (Q8_0) weights:
+"""Int4MatMul / Int8MatMul / Int5MatMul / Int6MatMul, our onnxruntime CPU kernels for int4 (Q4_0, Q4_1 and Q4_K with
+minimums), int8 (Q8_0), 5-bit (Q5_0, Q5_1 and Q5_K with minimums) and 6-bit (Q6_K) weights:
 against float64 references and onnxruntime's MatMulNBits on the same weights, bit for bit the same for a row alone
 and in any batch and on the AVX2 and VNNI tiles, which nodes they replace, and an int4 engine that therefore decodes
 a lone row without padding it."""
@@ -77,11 +78,10 @@ def session(
             **extra,
         )
     elif op in ("Int4MatMul", "Int8MatMul", "Int5MatMul"):
-        if tile and op == "Int5MatMul":  # packed: the 5-bit values [N, K]
-            packed = int4_matmul.tile_weights(int4_matmul.five_bit_bytes(packed), 5)
-            scales = int4_matmul.tile_per_block(scales, n)
-        elif tile:
-            packed = int4_matmul.tile_weights(packed, 8 if op == "Int8MatMul" else 4)
+        if tile:  # Int5MatMul's packed: the 5-bit values [N, K]
+            five_bit = op == "Int5MatMul"
+            bytes_ = int4_matmul.five_bit_bytes(packed) if five_bit else packed
+            packed = int4_matmul.tile_weights(bytes_, 5 if five_bit else 8 if op == "Int8MatMul" else 4)
             scales = int4_matmul.tile_per_block(scales, n)
             minimums = None if minimums is None else int4_matmul.tile_per_block(minimums, n)
             factors = None if factors is None else int4_matmul.tile_per_block(factors, n)
@@ -822,14 +822,15 @@ def save_two_int8_nodes(path: Path, constants: dict[str, np.ndarray], k: int, n:
     return save_two_nodes(path, nodes, constants, k)
 
 
-def assert_first_output_is(library: Path, path: Path, weight: np.ndarray) -> None:
-    """The graph at `path` run on three random rows gives y = their int8 quantization x `weight`^T (float64)."""
+def assert_first_output_is(library: Path, path: Path, weight: np.ndarray, output: int = 0) -> None:
+    """The graph at `path` run on three random rows gives y (`output` 1: y2) = their int8 quantization x
+    `weight`^T (float64)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.register_custom_ops_library(str(library))
     a = np.random.default_rng(4).standard_normal((3, weight.shape[1]), dtype=np.float32)
-    y = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"]).run(None, {"a": a})[0]
+    y = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"]).run(None, {"a": a})[output]
     reference = int8_activations(a) @ weight.T
     np.testing.assert_allclose(y, reference, rtol=0, atol=2e-6 * np.abs(reference).max())
 
@@ -875,6 +876,74 @@ def test_five_bit_weights_fold_the_swiglu_activation_too(library):
     np.testing.assert_allclose(fused.run(None, {"a": a})[0], gate / (1 + np.exp(-gate)) * up, rtol=1e-5, atol=1e-6)
 
 
+def q5_k_blocks(n: int, k: int, seed: int = 0):
+    """Random Q5_K-style sub-blocks: 5-bit values [N, K] (w = scale x q + minimum), float32 scales d x sc and
+    minimums -(dmin x m) of a float16 per 256 inputs and 6-bit integers per 32, as llama.cpp computes them."""
+    _, scales, minimums = q4_k_blocks(n, k, seed)
+    values = np.random.default_rng(seed + 1).integers(0, 32, (n, k), dtype=np.uint8)
+    return values, scales.reshape(n, -1), minimums
+
+
+def q5_1_blocks(n: int, k: int, seed: int = 0):
+    """Random Q5_1-style blocks: 5-bit values [N, K], float16 scales and minimums as a GGUF file holds them."""
+    _, scales, minimums = q4_1_blocks(n, k, seed)
+    values = np.random.default_rng(seed + 1).integers(0, 32, (n, k), dtype=np.uint8)
+    return values, scales.reshape(n, -1), minimums
+
+
+def with_minimums_weight(values: np.ndarray, scales: np.ndarray, minimums: np.ndarray) -> np.ndarray:
+    n, k = values.shape
+    codes = values.astype(np.float64).reshape(n, -1, 32)
+    weight = codes * scales.astype(np.float64)[..., None] + minimums.astype(np.float64)[..., None]
+    return weight.reshape(n, k)
+
+
+@pytest.mark.parametrize("shape", FACTORED_SHAPES)
+@pytest.mark.parametrize("kind", ["Q5_1", "Q5_K"])
+def test_five_bit_weights_with_minimums_against_a_float64_reference_for_1_to_17_rows(library, shape, kind, isa):
+    """Int5MatMul with minimums, w = scale x q + minimum (Q5_1: float16 scales and minimums; Q5_K: float32
+    products d x sc and -(dmin x m), and those factored as the build stores them, bit for bit the same outputs):
+    exact integer sums, so the activations' int8 quantization and float rounding are all that differ, and a row's
+    result is the same alone and among others."""
+    n, k = FACTORED_SHAPES[shape]
+    values, scales, minimums = q5_1_blocks(n, k, seed=2) if kind == "Q5_1" else q5_k_blocks(n, k, seed=2)
+    run = session(library, "Int5MatMul", values, scales.reshape(-1), k, n, 32, minimums=minimums)
+    assert_reference_in_any_batch(run, with_minimums_weight(values, scales, minimums))
+    if kind == "Q5_K":
+        (multipliers, scale_factors), (minimum_multipliers, minimum_factors) = (
+            int4_matmul.factored_scales(v) for v in (scales, minimums)
+        )
+        factors = np.stack((scale_factors, minimum_factors), -1).reshape(n, -1)
+        factored = session(
+            library, "Int5MatMul", values, multipliers, k, n, 32, minimums=minimum_multipliers, factors=factors
+        )
+        a = np.random.default_rng(7).standard_normal((70, k), dtype=np.float32)
+        for rows in (1, 3, 4, 5, 70):
+            np.testing.assert_array_equal(factored.run(None, {"a": a[:rows]})[0], run.run(None, {"a": a[:rows]})[0])
+
+
+def test_five_bit_weights_with_minimums_fold_the_swiglu_activation_too(library):
+    n, k = 64, 256
+    values, scales, minimums = q5_k_blocks(n, k, seed=4)
+    a = np.random.default_rng(5).standard_normal((3, k), dtype=np.float32)
+    y = session(library, "Int5MatMul", values, scales.reshape(-1), k, n, 32, minimums=minimums).run(None, {"a": a})[0]
+    fused = session(library, "Int5MatMul", values, scales.reshape(-1), k, n, 32, minimums=minimums, swiglu=1)
+    gate, up = y[:, : n // 2].astype(np.float64), y[:, n // 2 :]
+    np.testing.assert_allclose(fused.run(None, {"a": a})[0], gate / (1 + np.exp(-gate)) * up, rtol=2e-6, atol=1e-6)
+
+
+def test_int8_weights_with_minimums_are_refused(library):
+    """Only Int5MatMul takes minimums of int8 nodes (the graph stage stores their 5-bit values so)."""
+    import onnxruntime as ort
+
+    n, k = 37, 256
+    values, scales, minimums = q5_1_blocks(n, k)
+    with pytest.raises(ort.capi.onnxruntime_pybind11_state.Fail, match="Int8MatMul: takes 3 inputs"):
+        session(library, "Int8MatMul", values.reshape(n, -1, 32), scales.reshape(-1), k, n, 32, minimums=minimums).run(
+            None, {"a": np.ones((1, k), np.float32)}
+        )
+
+
 def test_five_bit_inputs_of_the_wrong_size_or_count_are_refused(library):
     import onnxruntime as ort
 
@@ -887,7 +956,8 @@ def test_five_bit_inputs_of_the_wrong_size_or_count_are_refused(library):
     for weight_input, scale_input, minimums in (
         (tiled[:-1], tiled_scales, None),  # short weights
         (tiled, tiled_scales[:-1], None),  # short scales
-        (tiled, tiled_scales, tiled_scales),  # minimums: Q5_0 has none
+        (tiled, tiled_scales, tiled_scales[:-1]),  # short minimums
+        (tiled, tiled_scales, tiled_scales.astype(np.float32)),  # minimums of another type than the scales
     ):
         with pytest.raises((state.Fail, state.InvalidGraph, state.InvalidArgument)):
             session(library, "Int5MatMul", weight_input, scale_input, k, n, 32, minimums=minimums, tile=False).run(
@@ -917,6 +987,54 @@ def test_the_build_stores_only_five_bit_int8_blocks_in_five_bits(library, tmp_pa
     tensors = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     assert tensors["w"].size == -(-n // 16) * 16 * k * 5 // 8 and tensors["s"].dtype == np.float16
     assert_first_output_is(library, path, q5_0_weight(values, scales))
+
+
+def test_int8_nodes_with_minimums_run_in_five_bits_or_are_refused(library, tmp_path):
+    """`use_in_graph` on our Int8MatMul nodes with minimums, as the build exports Q5_1 / Q5_K linears: each becomes
+    an Int5MatMul node of the values as they are (no offset), Q5_1's scales and minimums float16 as the file, Q5_K's
+    factored (uint8 multipliers, float16 factors), computing its float64 reference; a node whose values exceed 5
+    bits is an error (no kernel takes int8 minimums)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    n, k = 37, 512
+    q5_1, q5_k = q5_1_blocks(n, k, seed=6), q5_k_blocks(n, k, seed=7)
+    constants = {}
+    for suffix, (values, scales, minimums) in (("", q5_1), ("2", q5_k)):
+        constants |= {f"w{suffix}": values.reshape(n, -1, 32), f"s{suffix}": scales.astype(np.float32).reshape(-1)}
+        constants[f"m{suffix}"] = minimums
+    nodes = [
+        helper.make_node("Int8MatMul", ["a", *inputs], [out], domain=DOMAIN, K=k, N=n, block_size=32, name=out)
+        for inputs, out in ((["w", "s", "m"], "y"), (["w2", "s2", "m2"], "y2"))
+    ]
+    path = save_two_nodes(tmp_path / "two.onnx", nodes, constants, k)
+    counts = int4_matmul.use_in_graph(path)
+    assert (counts["Int5MatMul"], counts["Int8MatMul"]) == (2, 0)
+    model = onnx.load(str(path))
+    assert {node.name: (node.op_type, len(node.input)) for node in model.graph.node} == {
+        "y": ("Int5MatMul", 4),
+        "y2": ("Int5MatMul", 5),
+    }
+    types = {t.name: t.data_type for t in model.graph.initializer}
+    assert (types["s"], types["m"]) == (TensorProto.FLOAT16, TensorProto.FLOAT16)
+    assert (types["s2"], types["m2"], types["s2/factors"]) == (
+        TensorProto.UINT8,
+        TensorProto.UINT8,
+        TensorProto.FLOAT16,
+    )
+    tensors = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    assert tensors["w"].size == tensors["w2"].size == -(-n // 16) * 16 * k * 5 // 8
+    assert_first_output_is(library, path, with_minimums_weight(*q5_1))
+    assert_first_output_is(library, path, with_minimums_weight(*q5_k), output=1)
+
+    values, scales, minimums = q5_1
+    wide = values.copy()
+    wide[3, 40] = 32  # beyond 5 bits
+    constants = {"w": wide.reshape(n, -1, 32), "s": scales.astype(np.float32).reshape(-1), "m": minimums}
+    constants |= {"w2": constants["w"].copy(), "s2": constants["s"].copy(), "m2": minimums.copy()}
+    path = save_two_nodes(tmp_path / "wide.onnx", nodes, constants, k)
+    with pytest.raises(ValueError, match="beyond 5 bits"):
+        int4_matmul.use_in_graph(path)
 
 
 def rows_session(library: Path, tiled: list[np.ndarray], k: int, n: int, bits: int, block: int):
@@ -963,6 +1081,19 @@ def rows_case(kind: str, n: int, k: int):
         (packed, multipliers, minimum_multipliers, factors), (scales, minimums) = factored_q4_k(n, k, seed=3)
         tiled = [int4_matmul.tile_weights(packed, 4), tile(multipliers), tile(minimum_multipliers), tile(factors)]
         return tiled, 4, 32, (packed, scales, minimums)
+    if kind == "Q5_1":
+        values, scales, minimums = q5_1_blocks(n, k, seed=3)
+        tiled = [int4_matmul.tile_weights(int4_matmul.five_bit_bytes(values), 5), tile(scales), tile(minimums)]
+        return tiled, 5, 32, (values.reshape(n, -1, 32), scales.astype(np.float32), minimums)
+    if kind == "Q5_K":
+        values, scales, minimums = q5_k_blocks(n, k, seed=3)
+        (multipliers, scale_factors), (minimum_multipliers, minimum_factors) = (
+            int4_matmul.factored_scales(v) for v in (scales, minimums)
+        )
+        factors = np.stack((scale_factors, minimum_factors), -1).reshape(n, -1)
+        bytes_ = int4_matmul.five_bit_bytes(values)
+        tiled = [int4_matmul.tile_weights(bytes_, 5), tile(multipliers), tile(minimum_multipliers), tile(factors)]
+        return tiled, 5, 32, (values.reshape(n, -1, 32), scales, minimums)
     if kind == "Q5_0":
         values, scales = q5_0_blocks(n, k, seed=3)
         stored = (values.astype(np.int16) + 112).astype(np.uint8).reshape(n, -1, 32)
@@ -982,7 +1113,7 @@ def rows_case(kind: str, n: int, k: int):
     return tiled, 4, block, (packed, scales.astype(np.float32), minimums)
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q6_K", "Q8_0", "int4 g128"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "int4 g128"])
 def test_rows_of_a_heads_tiles_are_the_references_rows_bit_for_bit(library, kind):
     """QuantizedRows, the embedding lookup of a tied head: from the head's node's inputs as the build stores them
     (column tiles; float16, factored or 6-bit), each row what plugins/quant_linear.py's reference dequantizes from
@@ -1038,3 +1169,7 @@ def test_covers_says_which_heads_our_kernels_run():
     assert not int4_matmul.covers(QuantSpec(4, 32, accuracy_level=0), k, stored, scales)
     assert int4_matmul.covers(QuantSpec(8, 16), k, stored, scales)  # Q6_K's blocks: Int6MatMul
     assert not int4_matmul.covers(QuantSpec(8, 16), k, rtn, scales)  # 8-bit values: MatMulNBits
+    five_bit = np.random.default_rng(2).integers(0, 32, (n, k // 32, 32), dtype=np.uint8)
+    assert int4_matmul.covers(QuantSpec(8, 32, minimums=True), k, five_bit, scales)  # Q5_1 / Q5_K: Int5MatMul
+    assert not int4_matmul.covers(QuantSpec(8, 32, minimums=True), k, rtn.reshape(n, -1, 32), scales)
+    assert not int4_matmul.covers(QuantSpec(8, 32, minimums=True, accuracy_level=0), k, five_bit, scales)
