@@ -97,9 +97,11 @@ def use_in_graph(graph_file: Path) -> dict[str, int]:
             op = INT5_OP if inputs[1] in five_bit else node.op_type
             if op == OPS[8]:
                 raise ValueError(
-                    f"{op} node {node.name!r} has minimums, which only Int5MatMul takes, and values beyond 5 bits"
+                    f"{op} node {node.name!r} has minimums, which only Int5MatMul takes, and values beyond 5 bits "
+                    "(or weights another node reads too)"
                 )
-            unsigned.add(inputs[1])
+            if op == INT5_OP:
+                unsigned.add(inputs[1])
         elif node.op_type == "MatMulNBits" and node.domain == "com.microsoft" and inputs[2] in six_bit:
             op, inputs = INT6_OP, [*inputs, _factors_of(inputs[2])]
             factors[inputs[3]] = tile_per_block(six_bit[inputs[2]][1], attributes["N"])
