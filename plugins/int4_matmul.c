@@ -253,6 +253,21 @@ INLINE_AVX2 __m256 multiplied_256(const void *multipliers, int64_t at, __m256 fa
   return _mm256_mul_ps(factors, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eight)));
 }
 
+/* the 8 columns' scales (`half` of tile t) for chunk c, and their minimums (zero without MIN), as the 256-bit tiles
+ * read them: float or float16 (F16), or FACTORED: uint8 multipliers times the super-block's `factor` */
+INLINE_AVX2 __m256 scales_256(const Work *w, int64_t t, int64_t c, int half, __m256 factor, const int F16,
+                              const int FACTORED) {
+  return FACTORED ? multiplied_256(w->wscale, minimums_at(w, t, c) + 8 * half, factor)
+                  : floats_256(w->wscale, scales_at(w, t, c) + 8 * half, F16);
+}
+
+INLINE_AVX2 __m256 minimums_256(const Work *w, int64_t t, int64_t c, int half, __m256 factor, const int MIN,
+                                const int F16, const int FACTORED) {
+  return FACTORED ? multiplied_256(w->minimums, minimums_at(w, t, c) + 8 * half, factor)
+         : MIN    ? floats_256(w->minimums, minimums_at(w, t, c) + 8 * half, F16)
+                  : _mm256_setzero_ps();
+}
+
 /* Rows [r, r + ROWS) against tile t, 512-bit: vector s of a chunk meets int32 s of the activations (int4: its low
  * nibbles int32 2s, its high ones 2s + 1), two chains of vpdpbusd to keep the adder busy. BITS 4 or 8; MIN: the
  * chunks carry minimums; F16: the scales (and minimums) are float16; FACTORED: they are factored (MIN too). */
@@ -348,11 +363,8 @@ INLINE_AVX2 void tile_256(const Work *w, int64_t r, int64_t t, const int ROWS, c
           }
         }
       }
-      const __m256 ws = FACTORED ? multiplied_256(w->wscale, minimums_at(w, t, c) + 8 * half, factors[0])
-                                 : floats_256(w->wscale, scales_at(w, t, c) + 8 * half, F16);
-      const __m256 wmin = FACTORED ? multiplied_256(w->minimums, minimums_at(w, t, c) + 8 * half, factors[1])
-                          : MIN    ? floats_256(w->minimums, minimums_at(w, t, c) + 8 * half, F16)
-                                   : _mm256_setzero_ps();
+      const __m256 ws = scales_256(w, t, c, half, factors[0], F16, FACTORED);
+      const __m256 wmin = minimums_256(w, t, c, half, factors[1], MIN, F16, FACTORED);
       for (int i = 0; i < ROWS; i++) {
         const int64_t at = (r + i) * chunks + c;
         acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[i]), _mm256_mul_ps(ws, _mm256_set1_ps(w->q.scale[at])), acc[i]);
@@ -462,11 +474,8 @@ INLINE_AVX2 void tile5_256(const Work *w, int64_t r, int64_t t, const int ROWS, 
           KEEP_IN_REGISTER(dots[i]);
         }
       }
-      const __m256 ws = FACTORED ? multiplied_256(w->wscale, minimums_at(w, t, c) + 8 * half, factors[0])
-                                 : floats_256(w->wscale, scales_at(w, t, c) + 8 * half, F16);
-      const __m256 wmin = FACTORED ? multiplied_256(w->minimums, minimums_at(w, t, c) + 8 * half, factors[1])
-                          : MIN    ? floats_256(w->minimums, minimums_at(w, t, c) + 8 * half, F16)
-                                   : _mm256_setzero_ps();
+      const __m256 ws = scales_256(w, t, c, half, factors[0], F16, FACTORED);
+      const __m256 wmin = minimums_256(w, t, c, half, factors[1], MIN, F16, FACTORED);
       for (int i = 0; i < ROWS; i++) {
         const int64_t at = (r + i) * chunks + c;
         const __m256i centred = MIN ? dots[i] : _mm256_sub_epi32(dots[i], _mm256_set1_epi32(w->q.zero[at]));

@@ -31,13 +31,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plugins.int4_matmul import OPS as KERNEL_OPS_BY_BITS  # our node for blocks with minimums (int8: 5-bit values)
 from plugins.native_ops import DOMAIN
 from plugins.onnx_schema import register_contrib_op
 
 SUPPORTED_BITS = (4, 8)
 SUPPORTED_BLOCKS = (16, 32, 64, 128, 256)
-# bits -> our node that takes blocks with minimums (plugins/int4_matmul.c; the int8 one's values must fit 5 bits)
-MINIMUMS_OPS = {4: "Int4MatMul", 8: "Int8MatMul"}
 
 
 @dataclass(frozen=True)
@@ -341,7 +340,7 @@ def _register_schema() -> None:
         types={"T1": ["tensor(float)", "tensor(float16)"], "T2": ["tensor(uint8)"]},
         attributes={name: int for name in ("K", "N", "bits", "block_size", "accuracy_level")},
     )
-    for op in MINIMUMS_OPS.values():
+    for op in KERNEL_OPS_BY_BITS.values():
         register_contrib_op(
             op,
             inputs=["A:T1", "B:T2", "scales:T1", "minimums?:T3"],
@@ -390,7 +389,7 @@ def onnx_translations() -> dict:
     def minimums_matmul_to_onnx(
         x, qweight, scales, minimums, in_features: int, out_features: int, bits: int, block_size: int
     ):
-        op = getattr(ours, MINIMUMS_OPS[bits])
+        op = getattr(ours, KERNEL_OPS_BY_BITS[bits])
         return op(x, qweight, scales, minimums, K=in_features, N=out_features, block_size=block_size)
 
     def quantized_rows_to_onnx(
