@@ -1,12 +1,90 @@
-"""plugins/native_ops.py's graph surgery that needs no compiler: initializers stored anew in their weights file."""
+"""plugins/native_ops.py: the kernel library's compile cache, and the graph surgery that needs no compiler
+(initializers stored anew in their weights file)."""
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import onnx
+import pytest
 from onnx import helper, numpy_helper
 
+from plugins import native_ops
 from plugins.native_ops import rewrite_initializers
+
+needs_compiler = pytest.mark.skipif(
+    native_ops.unavailable_reason() is not None, reason=f"no kernel library here: {native_ops.unavailable_reason()}"
+)
+
+
+@pytest.fixture
+def compiles(monkeypatch, tmp_path):
+    """An empty kernel cache of this test's own, and the list of the compiler runs it makes."""
+    monkeypatch.setenv("LLM_ENGINE_BUILDER_CACHE_DIR", str(tmp_path / "cache"))
+    runs = []
+    compile_now = native_ops._compile
+
+    def counted(target):
+        runs.append(target)
+        return compile_now(target)
+
+    monkeypatch.setattr(native_ops, "_compile", counted)
+    return runs
+
+
+@needs_compiler
+def test_a_second_build_copies_the_library_the_first_compiled(compiles, tmp_path):
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir(), second.mkdir()
+    assert native_ops.compile_library(first) == first / native_ops.LIBRARY_NAME
+    assert native_ops.compile_library(second) == second / native_ops.LIBRARY_NAME
+    assert len(compiles) == 1
+    assert (first / native_ops.LIBRARY_NAME).read_bytes() == (second / native_ops.LIBRARY_NAME).read_bytes()
+    assert sorted(p.name for p in second.iterdir()) == [native_ops.LIBRARY_NAME]
+    entries = list((tmp_path / "cache" / "kernels").iterdir())
+    assert len(entries) == 1 and [p.name for p in entries[0].iterdir()] == [native_ops.LIBRARY_NAME]
+
+
+@needs_compiler
+def test_an_edited_kernel_source_compiles_anew(compiles, tmp_path, monkeypatch):
+    native_ops.compile_library(tmp_path)
+    edited = tmp_path / "sources"
+    edited.mkdir()
+    sources = []
+    for source in native_ops.SOURCES:
+        shutil.copy(source, edited / source.name)
+        sources.append(edited / source.name)
+    shutil.copy(native_ops.ABI_HEADER, edited / native_ops.ABI_HEADER.name)
+    with open(sources[0], "a") as appended:
+        appended.write("/* edited */\n")
+    monkeypatch.setattr(native_ops, "SOURCES", tuple(sources))
+    native_ops.compile_library(tmp_path)
+    assert len(compiles) == 2
+    assert len(list((tmp_path / "cache" / "kernels").iterdir())) == 2
+
+
+@needs_compiler
+def test_without_a_writable_cache_the_library_is_compiled_into_the_artifact(compiles, tmp_path, monkeypatch):
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_text("")
+    monkeypatch.setenv("LLM_ENGINE_BUILDER_CACHE_DIR", str(blocked))
+    out = tmp_path / "engine"
+    out.mkdir()
+    assert native_ops.compile_library(out) == out / native_ops.LIBRARY_NAME
+    assert compiles == [out / native_ops.LIBRARY_NAME]
+    assert sorted(p.name for p in out.iterdir()) == [native_ops.LIBRARY_NAME]
+
+
+@needs_compiler
+def test_a_failed_compile_says_why_and_caches_nothing(compiles, tmp_path, monkeypatch):
+    broken = tmp_path / "broken.c"
+    broken.write_text("this is not C\n")
+    monkeypatch.setattr(native_ops, "SOURCES", (broken,))
+    with pytest.raises(ValueError, match="compiling our kernels failed"):
+        native_ops.compile_library(tmp_path)
+    assert not list((tmp_path / "cache" / "kernels").rglob(native_ops.LIBRARY_NAME))
+    assert not (tmp_path / native_ops.LIBRARY_NAME).exists()
 
 
 def graph_with_external_data(path) -> dict[str, np.ndarray]:
