@@ -18,13 +18,14 @@ from pathlib import Path
 
 import torch
 
+from builder import sampler_graph
 from builder.model import LlamaForCausalLM
 from builder.sampler_graph import CANDIDATES, Sampler
 from builder.sampler_graph import INPUT_NAMES as SAMPLER_INPUT_NAMES
 from builder.sampler_graph import OUTPUT_NAMES as SAMPLER_OUTPUT_NAMES
 from builder.speculation.draft_head import BeamSearchDrafter
 from engines.format import GraphSpec, TensorSpec
-from plugins import attention, collectives, norm, quant_linear
+from plugins import attention, build_cache, collectives, norm, quant_linear
 
 GRAPH_FILE = "model.onnx"
 OPSET = 18
@@ -131,8 +132,35 @@ def export_sampler_graph(vocab_size: int, max_depth: int, out_dir: Path, candida
 
 @functools.cache
 def _sampler_graph(vocab_size: int, max_depth: int, candidates: int) -> tuple[bytes, GraphSpec]:
-    """Exported once per process and shape (seconds, most of it converting the conditional branches): it has no
-    weights, so every engine with this vocabulary and depth gets the same bytes."""
+    """The sampler's ONNX bytes and GraphSpec. It has no weights, so every engine with this vocabulary and depth gets
+    the same bytes: exported once per process and kept in the build cache (plugins/build_cache.py), since an export
+    takes ~35 s whatever the vocabulary (tracing the conditional branches), half of a small model's build. The key:
+    the shapes, this module's and the sampler's sources, torch's, onnx's and onnxscript's versions."""
+    import onnx
+
+    make = functools.partial(_export_sampler, vocab_size, max_depth, candidates)
+    key = sampler_cache_key(vocab_size, max_depth, candidates)
+    entry = build_cache.cached_file("sampler-graphs", key, SAMPLER_GRAPH_FILE, make)
+    if entry is not None:
+        return entry.read_bytes(), _graph_spec(onnx.load(str(entry)), SAMPLER_GRAPH_FILE)
+    with tempfile.TemporaryDirectory() as scratch:
+        path = Path(scratch) / SAMPLER_GRAPH_FILE
+        spec = make(path)
+        return path.read_bytes(), spec
+
+
+def sampler_cache_key(vocab_size: int, max_depth: int, candidates: int) -> str:
+    import onnx
+    import onnxscript
+
+    sources = [
+        part for module in (__file__, sampler_graph.__file__) for part in (Path(module).name, Path(module).read_bytes())
+    ]
+    versions = (torch.__version__, onnx.__version__, onnxscript.__version__)
+    return build_cache.digest([str(vocab_size), str(max_depth), str(candidates), *versions, *sources])
+
+
+def _export_sampler(vocab_size: int, max_depth: int, candidates: int, path: Path) -> GraphSpec:
     batch, nodes = torch.export.Dim("batch", min=1, max=1024), torch.export.Dim("nodes", min=1, max=1024)
     args = (
         torch.zeros(2, 3, vocab_size),
@@ -171,18 +199,15 @@ def _sampler_graph(vocab_size: int, max_depth: int, candidates: int) -> tuple[by
             ],
         )
     )
-    with tempfile.TemporaryDirectory() as scratch:
-        path = Path(scratch) / SAMPLER_GRAPH_FILE
-        spec = _export(
-            Sampler(max_depth, candidates),
-            args,
-            shapes,
-            path,
-            SAMPLER_INPUT_NAMES,
-            SAMPLER_OUTPUT_NAMES,
-            external_data=False,
-        )
-        return path.read_bytes(), spec
+    return _export(
+        Sampler(max_depth, candidates),
+        args,
+        shapes,
+        path,
+        SAMPLER_INPUT_NAMES,
+        SAMPLER_OUTPUT_NAMES,
+        external_data=False,
+    )
 
 
 def export_draft_graph(drafter: BeamSearchDrafter, out_dir: Path) -> GraphSpec:
@@ -240,7 +265,11 @@ def _export(
     model = onnx.load(str(path), load_external_data=False)
     if _drop_unused_optional_outputs(model.graph):
         onnx.save(model, str(path))  # the graph only: initializers keep pointing at the external data written above
-    return GraphSpec(path.name, [_spec(v) for v in model.graph.input], [_spec(v) for v in model.graph.output])
+    return _graph_spec(model, path.name)
+
+
+def _graph_spec(model, file: str) -> GraphSpec:
+    return GraphSpec(file, [_spec(v) for v in model.graph.input], [_spec(v) for v in model.graph.output])
 
 
 def _drop_unused_optional_outputs(graph) -> int:

@@ -11,16 +11,16 @@ build says why and keeps onnxruntime's own ops.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import platform
 import shutil
 import subprocess
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+
+from plugins import build_cache
 
 HERE = Path(__file__).parent
 SOURCES = (HERE / "decode_attention.c", HERE / "int4_matmul.c", HERE / "collectives.c", HERE / "native_ops.c")
@@ -40,8 +40,9 @@ def unavailable_reason() -> str | None:
 
 
 def compile_library(out_dir: Path) -> Path:
-    """The library in `out_dir`: a copy of the one this compiler made from these sources before (the kernel cache,
-    `cache_dir()`), else compiled now and kept there; a ValueError with the compiler's message if it fails."""
+    """The library in `out_dir`: a copy of the one this compiler made from these sources before (the build cache,
+    plugins/build_cache.py), else compiled now and kept there; a ValueError with the compiler's message if it
+    fails."""
     target = out_dir / LIBRARY_NAME
     cached = _cached_library()
     if cached is None:
@@ -50,42 +51,14 @@ def compile_library(out_dir: Path) -> Path:
     return target
 
 
-def cache_dir() -> Path:
-    """Where compiled libraries are kept, one per sources-and-compiler digest: LLM_ENGINE_BUILDER_CACHE_DIR, else
-    $XDG_CACHE_HOME/llm-engine-builder (~/.cache/llm-engine-builder)."""
-    configured = os.environ.get("LLM_ENGINE_BUILDER_CACHE_DIR")
-    if configured:
-        return Path(configured)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llm-engine-builder"
-
-
 def _cached_library() -> Path | None:
-    """The compiled library for the sources as they are, from the cache or compiled into it; None where the cache
-    cannot be written. A build would otherwise compile the same ~1,900 lines of C (~10 s of one core) every time.
-    The key covers every source, the flags and the compiler's identity, so an edited kernel or another compiler
-    compiles anew; an entry appears by rename, whole, so concurrent builds never read half of one."""
-    entry = cache_dir() / "kernels" / _library_key() / LIBRARY_NAME
-    if entry.is_file():
-        return entry
-    try:
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        staged = Path(tempfile.mkdtemp(prefix=".compiling-", dir=entry.parent))
-    except OSError:
-        return None
-    try:
-        os.replace(_compile(staged / LIBRARY_NAME), entry)
-    finally:
-        shutil.rmtree(staged, ignore_errors=True)
-    return entry
-
-
-def _library_key() -> str:
-    digest = hashlib.sha256()
-    for part in (*COMPILE_FLAGS, _compiler_identity()):
-        digest.update(part.encode() + b"\0")
-    for source in (*SOURCES, ABI_HEADER):
-        digest.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0")
-    return digest.hexdigest()[:32]
+    """The compiled library for the sources as they are, from the build cache or compiled into it (None where the
+    cache cannot be written). A build would otherwise compile the same ~1,900 lines of C (~10 s of one core) every
+    time. The key covers every source, the flags and the compiler's identity: an edited kernel or another compiler
+    compiles anew."""
+    sources = [part for source in (*SOURCES, ABI_HEADER) for part in (source.name, source.read_bytes())]
+    key = build_cache.digest([*COMPILE_FLAGS, _compiler_identity(), *sources])
+    return build_cache.cached_file("kernels", key, LIBRARY_NAME, _compile)
 
 
 def _compiler_identity() -> str:

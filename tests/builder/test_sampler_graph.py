@@ -5,11 +5,14 @@ change)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 from scipy import stats
 
+from builder import export
 from builder.export import export_sampler_graph
 from builder.sampler_graph import INPUT_NAMES
 from builder.sampler_graph import Sampler as SamplerModule
@@ -38,10 +41,42 @@ class GraphRunner:
 
 
 @pytest.fixture(scope="module")
-def graph(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("sampler")
-    spec = export_sampler_graph(VOCAB, DEPTH, directory, CANDIDATES)
-    return GraphRunner(directory / spec.file)
+def exported(tmp_path_factory):
+    """The graph exported into a build cache of this module's own: its file, its spec and that cache."""
+    directory, cache = tmp_path_factory.mktemp("sampler"), tmp_path_factory.mktemp("build_cache")
+    export._sampler_graph.cache_clear()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LLM_ENGINE_BUILDER_CACHE_DIR", str(cache))
+        spec = export_sampler_graph(VOCAB, DEPTH, directory, CANDIDATES)
+    return directory / spec.file, spec, cache
+
+
+@pytest.fixture(scope="module")
+def graph(exported):
+    return GraphRunner(exported[0])
+
+
+def test_a_build_reads_the_kept_graph_instead_of_exporting_it_again(exported, tmp_path, monkeypatch):
+    path, spec, cache = exported
+    monkeypatch.setenv("LLM_ENGINE_BUILDER_CACHE_DIR", str(cache))
+    monkeypatch.setattr(export, "_export_sampler", lambda *args: pytest.fail("exported again"))
+    export._sampler_graph.cache_clear()
+    assert export_sampler_graph(VOCAB, DEPTH, tmp_path, CANDIDATES) == spec
+    assert (tmp_path / spec.file).read_bytes() == path.read_bytes()
+
+
+def test_the_kept_graph_is_told_apart_by_shape_source_and_exporter(monkeypatch, tmp_path):
+    key = export.sampler_cache_key(VOCAB, DEPTH, CANDIDATES)
+    others = {export.sampler_cache_key(VOCAB + 1, DEPTH, CANDIDATES), export.sampler_cache_key(VOCAB, DEPTH + 1, 4)}
+    others.add(export.sampler_cache_key(VOCAB, DEPTH, CANDIDATES + 1))
+    edited = tmp_path / "sampler_graph.py"
+    edited.write_bytes(Path(export.sampler_graph.__file__).read_bytes() + b"# edited\n")
+    with monkeypatch.context() as patch:
+        patch.setattr(export.sampler_graph, "__file__", str(edited))
+        others.add(export.sampler_cache_key(VOCAB, DEPTH, CANDIDATES))
+    monkeypatch.setattr(torch, "__version__", "0.0")
+    others.add(export.sampler_cache_key(VOCAB, DEPTH, CANDIDATES))
+    assert key not in others and len(others) == 5
 
 
 @pytest.fixture(scope="module")
