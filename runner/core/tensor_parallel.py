@@ -167,7 +167,11 @@ class RankGroup:
                 socket.send(data, copy=False, flags=self._zmq.NOBLOCK)
             except self._zmq.Again:
                 self.check()
-                raise RankFailure(f"tensor-parallel rank {rank} takes no more calls") from None
+                # its socket can close before its process is seen to exit: the group has failed all the same, so
+                # later calls (the aborts that free the requests' rows) must not try the send again
+                self.failure = RankFailure(f"tensor-parallel rank {rank} takes no more calls: the engine cannot go on")
+                self.segment.abort()
+                raise self.failure from None
 
     def check(self) -> None:
         """Raise RankFailure if a rank has failed, or a collective gave up on one (hung)."""

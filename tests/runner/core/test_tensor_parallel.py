@@ -217,6 +217,49 @@ def test_a_server_whose_rank_dies_fails_its_requests_and_reports_itself_unhealth
         live.stop()
 
 
+def test_a_rank_whose_socket_closed_before_its_process_exited_fails_the_group_for_good():
+    """A killed rank's socket can refuse a call before its process is seen to exit. The group has failed then too:
+    the aborts that follow (each frees a request's row on every rank) send nothing more and raise nothing, so the
+    server's loop fails every request instead of dying with them unanswered."""
+    zmq = pytest.importorskip("zmq")
+    from runner.core.tensor_parallel import MirroredCache, RankGroup
+
+    class ClosedSocket:
+        def __init__(self) -> None:
+            self.sends = 0
+
+        def send(self, data, copy, flags):
+            self.sends += 1
+            raise zmq.Again()
+
+    class StillRunning:
+        def poll(self):
+            return None
+
+    class Segment:
+        def __init__(self) -> None:
+            self.marked = False
+
+        def abort(self) -> None:
+            self.marked = True
+
+        def aborted(self) -> bool:
+            return self.marked
+
+    socket, freed = ClosedSocket(), []
+    group = object.__new__(RankGroup)  # the group's state without its processes
+    group._zmq, group.sockets, group.processes, group.pids = zmq, [socket], [StillRunning()], [os.getpid()]
+    group.failure, group.segment = None, Segment()
+    with pytest.raises(RankFailure, match="rank 1 takes no more calls"):
+        group.send(("executor", "_run", ()))
+    assert group.segment.aborted()  # the other ranks' collectives fail at once
+    cache = type("Cache", (), {"free_row": lambda self, row: freed.append(row)})()
+    MirroredCache(cache, group).free_row(3)
+    assert freed == [3] and socket.sends == 1
+    with pytest.raises(RankFailure, match="rank 1 takes no more calls"):
+        group.check()
+
+
 def test_runner_serve_stops_with_an_error_when_a_rank_dies(engine_factory):
     import subprocess
     import sys
