@@ -142,7 +142,8 @@ def _sampler_graph(vocab_size: int, max_depth: int, candidates: int) -> tuple[by
     key = sampler_cache_key(vocab_size, max_depth, candidates)
     entry = build_cache.cached_file("sampler-graphs", key, SAMPLER_GRAPH_FILE, make)
     if entry is not None:
-        return entry.read_bytes(), _graph_spec(onnx.load(str(entry)), SAMPLER_GRAPH_FILE)
+        graph = entry.read_bytes()
+        return graph, _graph_spec(onnx.load_from_string(graph), SAMPLER_GRAPH_FILE)
     with tempfile.TemporaryDirectory() as scratch:
         path = Path(scratch) / SAMPLER_GRAPH_FILE
         spec = make(path)
@@ -153,10 +154,8 @@ def sampler_cache_key(vocab_size: int, max_depth: int, candidates: int) -> str:
     import onnx
     import onnxscript
 
-    sources = [
-        part for module in (__file__, sampler_graph.__file__) for part in (Path(module).name, Path(module).read_bytes())
-    ]
     versions = (torch.__version__, onnx.__version__, onnxscript.__version__)
+    sources = (Path(__file__), Path(sampler_graph.__file__))
     return build_cache.digest([str(vocab_size), str(max_depth), str(candidates), *versions, *sources])
 
 

@@ -23,12 +23,15 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llm-engine-builder"
 
 
-def digest(parts: Iterable[str | bytes]) -> str:
-    """A key for the cache from the parts that decide an entry (each one delimited, so no two lists collide)."""
+def digest(parts: Iterable[str | bytes | Path]) -> str:
+    """A key for the cache from the parts that decide an entry, a Path standing for its file's name and contents
+    (each piece delimited, so no two lists collide)."""
     hashed = hashlib.sha256()
     for part in parts:
-        data = part.encode() if isinstance(part, str) else part
-        hashed.update(len(data).to_bytes(8, "little") + data)
+        pieces = (part.name, part.read_bytes()) if isinstance(part, Path) else (part,)
+        for piece in pieces:
+            data = piece.encode() if isinstance(piece, str) else piece
+            hashed.update(len(data).to_bytes(8, "little") + data)
     return hashed.hexdigest()[:32]
 
 

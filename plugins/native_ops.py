@@ -56,8 +56,7 @@ def _cached_library() -> Path | None:
     cache cannot be written). A build would otherwise compile the same ~1,900 lines of C (~10 s of one core) every
     time. The key covers every source, the flags and the compiler's identity: an edited kernel or another compiler
     compiles anew."""
-    sources = [part for source in (*SOURCES, ABI_HEADER) for part in (source.name, source.read_bytes())]
-    key = build_cache.digest([*COMPILE_FLAGS, _compiler_identity(), *sources])
+    key = build_cache.digest([*COMPILE_FLAGS, _compiler_identity(), *SOURCES, ABI_HEADER])
     return build_cache.cached_file("kernels", key, LIBRARY_NAME, _compile)
 
 

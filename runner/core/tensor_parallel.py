@@ -169,8 +169,7 @@ class RankGroup:
                 self.check()
                 # its socket can close before its process is seen to exit: the group has failed all the same, so
                 # later calls (the aborts that free the requests' rows) must not try the send again
-                self.failure = RankFailure(f"tensor-parallel rank {rank} takes no more calls: the engine cannot go on")
-                self.segment.abort()
+                self._fail(rank, "takes no more calls")
                 raise self.failure from None
 
     def check(self) -> None:
@@ -194,9 +193,13 @@ class RankGroup:
                 how = "is gone"
             else:
                 continue
-            self.failure = RankFailure(f"tensor-parallel rank {rank} {how}: the engine cannot go on")
-            self.segment.abort()
+            self._fail(rank, how)
             return
+
+    def _fail(self, rank: int, how: str) -> None:
+        """The group has failed for good: every later call raises, every collective on the other ranks fails."""
+        self.failure = RankFailure(f"tensor-parallel rank {rank} {how}: the engine cannot go on")
+        self.segment.abort()
 
     def _watch_ranks(self) -> None:
         """Every 50 ms: a rank gone makes every collective fail at once, and every call after it raise."""

@@ -53,3 +53,11 @@ def test_the_default_place_follows_xdg(monkeypatch, tmp_path):
 def test_keys_tell_apart_parts_that_concatenate_alike():
     assert build_cache.digest(["ab", "c"]) != build_cache.digest(["a", "bc"])
     assert build_cache.digest(["ab", b"c"]) == build_cache.digest([b"ab", "c"])
+
+
+def test_a_file_in_a_key_stands_for_its_name_and_contents(tmp_path):
+    source = tmp_path / "kernel.c"
+    source.write_text("int x;\n")
+    assert build_cache.digest([source]) == build_cache.digest(["kernel.c", b"int x;\n"])
+    source.write_text("int y;\n")
+    assert build_cache.digest([source]) != build_cache.digest(["kernel.c", b"int x;\n"])
