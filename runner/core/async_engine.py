@@ -12,6 +12,7 @@ import asyncio
 import queue
 import threading
 import time
+import traceback
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -27,6 +28,10 @@ class EngineOverloaded(RuntimeError):
 
 class EngineStopped(RuntimeError):
     """The engine is shutting down and takes no new requests."""
+
+
+class EngineLoopError(RuntimeError):
+    """The step loop met an error that no step's own handling caught (a bug): the engine cannot be trusted to go on."""
 
 
 @dataclass
@@ -45,8 +50,9 @@ class AsyncEngine:
         metrics: EngineMetrics | None = None,
         on_fatal: Callable[[BaseException], None] | None = None,
     ) -> None:
-        """`on_fatal`: called (on the loop thread) when the engine fails for good (a tensor-parallel rank is gone):
-        every request has its error by then and no new one is taken; the server stops itself there."""
+        """`on_fatal`: called (on the loop thread) when the engine fails for good (a tensor-parallel rank is gone, or
+        an error escaped the step loop): every request has its error by then and no new one is taken; the server
+        stops itself there."""
         self.engine = engine
         self.fatal: BaseException | None = None  # the error the engine cannot go on after
         self.on_fatal = on_fatal
@@ -71,19 +77,18 @@ class AsyncEngine:
     async def generate(self, requests: list[Request]) -> AsyncIterator[TokenEvent]:
         """Run `requests` (the n completions of one prompt) and yield their events until all are finished.
         Leaving the iteration early (client gone, error) aborts whatever is still running."""
-        if not self._accepting:
-            why = f"the engine has stopped: {self.fatal}" if self.fatal else "the server is shutting down"
-            raise EngineStopped(why)
-        with self._lock:
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:  # the engine failing takes this lock too: a stream registered here gets that failure
+            if not self._accepting:
+                why = f"the engine has stopped: {self.fatal}" if self.fatal else "the server is shutting down"
+                raise EngineStopped(why)
             if self.num_waiting() + len(requests) > self.max_waiting + self._free_rows():
                 self.metrics.rejected.inc()
                 raise EngineOverloaded(f"the server is at capacity ({self.max_waiting} requests waiting); retry later")
             self._pending += len(requests)
-        loop = asyncio.get_running_loop()
-        stream = _Stream(loop, asyncio.Queue())
-        for request in requests:
-            self._streams[request.request_id] = stream
-        self._commands.put(("add", requests))
+            for request in requests:
+                self._streams[request.request_id] = stream
+            self._commands.put(("add", requests))
         unfinished = {r.request_id for r in requests}
         try:
             while unfinished:
@@ -114,6 +119,15 @@ class AsyncEngine:
     # -- loop thread ------------------------------------------------------------------------------------------
 
     def _loop(self) -> None:
+        try:
+            self._run_commands_and_steps()
+        except Exception as err:  # a bug must fail every caller, not leave them waiting forever
+            traceback.print_exception(err)
+            failure = EngineLoopError(f"the engine's step loop stopped on an unexpected error: {err!r}")
+            failure.__cause__ = err
+            self._fail_for_good(failure)
+
+    def _run_commands_and_steps(self) -> None:
         while True:
             idle = not self.engine.scheduler.has_work
             try:
@@ -137,15 +151,14 @@ class AsyncEngine:
                 continue  # drain every command before the next step
             if self.engine.scheduler.has_work:
                 self._step()
+            if self.fatal is not None:  # every request has its error; nothing will run here again
+                return
 
     def _step(self) -> None:
         try:
             events = self.engine.step()
         except RankFailure as err:  # the engine cannot go on: fail every request, take no more
-            self.fatal, self._accepting = err, False
-            self._abort_all(err)
-            if self.on_fatal is not None:
-                self.on_fatal(err)
+            self._fail_for_good(err)
             return
         except Exception as err:  # a failing graph call must not kill the server: fail the requests it ran
             for request in list(self.engine.scheduler.running):
@@ -202,3 +215,18 @@ class AsyncEngine:
             if command == "add":
                 for request in payload:
                     self._abort(request, error)
+
+    def _fail_for_good(self, error: BaseException) -> None:
+        with self._lock:
+            self.fatal, self._accepting = error, False
+        try:
+            self._abort_all(error)
+        except Exception as err:  # the engine's own abort failed too: its callers still get their error below
+            traceback.print_exception(err)
+        for stream in {id(s): s for s in list(self._streams.values())}.values():
+            try:
+                stream.loop.call_soon_threadsafe(stream.events.put_nowait, error)
+            except RuntimeError:  # that caller's event loop is closed: nobody waits there
+                pass
+        if self.on_fatal is not None:
+            self.on_fatal(error)

@@ -1,0 +1,89 @@
+"""The step loop's thread: what its callers get when a step, or the loop itself, fails."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from runner.core.args import EngineArgs
+from runner.core.async_engine import AsyncEngine, EngineLoopError, EngineStopped
+from runner.core.engine import LLMEngine
+from runner.core.tensor_parallel import RankFailure
+from runner.sampling.params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)
+
+
+async def collect(engine: AsyncEngine, prompt: str) -> list[int]:
+    request = engine.engine.new_request(prompt, None, GREEDY)
+    async for _ in engine.generate([request]):
+        pass
+    return request.output_token_ids
+
+
+def fail_step(llm: LLMEngine, number: int, error: Exception) -> None:
+    """The engine's `number`-th step from now raises `error`; the others run."""
+    working_step, steps = llm.step, 0
+
+    def step():
+        nonlocal steps
+        steps += 1
+        if steps == number:
+            raise error
+        return working_step()
+
+    llm.step = step
+
+
+def test_a_failing_step_fails_the_requests_it_ran_and_the_engine_serves_on(engine_factory):
+    engine = AsyncEngine(LLMEngine(EngineArgs(engine_factory("gqa"), max_batch=2)))
+    llm = engine.engine
+
+    async def scenario():
+        expected = await collect(engine, "hello")
+        fail_step(llm, 2, RuntimeError("the graph call failed"))
+        with pytest.raises(RuntimeError, match="the graph call failed"):
+            await collect(engine, "hello")
+        assert not llm.scheduler.running and llm.scheduler.max_rows == 2  # its row is free again
+        assert await collect(engine, "hello") == expected  # the next request runs as if nothing happened
+
+    try:
+        asyncio.run(scenario())
+        assert engine.fatal is None
+    finally:
+        engine.shutdown(grace_seconds=1)
+
+
+@pytest.mark.parametrize("failure", ["rank_failure", "error_in_error_handling"])
+def test_an_engine_that_cannot_go_on_fails_every_request_and_refuses_new_ones(engine_factory, failure):
+    """A tensor-parallel rank gone, or an error that escapes the step's own handling (here: aborting the failed
+    requests fails too): the running and the waiting request both get the error (none hangs), `on_fatal` is told
+    once, the loop thread ends and a new request is refused with the reason."""
+    told: list[BaseException] = []
+    engine = AsyncEngine(LLMEngine(EngineArgs(engine_factory("gqa"), max_batch=1)), on_fatal=told.append)
+    llm = engine.engine
+    fail_step(llm, 3, RankFailure("rank 1 exited") if failure == "rank_failure" else RuntimeError("graph call failed"))
+
+    def abort_fails(request):
+        raise RuntimeError("the cache row could not be freed")
+
+    if failure == "error_in_error_handling":
+        llm.abort = abort_fails
+    expected = RankFailure if failure == "rank_failure" else EngineLoopError
+
+    async def scenario():
+        outcomes = await asyncio.wait_for(
+            asyncio.gather(collect(engine, "hello"), collect(engine, "world"), return_exceptions=True), timeout=30
+        )
+        assert [type(o) for o in outcomes] == [expected, expected], outcomes  # one ran, one waited for the row
+        with pytest.raises(EngineStopped, match="the engine has stopped"):
+            await collect(engine, "again")
+
+    asyncio.run(scenario())
+    engine._thread.join(timeout=5)
+    assert not engine._thread.is_alive()
+    assert isinstance(engine.fatal, expected) and told == [engine.fatal]
+    if failure == "error_in_error_handling":
+        assert "the cache row could not be freed" in str(engine.fatal)
+    engine.shutdown(grace_seconds=0)
