@@ -191,7 +191,9 @@ class AsyncEngine:
             stream.last_token = now
         if event.finished:  # (stop or length: aborts finish in `_abort`, not in a step)
             self.metrics.request_finished(event.request.finish_reason, now - stream.submitted)
-        stream.loop.call_soon_threadsafe(stream.events.put_nowait, event)
+        if not _send(stream, event):  # its caller's event loop is gone: nobody will read the rest
+            self._streams.pop(event.request.request_id, None)
+            self._abort(event.request)
 
     def _abort(self, request: Request, error: BaseException | None = None) -> None:
         if request.finished:
@@ -201,7 +203,7 @@ class AsyncEngine:
         stream = self._streams.get(request.request_id)
         if stream is not None:
             payload = error if error is not None else TokenEvent(request, "", True)
-            stream.loop.call_soon_threadsafe(stream.events.put_nowait, payload)
+            _send(stream, payload)
 
     def _abort_all(self, error: BaseException | None = None) -> None:
         scheduler = self.engine.scheduler
@@ -224,9 +226,15 @@ class AsyncEngine:
         except Exception as err:  # the engine's own abort failed too: its callers still get their error below
             traceback.print_exception(err)
         for stream in {id(s): s for s in list(self._streams.values())}.values():
-            try:
-                stream.loop.call_soon_threadsafe(stream.events.put_nowait, error)
-            except RuntimeError:  # that caller's event loop is closed: nobody waits there
-                pass
+            _send(stream, error)
         if self.on_fatal is not None:
             self.on_fatal(error)
+
+
+def _send(stream: _Stream, payload: TokenEvent | BaseException) -> bool:
+    """Hand `payload` to the stream's caller; False when its event loop is closed (nobody waits there)."""
+    try:
+        stream.loop.call_soon_threadsafe(stream.events.put_nowait, payload)
+    except RuntimeError:
+        return False
+    return True

@@ -9,6 +9,7 @@ import pytest
 from runner.core.args import EngineArgs
 from runner.core.async_engine import AsyncEngine, EngineLoopError, EngineStopped
 from runner.core.engine import LLMEngine
+from runner.core.request import FinishReason
 from runner.core.tensor_parallel import RankFailure
 from runner.sampling.params import SamplingParams
 
@@ -87,3 +88,20 @@ def test_an_engine_that_cannot_go_on_fails_every_request_and_refuses_new_ones(en
     if failure == "error_in_error_handling":
         assert "the cache row could not be freed" in str(engine.fatal)
     engine.shutdown(grace_seconds=0)
+
+
+def test_a_caller_whose_event_loop_closed_is_aborted_and_the_engine_serves_on(engine_factory):
+    """An in-process caller that closed its event loop mid-stream is a client gone: its request ends and frees
+    the only row for the next one."""
+    engine = AsyncEngine(LLMEngine(EngineArgs(engine_factory("gqa"), max_batch=1)))
+    gone = engine.engine.new_request("hello", None, SamplingParams(max_tokens=200, ignore_eos=True))
+    stream = engine.generate([gone])  # kept referenced: its finaliser would need the closed loop
+    closed = asyncio.new_event_loop()
+    closed.run_until_complete(stream.__anext__())
+    closed.close()
+    try:
+        assert len(asyncio.run(asyncio.wait_for(collect(engine, "hello"), timeout=30))) == GREEDY.max_tokens
+        assert gone.finish_reason == FinishReason.ABORT and len(gone.output_token_ids) < 200
+        assert engine.fatal is None
+    finally:
+        engine.shutdown(grace_seconds=1)
