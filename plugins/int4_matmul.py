@@ -526,7 +526,8 @@ def half_scales(scales: np.ndarray) -> np.ndarray | None:
     """The scales as float16, which the kernel reads as well as float: a weight streams 4.5 bits from memory instead
     of 5, and decode is bound by that stream. Their rounding (relative 2^-11) is ~1/100 of the int4 rounding of the
     weights they scale (a step of 1/7 of a block's largest magnitude); None where one would overflow float16."""
-    half = scales.astype(np.float16)
+    with np.errstate(over="ignore"):  # an overflow is the answer None, not a warning in the build's output
+        half = scales.astype(np.float16)
     return half if np.isfinite(half).all() else None
 
 

@@ -102,7 +102,7 @@ def run_onnxruntime(tmp_path, inputs: dict) -> tuple[np.ndarray, np.ndarray, np.
     args = tuple(torch.from_numpy(v) for v in inputs.values())
     path = tmp_path / "attention.onnx"
     torch.onnx.export(
-        OneAttention(),
+        OneAttention().eval(),
         args,
         str(path),
         dynamo=True,

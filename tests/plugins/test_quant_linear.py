@@ -74,7 +74,7 @@ def export_one_linear(tmp_path, linear: QuantizedLinear, batch_shape=(2, 3)):
     x = torch.randn(*batch_shape, linear.in_features)
     path = tmp_path / "linear.onnx"
     torch.onnx.export(
-        Wrapper(),
+        Wrapper().eval(),
         (x,),
         str(path),
         dynamo=True,
