@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 from tokenizers import Tokenizer
 
@@ -320,10 +321,16 @@ def _emit_rank_graphs(
 ) -> tuple[dict[str, GraphSpec], list[ShardSpec], QuantizationSpec]:
     """One step graph per rank (builder/tensor_parallel.py), each traced from a model that holds only that rank's
     share of the weights, streamed from the checkpoint once per rank; rank 0's is the manifest's step graph. Each
-    rank is built in a process of its own (builder/child_process.py), so the build's peak memory is one rank's."""
-    shards, quantization = [], None
+    rank is built in a process of its own (builder/child_process.py), so the build's peak memory is one rank's (an
+    int8 KV cache's calibration, which runs the whole model as a single-rank build does, in one more)."""
+    shards, quantization, kv_scales = [], None, None
+    if options.kv_cache_dtype == "int8":  # a rank alone cannot run the model: each takes its KV heads' scales
+        log("      int8 KV cache: calibrating its scales on the whole model, in a process of its own")
+        job = (options, shapes, kernels)
+        kv_scales = run_in_child_process(whole_model_kv_scales, job, lambda line: None, "the KV cache's calibration")
     for share in tensor_parallel.plan_shares(checkpoint.config, options.tensor_parallel):
-        job = (options, share, shapes, staging, kernels, progress.total, progress.start)
+        rank_scales = None if kv_scales is None else tensor_parallel.shard_kv_scales(kv_scales, share)
+        job = (options, share, shapes, staging, kernels, progress.total, progress.start, rank_scales)
         shard, quantization = run_in_child_process(emit_rank_graph, job, log, f"the build of rank {share.rank}")
         shards.append(shard)
     return {STEP_GRAPH: shards[0].graph}, shards, quantization
@@ -337,16 +344,22 @@ def emit_rank_graph(
     kernels: dict[str, bool],
     total_steps: int,
     start: float,
+    kv_scales: list[tuple[np.ndarray, np.ndarray]] | None,
     log: Callable[[str], None],
 ) -> tuple[ShardSpec, QuantizationSpec]:
-    """One rank's step graph and its share's place in the manifest (run by a process of its own)."""
+    """One rank's step graph and its share's place in the manifest (run by a process of its own); `kv_scales`:
+    its share of an int8 KV cache's scales."""
     progress, rank, ranks = _Progress(total_steps, log, start), share.rank, options.tensor_parallel
     progress.step(2, f"rank {rank}/{ranks}: loading its share of the weights as {_weights_description(options)}")
     checkpoint = load_checkpoint(options.source)
     rank_source = _rank_checkpoint(checkpoint, share)
     # a rank's own config is untied (its head is a share), so the table's storage follows the whole checkpoint's
     embedding_quant = _embedding_quant(options, checkpoint)
-    model, quantization = _load_weights(options, rank_source, embedding_quant, shapes, kernels, log, share)
+    if kv_scales is not None:
+        kv_scales = [(torch.from_numpy(k), torch.from_numpy(v)) for k, v in kv_scales]
+    model, quantization = _load_weights(
+        options, rank_source, embedding_quant, shapes, kernels, log, share, kv_scales=kv_scales
+    )
     tensor_parallel.add_collectives(model, share, checkpoint.config.vocab_size)
     if kernels["QuantizedMatMul"]:
         _export_for_our_kernels(model)
@@ -358,6 +371,16 @@ def emit_rank_graph(
     step = replace(step, native_ops=[*step.native_ops, "AllReduce", "AllGather"])
     log(f"      rank {rank}: built, peak RSS {peak_rss_mb():.0f} MiB")
     return ShardSpec(rank, step, *(list(bounds) for bounds in _share_bounds(share))), quantization
+
+
+def whole_model_kv_scales(
+    options: BuildOptions, shapes: BuildShapes, kernels: dict[str, bool], log: Callable[[str], None]
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """An int8 KV cache's (K, V) scales per layer, calibrated as a single-rank build of `options` calibrates them
+    (run by a process of its own; as numpy arrays, which pass between processes as plain bytes)."""
+    checkpoint = load_checkpoint(options.source)
+    model, _ = _load_weights(options, checkpoint, _embedding_quant(options, checkpoint), shapes, kernels, log)
+    return [(layer.self_attn.k_scale.numpy(), layer.self_attn.v_scale.numpy()) for layer in model.model.layers]
 
 
 def _share_bounds(share: tensor_parallel.Share) -> tuple[tuple[int, int], ...]:
@@ -456,8 +479,6 @@ def _check_tensor_parallel(options: BuildOptions) -> None:
         raise ValueError(f"--tp builds onnxruntime engines only, not {options.backend}")
     if options.quant == "gptq":
         raise ValueError("--tp with --quant gptq is not supported: GPTQ needs the whole float model")
-    if options.kv_cache_dtype != "auto":
-        raise ValueError("--tp with an int8 KV cache is not supported (its calibration runs the whole model)")
     if reason := native_ops.unavailable_reason():
         raise ValueError(f"--tp needs our kernel library for its collectives, which cannot be built here: {reason}")
 
@@ -603,11 +624,12 @@ def _load_weights(
     kernels: dict[str, bool],
     log: Callable[[str], None],
     share: tensor_parallel.Share | None = None,
+    kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ):
     """The model with its weights as the options ask (GGUF blocks kept where they map exactly, the rest quantized
-    from float, or GPTQ), the int8 KV cache's scales calibrated, and the manifest's quantization section. `share`:
-    a tensor-parallel rank's (its LM head holds its share of the vocabulary). `kernels`: which of our kernels the
-    graphs run."""
+    from float, or GPTQ), the int8 KV cache's scales calibrated (or `kv_scales`, a rank's share of the whole
+    model's), and the manifest's quantization section. `share`: a tensor-parallel rank's (its LM head holds its
+    share of the vocabulary). `kernels`: which of our kernels the graphs run."""
     head_rows = None if share is None else tensor_parallel.head_rows(share)
     config, quant, quantization = checkpoint.config, options.quant_spec(), options.quantization()
     # the attention kernel wants rotary table rows for every position a call spans, padding tokens included
@@ -659,8 +681,10 @@ def _load_weights(
         quantization = replace(quantization, embedding_from_head=model.embedding_from_head, embedding=embedding)
     if options.kv_cache_dtype == "int8":
         calibration = options.kv_calibration
-        windows = calibration_windows(_encoder(checkpoint.tokenizer), calibration, shapes.max_seq_len)
-        model.use_int8_kv_cache(calibrate_kv_scales(model, windows))
+        if kv_scales is None:
+            windows = calibration_windows(_encoder(checkpoint.tokenizer), calibration, shapes.max_seq_len)
+            kv_scales = calibrate_kv_scales(model, windows)
+        model.use_int8_kv_cache(kv_scales)
         kv_cache = KVCacheQuantization("int8", "static, per layer, kv head and channel", calibration.describe())
         quantization = replace(quantization, kv_cache=kv_cache)
         log(f"      int8 KV cache, scales calibrated on {calibration.describe()}")

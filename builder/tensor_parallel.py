@@ -151,6 +151,12 @@ def _columns(tensor, bounds: tuple[int, int], unit: int):
     return BlockQuantized(tensor.kind, kept, end - first)
 
 
+def shard_kv_scales(scales: list[tuple[np.ndarray, np.ndarray]], share: Share) -> list[tuple[np.ndarray, np.ndarray]]:
+    """A rank's share of an int8 KV cache's (K, V) scales per layer, each [1, kv_heads, 1, head_dim]: its KV heads'."""
+    first, end = share.kv_heads
+    return [(k[:, first:end].copy(), v[:, first:end].copy()) for k, v in scales]
+
+
 def shard_names(names: dict[str, str], config: ModelConfig) -> dict[str, str]:
     """A checkpoint's per-name facts (GGUF block formats, weight types) for a rank's tensors: a tied embedding's
     facts are its LM head's too."""

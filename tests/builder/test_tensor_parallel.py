@@ -10,7 +10,15 @@ import torch
 from builder.build import BuildOptions, build_engine
 from builder.loaders import load_checkpoint
 from builder.loaders.gguf_blocks import BlockQuantized
-from builder.tensor_parallel import add_collectives, head_rows, plan_shares, rank_config, shard_tensors, split
+from builder.tensor_parallel import (
+    add_collectives,
+    head_rows,
+    plan_shares,
+    rank_config,
+    shard_kv_scales,
+    shard_tensors,
+    split,
+)
 from builder.weights import load_model
 from engines.model_config import ModelConfig
 from tests.reference import load_reference
@@ -35,6 +43,16 @@ def test_uneven_splits_give_the_first_ranks_more_in_whole_units():
 def test_more_ranks_than_kv_heads_are_refused():
     with pytest.raises(ValueError, match="3 KV heads"):
         plan_shares(SMOLLM2, 4)
+
+
+def test_an_int8_kv_caches_scales_are_cut_by_kv_head():
+    shares = plan_shares(SMOLLM2, 2)  # KV heads 0..1 and 2
+    scales = [(np.random.rand(1, 3, 1, 64).astype(np.float32), np.random.rand(1, 3, 1, 64).astype(np.float32))] * 2
+    cut = [shard_kv_scales(scales, share) for share in shares]
+    assert [k.shape[1] for k, _ in (rank[0] for rank in cut)] == [2, 1]
+    for layer, (k, v) in enumerate(scales):
+        np.testing.assert_array_equal(np.concatenate([rank[layer][0] for rank in cut], axis=1), k)
+        np.testing.assert_array_equal(np.concatenate([rank[layer][1] for rank in cut], axis=1), v)
 
 
 def test_gguf_blocks_are_cut_at_block_boundaries_bit_for_bit():
@@ -94,7 +112,6 @@ def test_builds_a_sharded_build_does_not_make_are_refused_before_any_work(checkp
     for options, message in (
         (dict(backend="aoti"), "onnxruntime engines only"),
         (dict(quant="gptq"), "GPTQ"),
-        (dict(kv_cache_dtype="int8"), "int8 KV cache"),
     ):
         with pytest.raises(ValueError, match=message):
             build_engine(BuildOptions(source, tmp_path / "e", tensor_parallel=2, **options), log=lambda line: None)

@@ -67,6 +67,30 @@ def test_logits_match_the_single_rank_engine(engine_factory):
     assert decoded_b.argmax.tolist() == decoded_a.argmax.tolist()
 
 
+def test_an_int8_kv_cache_takes_the_whole_models_scales_on_every_rank(engine_factory):
+    """Calibrated on the whole model as the single-rank build calibrates them, each rank holding its KV heads'
+    scales: the single-rank engine's scales and greedy tokens, batched and alone."""
+    import onnx
+    from onnx import numpy_helper
+
+    def scales(engine, file):
+        graph = onnx.load(str(engine / file), load_external_data=False).graph
+        return {i.name: numpy_helper.to_array(i) for i in graph.initializer if i.name.endswith(("k_scale", "v_scale"))}
+
+    single = engine_factory("three_kv_heads", kv_cache_dtype="int8")
+    sharded = engine_factory("three_kv_heads", kv_cache_dtype="int8", tensor_parallel=2)
+    manifest = open_artifact(sharded).manifest
+    whole, ranks = scales(single, "model.onnx"), [scales(sharded, s.graph.file) for s in manifest.shards]
+    assert len(whole) == 4 and all(rank.keys() == whole.keys() for rank in ranks)
+    for name, value in whole.items():
+        np.testing.assert_array_equal(np.concatenate([rank[name] for rank in ranks], axis=1), value)
+    assert manifest.quantization.kv_cache is not None and manifest.quantization.kv_cache.dtype == "int8"
+    expected = tokens(LLM(single))
+    sharded_llm = LLM(sharded)
+    assert tokens(sharded_llm) == expected
+    assert [tokens(sharded_llm, [p])[0] for p in PROMPTS] == expected
+
+
 def test_the_manifest_lists_each_ranks_share_and_graph(engine_factory):
     manifest = open_artifact(engine_factory("three_kv_heads", tensor_parallel=2)).manifest
     assert manifest.tensor_parallel == 2 and [s.rank for s in manifest.shards] == [0, 1]
