@@ -321,16 +321,15 @@ def _emit_rank_graphs(
 ) -> tuple[dict[str, GraphSpec], list[ShardSpec], QuantizationSpec]:
     """One step graph per rank (builder/tensor_parallel.py), each traced from a model that holds only that rank's
     share of the weights, streamed from the checkpoint once per rank; rank 0's is the manifest's step graph. Each
-    rank is built in a process of its own (builder/child_process.py), so the build's peak memory is one rank's (an
-    int8 KV cache's calibration, which runs the whole model as a single-rank build does, in one more)."""
-    shards, quantization, kv_scales = [], None, None
-    if options.kv_cache_dtype == "int8":  # a rank alone cannot run the model: each takes its KV heads' scales
-        log("      int8 KV cache: calibrating its scales on the whole model, in a process of its own")
-        job = (options, shapes, kernels)
-        kv_scales = run_in_child_process(whole_model_kv_scales, job, lambda line: None, "the KV cache's calibration")
+    rank is built in a process of its own (builder/child_process.py), so the build's peak memory is one rank's
+    (where GPTQ or an int8 KV cache's calibration runs the whole model, as a single-rank build does, in one more)."""
+    shards, quantization, whole = [], None, None
+    if options.quant == "gptq" or options.kv_cache_dtype == "int8":  # what no rank alone can compute
+        log("      GPTQ / the int8 KV cache's scales: run on the whole model, in a process of its own")
+        whole = run_in_child_process(whole_model_facts, (options, shapes, kernels), log, "the whole model's run")
     for share in tensor_parallel.plan_shares(checkpoint.config, options.tensor_parallel):
-        rank_scales = None if kv_scales is None else tensor_parallel.shard_kv_scales(kv_scales, share)
-        job = (options, share, shapes, staging, kernels, progress.total, progress.start, rank_scales)
+        rank_share = None if whole is None else whole.share(checkpoint.config, share)
+        job = (options, share, shapes, staging, kernels, progress.total, progress.start, rank_share)
         shard, quantization = run_in_child_process(emit_rank_graph, job, log, f"the build of rank {share.rank}")
         shards.append(shard)
     return {STEP_GRAPH: shards[0].graph}, shards, quantization
@@ -344,22 +343,37 @@ def emit_rank_graph(
     kernels: dict[str, bool],
     total_steps: int,
     start: float,
-    kv_scales: list[tuple[np.ndarray, np.ndarray]] | None,
+    whole: WholeModelFacts | None,
     log: Callable[[str], None],
 ) -> tuple[ShardSpec, QuantizationSpec]:
-    """One rank's step graph and its share's place in the manifest (run by a process of its own); `kv_scales`:
-    its share of an int8 KV cache's scales."""
+    """One rank's step graph and its share's place in the manifest (run by a process of its own); `whole`: its
+    share of what the whole model's run computed (GPTQ's weights, an int8 KV cache's scales)."""
     progress, rank, ranks = _Progress(total_steps, log, start), share.rank, options.tensor_parallel
     progress.step(2, f"rank {rank}/{ranks}: loading its share of the weights as {_weights_description(options)}")
     checkpoint = load_checkpoint(options.source)
     rank_source = _rank_checkpoint(checkpoint, share)
     # a rank's own config is untied (its head is a share), so the table's storage follows the whole checkpoint's
     embedding_quant = _embedding_quant(options, checkpoint)
-    if kv_scales is not None:
-        kv_scales = [(torch.from_numpy(k), torch.from_numpy(v)) for k, v in kv_scales]
-    model, quantization = _load_weights(
-        options, rank_source, embedding_quant, shapes, kernels, log, share, kv_scales=kv_scales
-    )
+    kv_scales = None
+    if whole is not None and whole.kv_scales is not None:
+        kv_scales = [(torch.from_numpy(k), torch.from_numpy(v)) for k, v in whole.kv_scales]
+    if whole is not None and whole.quantized is not None:
+        # GPTQ's weights replace the blocks of a model built as round-to-nearest in the same layout
+        rtn = replace(options, quant="int4", group_size=options.quant_spec().block_size, keep_source_blocks=False)
+        quiet = lambda line: None  # noqa: E731 - its lines would describe the round-to-nearest blocks replaced here
+        model, quantization = _load_weights(rtn, rank_source, embedding_quant, shapes, kernels, quiet, share, kv_scales)
+        _load_quantized_share(model, whole.quantized)
+        log(f"      rank {rank}: GPTQ's weights and embedding table, the whole model's cut to its share")
+        quantization = replace(
+            options.quantization(),
+            embedding_from_head=quantization.embedding_from_head,
+            embedding=quantization.embedding,
+            kv_cache=quantization.kv_cache,
+        )
+    else:
+        model, quantization = _load_weights(
+            options, rank_source, embedding_quant, shapes, kernels, log, share, kv_scales
+        )
     tensor_parallel.add_collectives(model, share, checkpoint.config.vocab_size)
     if kernels["QuantizedMatMul"]:
         _export_for_our_kernels(model)
@@ -373,14 +387,56 @@ def emit_rank_graph(
     return ShardSpec(rank, step, *(list(bounds) for bounds in _share_bounds(share))), quantization
 
 
-def whole_model_kv_scales(
+@dataclass(frozen=True)
+class WholeModelFacts:
+    """What a sharded build takes from a run of the whole model, which no rank alone can make: an int8 KV cache's
+    (K, V) scales per layer, and GPTQ's weights (each quantized linear's name -> its blocks and scales). As numpy
+    arrays, which pass between processes as plain bytes (torch tensors would go through shared memory)."""
+
+    kv_scales: list[tuple[np.ndarray, np.ndarray]] | None
+    quantized: dict[str, tuple[np.ndarray, np.ndarray]] | None
+
+    def share(self, config: ModelConfig, share: tensor_parallel.Share) -> WholeModelFacts:
+        return WholeModelFacts(
+            None if self.kv_scales is None else tensor_parallel.shard_kv_scales(self.kv_scales, share),
+            None if self.quantized is None else tensor_parallel.shard_quantized(self.quantized, config, share),
+        )
+
+
+def whole_model_facts(
     options: BuildOptions, shapes: BuildShapes, kernels: dict[str, bool], log: Callable[[str], None]
-) -> list[tuple[np.ndarray, np.ndarray]]:
-    """An int8 KV cache's (K, V) scales per layer, calibrated as a single-rank build of `options` calibrates them
-    (run by a process of its own; as numpy arrays, which pass between processes as plain bytes)."""
+) -> WholeModelFacts:
+    """The whole model built as a single-rank build of `options` builds it, and what its ranks need of it (run by a
+    process of its own)."""
     checkpoint = load_checkpoint(options.source)
     model, _ = _load_weights(options, checkpoint, _embedding_quant(options, checkpoint), shapes, kernels, log)
-    return [(layer.self_attn.k_scale.numpy(), layer.self_attn.v_scale.numpy()) for layer in model.model.layers]
+    kv_scales = None
+    if options.kv_cache_dtype == "int8":
+        kv_scales = [(layer.self_attn.k_scale.numpy(), layer.self_attn.v_scale.numpy()) for layer in model.model.layers]
+    quantized = None
+    if options.quant == "gptq":
+        quantized = {
+            name: (module.qweight.numpy(), module.scales.numpy())
+            for name, module in model.named_modules()
+            if isinstance(module, QuantizedLinear)
+        }
+        if model.embedding_from_head:  # the table is the tied head's blocks: a rank stores them as its own table
+            quantized[EMBEDDING] = quantized["lm_head"]
+    return WholeModelFacts(kv_scales, quantized)
+
+
+def _load_quantized_share(model, quantized: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
+    """Every quantized linear of a rank's model (its embedding table too) takes its share of GPTQ's blocks."""
+    for name, module in model.named_modules():
+        if not isinstance(module, QuantizedLinear):
+            continue
+        if name not in quantized:
+            raise ValueError(f"GPTQ's run of the whole model left no weights for {name}")
+        qweight, scales = quantized[name]
+        if qweight.shape[0] != module.qweight.shape[0] or qweight.size != module.qweight.numel():
+            shape = tuple(module.qweight.shape)
+            raise ValueError(f"GPTQ's {name} cut to this rank has blocks {qweight.shape}, the rank's {shape}")
+        module.load_quantized_rows(0, torch.from_numpy(qweight), torch.from_numpy(scales))
 
 
 def _share_bounds(share: tensor_parallel.Share) -> tuple[tuple[int, int], ...]:
@@ -477,8 +533,6 @@ def _check_tensor_parallel(options: BuildOptions) -> None:
     """What a sharded build does not do yet, refused before any work."""
     if options.backend != "onnxruntime":
         raise ValueError(f"--tp builds onnxruntime engines only, not {options.backend}")
-    if options.quant == "gptq":
-        raise ValueError("--tp with --quant gptq is not supported: GPTQ needs the whole float model")
     if reason := native_ops.unavailable_reason():
         raise ValueError(f"--tp needs our kernel library for its collectives, which cannot be built here: {reason}")
 

@@ -157,6 +157,55 @@ def shard_kv_scales(scales: list[tuple[np.ndarray, np.ndarray]], share: Share) -
     return [(k[:, first:end].copy(), v[:, first:end].copy()) for k, v in scales]
 
 
+def shard_quantized(
+    quantized: dict[str, tuple[np.ndarray, np.ndarray]], config: ModelConfig, share: Share
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Quantized linears of the whole model (name -> blocks [N, blocks, bytes] and scales [N * blocks], the layout
+    of QuantizedLinear; an embedding table's blocks [N, bytes]) cut to `share` as shard_tensors cuts their float
+    weights: the fused q/k/v and gate/up rows per part, o and down at block boundaries, the LM head's vocabulary
+    rows; the embedding table whole."""
+    head_dim, heads, kv_heads, inner = config.head_dim, config.num_heads, config.num_kv_heads, config.intermediate_size
+    q_rows, kv_rows = heads * head_dim, kv_heads * head_dim
+    row_cuts = {
+        "self_attn.qkv_proj": [
+            (share.heads[0] * head_dim, share.heads[1] * head_dim),
+            (q_rows + share.kv_heads[0] * head_dim, q_rows + share.kv_heads[1] * head_dim),
+            (q_rows + kv_rows + share.kv_heads[0] * head_dim, q_rows + kv_rows + share.kv_heads[1] * head_dim),
+        ],
+        "mlp.gate_up_proj": [share.intermediate, (inner + share.intermediate[0], inner + share.intermediate[1])],
+    }
+    column_cuts = {
+        "self_attn.o_proj": (share.heads[0] * head_dim, share.heads[1] * head_dim),
+        "mlp.down_proj": share.intermediate,
+    }
+    cut = {}
+    for name, (qweight, scales) in quantized.items():
+        scales = scales.reshape(qweight.shape[0], -1)  # (an embedding table's blocks are [rows, bytes])
+        part = name.split(".", 3)[-1] if name.startswith("model.layers.") else name
+        if name == "model.embed_tokens":
+            parts = [(qweight, scales)]
+        elif name == "lm_head":
+            parts = [(qweight[slice(*share.vocab)], scales[slice(*share.vocab)])]
+        elif part in row_cuts:
+            parts = [(qweight[first:end], scales[first:end]) for first, end in row_cuts[part]]
+        elif part in column_cuts:
+            first, end = column_cuts[part]
+            block = qweight.shape[2] * 2  # inputs per block: GPTQ's int4, two a byte
+            if first % block or end % block:
+                raise ValueError(
+                    f"{name}'s blocks of {block} inputs cannot be cut at input {first}..{end} for rank {share.rank}: "
+                    "build with a group size that divides each rank's share"
+                )
+            parts = [(qweight[:, first // block : end // block], scales[:, first // block : end // block])]
+        else:
+            raise ValueError(f"no tensor-parallel cut is known for the quantized linear {name}")
+        cut[name] = (
+            np.ascontiguousarray(np.concatenate([q for q, _ in parts])),
+            np.ascontiguousarray(np.concatenate([s for _, s in parts])).reshape(-1),
+        )
+    return cut
+
+
 def shard_names(names: dict[str, str], config: ModelConfig) -> dict[str, str]:
     """A checkpoint's per-name facts (GGUF block formats, weight types) for a rank's tensors: a tied embedding's
     facts are its LM head's too."""

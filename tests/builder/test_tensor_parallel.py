@@ -16,6 +16,7 @@ from builder.tensor_parallel import (
     plan_shares,
     rank_config,
     shard_kv_scales,
+    shard_quantized,
     shard_tensors,
     split,
 )
@@ -53,6 +54,48 @@ def test_an_int8_kv_caches_scales_are_cut_by_kv_head():
     for layer, (k, v) in enumerate(scales):
         np.testing.assert_array_equal(np.concatenate([rank[layer][0] for rank in cut], axis=1), k)
         np.testing.assert_array_equal(np.concatenate([rank[layer][1] for rank in cut], axis=1), v)
+
+
+def test_quantized_linears_are_cut_as_their_float_weights_are():
+    """GPTQ's fused q/k/v and gate/up rows per part, o and down by whole blocks of inputs, the head by vocabulary,
+    the embedding table whole: each block's scale says which row and block of the whole weight it was."""
+    config, group = SMOLLM2, 32
+    shapes = {
+        "model.layers.0.self_attn.qkv_proj": (960, 576),
+        "model.layers.0.self_attn.o_proj": (576, 576),
+        "model.layers.0.mlp.gate_up_proj": (3072, 576),
+        "model.layers.0.mlp.down_proj": (576, 1536),
+        "lm_head": (49152, 576),
+        "model.embed_tokens": (49152, 576),
+    }
+
+    def labelled(rows, inputs):  # block b of row r: scale r * 100 + b, its bytes r % 256
+        blocks = inputs // group
+        scales = (np.arange(rows)[:, None] * 100 + np.arange(blocks)[None, :]).astype(np.float32)
+        qweight = np.broadcast_to((np.arange(rows) % 256).astype(np.uint8)[:, None, None], (rows, blocks, group // 2))
+        return qweight.copy(), scales.reshape(-1)
+
+    whole = {name: labelled(*shape) for name, shape in shapes.items()}
+    share = plan_shares(config, 2)[1]  # KV head 2, query heads 6..8, MLP 768..1535, vocabulary 24576..49151
+    cut = shard_quantized(whole, config, share)
+
+    def rows_and_blocks(name):
+        qweight, scales = cut[name]
+        labels = scales.reshape(qweight.shape[0], -1)
+        np.testing.assert_array_equal(qweight[:, 0, 0], (labels[:, 0] // 100).astype(np.int64) % 256)
+        return (labels[:, 0] // 100).astype(int).tolist(), (labels[0] % 100).astype(int).tolist()
+
+    q, k, v = list(range(384, 576)), list(range(576 + 128, 576 + 192)), list(range(768 + 128, 768 + 192))
+    assert rows_and_blocks("model.layers.0.self_attn.qkv_proj") == (q + k + v, list(range(18)))
+    assert rows_and_blocks("model.layers.0.self_attn.o_proj") == (list(range(576)), list(range(12, 18)))
+    gate_up = list(range(768, 1536)) + list(range(1536 + 768, 3072))
+    assert rows_and_blocks("model.layers.0.mlp.gate_up_proj") == (gate_up, list(range(18)))
+    assert rows_and_blocks("model.layers.0.mlp.down_proj") == (list(range(576)), list(range(24, 48)))
+    assert rows_and_blocks("lm_head")[0] == list(range(24576, 49152))
+    assert rows_and_blocks("model.embed_tokens")[0] == list(range(49152))
+    blocks_of_256 = (np.zeros((576, 3, 128), np.uint8), np.zeros(576 * 3, np.float32))  # o_proj's inputs
+    with pytest.raises(ValueError, match="cannot be cut at input 384..576"):
+        shard_quantized({"model.layers.0.self_attn.o_proj": blocks_of_256}, config, share)
 
 
 def test_gguf_blocks_are_cut_at_block_boundaries_bit_for_bit():
@@ -109,9 +152,6 @@ def test_sharded_models_logits_equal_transformers(checkpoint_factory, tmp_path, 
 
 def test_builds_a_sharded_build_does_not_make_are_refused_before_any_work(checkpoint_factory, tmp_path):
     source = str(checkpoint_factory("gqa"))
-    for options, message in (
-        (dict(backend="aoti"), "onnxruntime engines only"),
-        (dict(quant="gptq"), "GPTQ"),
-    ):
+    for options, message in ((dict(backend="aoti"), "onnxruntime engines only"),):
         with pytest.raises(ValueError, match=message):
             build_engine(BuildOptions(source, tmp_path / "e", tensor_parallel=2, **options), log=lambda line: None)

@@ -91,6 +91,20 @@ def test_an_int8_kv_cache_takes_the_whole_models_scales_on_every_rank(engine_fac
     assert [tokens(sharded_llm, [p])[0] for p in PROMPTS] == expected
 
 
+@pytest.mark.parametrize("name", ["three_kv_heads", "untied_bias"])
+def test_gptq_runs_on_the_whole_model_and_each_rank_takes_its_share(engine_factory, name):
+    """Each rank's blocks (and embedding table: the tied head's, or its own) are the whole model's GPTQ blocks
+    cut to its share: the single-rank GPTQ engine's greedy tokens, batched and alone (fp32 activations, as above)."""
+    options = {"quant": "gptq", "int8_compute": False}
+    single, sharded = engine_factory(name, **options), engine_factory(name, tensor_parallel=2, **options)
+    quantization = open_artifact(sharded).manifest.quantization
+    assert quantization.method == "gptq" and quantization.gptq is not None
+    expected = tokens(LLM(single))
+    sharded_llm = LLM(sharded)
+    assert tokens(sharded_llm) == expected
+    assert [tokens(sharded_llm, [p])[0] for p in PROMPTS] == expected
+
+
 def test_the_manifest_lists_each_ranks_share_and_graph(engine_factory):
     manifest = open_artifact(engine_factory("three_kv_heads", tensor_parallel=2)).manifest
     assert manifest.tensor_parallel == 2 and [s.rank for s in manifest.shards] == [0, 1]
