@@ -364,10 +364,13 @@ def emit_rank_graph(
         model, quantization = _load_weights(rtn, rank_source, embedding_quant, shapes, kernels, quiet, share, kv_scales)
         _load_quantized_share(model, whole.quantized)
         log(f"      rank {rank}: GPTQ's weights and embedding table, the whole model's cut to its share")
+        embedding = quantization.embedding
+        if embedding is not None and whole.table_from_head:  # GPTQ's blocks of the head, not a rounding of the table
+            embedding = replace(embedding, rounded_from=None)
         quantization = replace(
             options.quantization(),
             embedding_from_head=quantization.embedding_from_head,
-            embedding=quantization.embedding,
+            embedding=embedding,
             kv_cache=quantization.kv_cache,
         )
     else:
@@ -395,11 +398,13 @@ class WholeModelFacts:
 
     kv_scales: list[tuple[np.ndarray, np.ndarray]] | None
     quantized: dict[str, tuple[np.ndarray, np.ndarray]] | None
+    table_from_head: bool = False  # the embedding table's blocks in `quantized` are the tied LM head's
 
     def share(self, config: ModelConfig, share: tensor_parallel.Share) -> WholeModelFacts:
         return WholeModelFacts(
             None if self.kv_scales is None else tensor_parallel.shard_kv_scales(self.kv_scales, share),
             None if self.quantized is None else tensor_parallel.shard_quantized(self.quantized, config, share),
+            self.table_from_head,
         )
 
 
@@ -422,7 +427,7 @@ def whole_model_facts(
         }
         if model.embedding_from_head:  # the table is the tied head's blocks: a rank stores them as its own table
             quantized[EMBEDDING] = quantized["lm_head"]
-    return WholeModelFacts(kv_scales, quantized)
+    return WholeModelFacts(kv_scales, quantized, model.embedding_from_head)
 
 
 def _load_quantized_share(model, quantized: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
