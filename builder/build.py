@@ -357,11 +357,18 @@ def emit_rank_graph(
     kv_scales = None
     if whole is not None and whole.kv_scales is not None:
         kv_scales = [(torch.from_numpy(k), torch.from_numpy(v)) for k, v in whole.kv_scales]
-    if whole is not None and whole.quantized is not None:
-        # GPTQ's weights replace the blocks of a model built as round-to-nearest in the same layout
-        rtn = replace(options, quant="int4", group_size=options.quant_spec().block_size, keep_source_blocks=False)
-        quiet = lambda line: None  # noqa: E731 - its lines would describe the round-to-nearest blocks replaced here
-        model, quantization = _load_weights(rtn, rank_source, embedding_quant, shapes, kernels, quiet, share, kv_scales)
+    gptq = whole is not None and whole.quantized is not None
+    # GPTQ's weights replace the blocks of a model built as round-to-nearest in the same layout (whose log lines
+    # would describe blocks replaced here)
+    load_options, load_log = options, log
+    if gptq:
+        block = options.quant_spec().block_size
+        load_options = replace(options, quant="int4", group_size=block, keep_source_blocks=False)
+        load_log = lambda line: None  # noqa: E731
+    model, quantization = _load_weights(
+        load_options, rank_source, embedding_quant, shapes, kernels, load_log, share, kv_scales
+    )
+    if gptq:
         _load_quantized_share(model, whole.quantized)
         log(f"      rank {rank}: GPTQ's weights and embedding table, the whole model's cut to its share")
         embedding = quantization.embedding
@@ -372,10 +379,6 @@ def emit_rank_graph(
             embedding_from_head=quantization.embedding_from_head,
             embedding=embedding,
             kv_cache=quantization.kv_cache,
-        )
-    else:
-        model, quantization = _load_weights(
-            options, rank_source, embedding_quant, shapes, kernels, log, share, kv_scales
         )
     tensor_parallel.add_collectives(model, share, checkpoint.config.vocab_size)
     if kernels["QuantizedMatMul"]:

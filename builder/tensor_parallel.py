@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from builder.loaders.gguf_blocks import BLOCK, BlockQuantized, block_inputs
+from builder.weights import fused_rows
 from engines.model_config import ModelConfig
 from plugins.collectives import all_gather, all_reduce
 
@@ -95,16 +96,7 @@ def shard_tensors(
     from a tied embedding, which every rank also gets whole: a rank stores it as a single-rank engine would, in
     the head's blocks where that engine reads it from its quantized head, weights.embedding_spec). A row-parallel
     bias is added once, after the sum: rank 0 keeps it, the others zeros."""
-    head_dim = config.head_dim
-    cuts = {
-        "self_attn.q_proj": ("rows", share.heads, head_dim),
-        "self_attn.k_proj": ("rows", share.kv_heads, head_dim),
-        "self_attn.v_proj": ("rows", share.kv_heads, head_dim),
-        "self_attn.o_proj": ("columns", share.heads, head_dim),
-        "mlp.gate_proj": ("rows", share.intermediate, 1),
-        "mlp.up_proj": ("rows", share.intermediate, 1),
-        "mlp.down_proj": ("columns", share.intermediate, 1),
-    }
+    cuts = _projection_cuts(config, share)
     for name, tensor in tensors:
         if name == "model.embed_tokens.weight":
             yield name, tensor
@@ -127,6 +119,21 @@ def shard_tensors(
             continue
         cut = _rows if axis == "rows" else _columns
         yield name, cut(tensor, (first, end), unit)
+
+
+def _projection_cuts(config: ModelConfig, share: Share) -> dict[str, tuple[str, tuple[int, int], int]]:
+    """Each checkpoint projection -> how `share` cuts it: its "rows" (outputs) or "columns" (inputs) [first, end),
+    in units of `unit` rows or columns."""
+    head_dim = config.head_dim
+    return {
+        "self_attn.q_proj": ("rows", share.heads, head_dim),
+        "self_attn.k_proj": ("rows", share.kv_heads, head_dim),
+        "self_attn.v_proj": ("rows", share.kv_heads, head_dim),
+        "self_attn.o_proj": ("columns", share.heads, head_dim),
+        "mlp.gate_proj": ("rows", share.intermediate, 1),
+        "mlp.up_proj": ("rows", share.intermediate, 1),
+        "mlp.down_proj": ("columns", share.intermediate, 1),
+    }
 
 
 def _rows(tensor, bounds: tuple[int, int], unit: int):
@@ -161,36 +168,28 @@ def shard_quantized(
     quantized: dict[str, tuple[np.ndarray, np.ndarray]], config: ModelConfig, share: Share
 ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Quantized linears of the whole model (name -> blocks [N, blocks, bytes] and scales [N * blocks], the layout
-    of QuantizedLinear; an embedding table's blocks [N, bytes]) cut to `share` as shard_tensors cuts their float
-    weights: the fused q/k/v and gate/up rows per part, o and down at block boundaries, the LM head's vocabulary
-    rows; the embedding table whole."""
-    head_dim, heads, kv_heads, inner = config.head_dim, config.num_heads, config.num_kv_heads, config.intermediate_size
-    q_rows, kv_rows = heads * head_dim, kv_heads * head_dim
-    row_cuts = {
-        "self_attn.qkv_proj": [
-            (share.heads[0] * head_dim, share.heads[1] * head_dim),
-            (q_rows + share.kv_heads[0] * head_dim, q_rows + share.kv_heads[1] * head_dim),
-            (q_rows + kv_rows + share.kv_heads[0] * head_dim, q_rows + kv_rows + share.kv_heads[1] * head_dim),
-        ],
-        "mlp.gate_up_proj": [share.intermediate, (inner + share.intermediate[0], inner + share.intermediate[1])],
-    }
-    column_cuts = {
-        "self_attn.o_proj": (share.heads[0] * head_dim, share.heads[1] * head_dim),
-        "mlp.down_proj": share.intermediate,
-    }
+    of QuantizedLinear; an embedding table's blocks [N, bytes]) cut to `share` as shard_tensors cuts the float
+    weights they were made of: a fused linear's rows part by part (weights.fused_rows), o and down at block
+    boundaries, the LM head's vocabulary rows; the embedding table whole."""
+    cuts, fused = _projection_cuts(config, share), fused_rows(config)
     cut = {}
     for name, (qweight, scales) in quantized.items():
         scales = scales.reshape(qweight.shape[0], -1)  # (an embedding table's blocks are [rows, bytes])
-        part = name.split(".", 3)[-1] if name.startswith("model.layers.") else name
+        module = name.split(".", 3)[-1] if name.startswith("model.layers.") else name
+        fused_parts = [(projection, start) for projection, (whole, start, _) in fused.items() if whole == module]
         if name == "model.embed_tokens":
             parts = [(qweight, scales)]
         elif name == "lm_head":
             parts = [(qweight[slice(*share.vocab)], scales[slice(*share.vocab)])]
-        elif part in row_cuts:
-            parts = [(qweight[first:end], scales[first:end]) for first, end in row_cuts[part]]
-        elif part in column_cuts:
-            first, end = column_cuts[part]
-            block = qweight.shape[2] * 2  # inputs per block: GPTQ's int4, two a byte
+        elif fused_parts:
+            parts = []
+            for projection, start in fused_parts:
+                _, (first, end), unit = cuts[projection]
+                rows = slice(start + first * unit, start + end * unit)
+                parts.append((qweight[rows], scales[rows]))
+        elif cuts.get(module, ("",))[0] == "columns":
+            _, (first, end), unit = cuts[module]
+            first, end, block = first * unit, end * unit, qweight.shape[2] * 2  # GPTQ's int4: two inputs a byte
             if first % block or end % block:
                 raise ValueError(
                     f"{name}'s blocks of {block} inputs cannot be cut at input {first}..{end} for rank {share.rank}: "
