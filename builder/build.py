@@ -642,7 +642,6 @@ def _warn_if_speculation_is_inexact(options: BuildOptions, log: Callable[[str], 
         for reason, applies in (
             ("--onnxruntime-decode-attention keeps onnxruntime's attention", not options.native_decode_attention),
             ("--onnxruntime-quantized-matmul keeps onnxruntime's matmul", not options.native_quantized_matmul),
-            ("an int8 KV cache runs onnxruntime's attention", options.kv_cache_dtype == "int8"),
             (f"our kernels cannot be built here ({unbuildable})", unbuildable),
             (f"our matmul kernel cannot run here ({unrunnable})", unrunnable),
         )
@@ -868,10 +867,7 @@ def _native_kernel_choice(options: BuildOptions, log: Callable[[str], None]) -> 
     if reason is not None:
         log(f"      kernels: onnxruntime's own ops ({reason})")
         return dict.fromkeys(wanted, False)
-    if wanted["DecodeAttention"] and options.kv_cache_dtype == "int8":
-        log("      decode attention: onnxruntime's GroupQueryAttention (the int8 KV cache is not implemented in ours)")
-        wanted["DecodeAttention"] = False
-    elif wanted["DecodeAttention"] and options.dtype != "fp32":
+    if wanted["DecodeAttention"] and options.dtype != "fp32":
         log(
             "      decode attention: onnxruntime's GroupQueryAttention (ours computes in fp32 only, not "
             f"{options.dtype})"

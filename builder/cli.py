@@ -155,7 +155,7 @@ def main() -> None:
     default=True,
     show_default=True,
     help="Decode steps run our DecodeAttention CPU kernel, compiled here with cc, instead of onnxruntime's "
-    "GroupQueryAttention (fp32 caches on Linux x86-64; the build says when it cannot).",
+    "GroupQueryAttention (fp32 engines on Linux x86-64, float or int8 KV cache; the build says when it cannot).",
 )
 @click.option(
     "--native-quantized-matmul/--onnxruntime-quantized-matmul",

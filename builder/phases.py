@@ -12,7 +12,8 @@ STEP_GRAPH = "step"
 # reads every weight once, so fewer chunks cost less where weights are large (docs/measurements.md). While other
 # requests generate, the runner cuts chunks smaller (EngineArgs.shared_prefill_chunk).
 DEFAULT_PREFILL_CHUNK = 1024
-# ... except over an int8 KV cache, whose attention kernel for prompt chunks slows down with the chunk's length
+# ... except over an int8 KV cache: our attention kernel takes prompt chunks of up to 128 tokens there, and
+# onnxruntime's, which takes longer ones, is slower and slows down with the chunk's length
 DEFAULT_PREFILL_CHUNK_INT8_KV = 128
 # score calls return logits at every position (128 x a 49k vocabulary: 25 MB in fp32), so their chunks stay small
 SCORE_CHUNK = 128

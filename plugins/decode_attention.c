@@ -17,15 +17,25 @@
  * scale. Real token t of row b (t < Q_b) is written at P_b + t and attends to positions 0 .. P_b + t plus the bias; a
  * padding token (t >= Q_b) or a row that takes no part (Q_b = 0) gets a zero output.
  *
- * onnxruntime's C ABI is reached as ort_abi.h declares; native_ops.c registers the op.
+ * DecodeAttentionInt8Cache is the same kernel over an int8 cache (GroupQueryAttention's k_quant_type / v_quant_type
+ * PER_CHANNEL, kv_cache_bit_width 8): past / present int8, and two more inputs, k_scale / v_scale [1, KVH, 1, D] f32.
+ * A new token's K (rotated) and V are written as round(x / scale), ties to even, saturated to int8; a unit of work
+ * turns the rows it reads into floats (code x scale, as the reference reads them) in a buffer of its own, so the
+ * loops below are the float cache's and a verify call still computes what decode steps compute. Over an int8 cache
+ * it takes prompt chunks of up to MAX_STEPS_INT8_CACHE tokens too: onnxruntime's int8-cache kernel is slower than
+ * this one there (docs/measurements.md).
+ *
+ * onnxruntime's C ABI is reached as ort_abi.h declares; native_ops.c registers the ops.
  */
 #include "ort_abi.h"
 
-/* the node's inputs: GroupQueryAttention's that an fp32 cache with rotary embedding uses, in its order */
+/* the node's inputs: GroupQueryAttention's that an fp32 cache with rotary embedding uses, in its order, then an int8
+ * cache's scales (DecodeAttentionInt8Cache only) */
 enum { IN_QKV, IN_PAST_KEY, IN_PAST_VALUE, IN_SEQLENS_K, IN_TOTAL_LEN, IN_COS, IN_SIN, IN_POSITIONS, IN_BIAS,
-       IN_QUERY_LENS, INPUTS };
+       IN_QUERY_LENS, IN_K_SCALE, IN_V_SCALE, INPUTS_INT8_CACHE };
+#define INPUTS IN_K_SCALE /* a float cache's */
 #define GQA_INPUTS 17 /* where those sit among GroupQueryAttention's inputs: */
-static const int gqa_slot[INPUTS] = {0, 3, 4, 5, 6, 7, 8, 9, 10, 16};
+static const int gqa_slot[INPUTS_INT8_CACHE] = {0, 3, 4, 5, 6, 7, 8, 9, 10, 16, 12, 13};
 
 typedef struct Kernel {
   OrtApiTable api;
@@ -34,6 +44,7 @@ typedef struct Kernel {
   OrtOp *gqa; /* onnxruntime's own kernel, for calls with more than one token per row (prompt chunks, verify) */
   int wide;   /* blocks of WIDE_QUERY_BLOCK queries on 512-bit vectors: the CPU has AVX-512 F, and KERNEL_ISA_VARIABLE
                  does not say avx2 */
+  int int8_cache; /* a DecodeAttentionInt8Cache node */
 } Kernel;
 
 /* The work is split into units of (row, kv head, chunk of CHUNK positions, block of QUERY_BLOCK queries, or of
@@ -44,7 +55,7 @@ typedef struct Kernel {
  * that one long row still keeps every thread busy). */
 #define CHUNK 128
 #define MAX_STEPS 16   /* new tokens a row for this kernel; longer chunks run onnxruntime's */
-#define MAX_QUERIES 64 /* new tokens x query heads per kv head */
+#define MAX_STEPS_INT8_CACHE 128 /* the same over an int8 cache, where onnxruntime's kernel is slower than ours */
 #define MAX_HEAD_DIM 256
 #define QUERY_BLOCK 8       /* queries a unit computes together, a vector lane each */
 #define WIDE_QUERY_BLOCK 16 /* the same on 512-bit vectors */
@@ -57,11 +68,14 @@ typedef struct Kernel {
  * hardware prefetcher alone left this loop waiting on them; 32 rows ahead measured best (docs/measurements.md) */
 #define PREFETCH_ROWS 32
 #define LINE_FLOATS 16 /* floats per 64-byte cache line */
+#define LINE_BYTES 64
 #define V_BLOCK 64     /* floats of a query's weighted V a decode step keeps in registers at a time */
 
 typedef struct Work {
   const float *q_scaled; /* [B, KVH, T, group, D]: rotated, times the softmax scale */
-  const float *keys, *values; /* the present cache [B, KVH, L, D] */
+  const float *keys, *values; /* the present cache [B, KVH, L, D], a float one (NULL for an int8 cache) */
+  const int8_t *keys8, *values8; /* an int8 one (NULL for a float cache) */
+  const float *k_scale, *v_scale; /* the int8 cache's scales [KVH, D] */
   const float *bias; /* [B, T, W] */
   const int32_t *seqlens_k, *query_lens;
   float *partials; /* [B, KVH, chunks, T x group, 2 + D]: maximum, sum, weighted V */
@@ -131,6 +145,15 @@ static inline float score(const float *q, const float *k, int64_t d_count) {
   return (four[0] + four[2]) + (four[1] + four[3]);
 }
 
+/* `count` rows of an int8 cache as the values attention reads: int8 x its channel's scale, the float product the
+ * reference computes (a loop GCC turns into vpmovsxbw / vpmovsxwd / vcvtdq2ps: building a vector lane by lane from
+ * int8 codes, it would convert them one at a time) */
+__attribute__((always_inline)) static inline void dequantize_rows(const int8_t *rows, const float *scale, int64_t count,
+                                                                  int64_t d_count, float *out) {
+  for (int64_t r = 0; r < count; r++)
+    for (int64_t d = 0; d < d_count; d++) out[r * d_count + d] = (float)rows[r * d_count + d] * scale[d];
+}
+
 /* The wide path's two loops on 512-bit vectors, for blocks of up to WIDE_QUERY_BLOCK queries: the same operations
  * per query as on 256-bit ones (lanes are queries in the scores, head dimensions in the weighted V), so the results
  * are the same bit for bit; half the instructions. */
@@ -156,16 +179,16 @@ __attribute__((target("avx2,fma,avx512f"))) static void wide_scores_512(const fl
 /* every query's weighted V (its cached ranks, then its new tokens), 16 head dimensions at a time in registers, into
  * its partial */
 __attribute__((target("avx2,fma,avx512f"))) static void wide_values_512(
-    const float *values, int64_t first, int64_t cached, const int64_t fresh[][MAX_STEPS], const int64_t *count,
+    const float *values, int64_t cached, const int64_t fresh[][MAX_STEPS_INT8_CACHE], const int64_t *count,
     int64_t d_count, int64_t block, const float scores[][CHUNK], float *partial, int64_t stride) {
   for (int64_t d = 0; d < d_count; d += 16) {
     floats16 acc[WIDE_QUERY_BLOCK] = {{0.0f}};
     for (int64_t j = 0; j < cached; j++) {
       floats16 v;
-      memcpy(&v, values + (first + j) * d_count + d, sizeof(v));
+      memcpy(&v, values + j * d_count + d, sizeof(v));
       if (d == 0)
         for (int64_t e = 0; e < d_count; e += LINE_FLOATS)
-          __builtin_prefetch(values + (first + j + PREFETCH_ROWS) * d_count + e);
+          __builtin_prefetch(values + (j + PREFETCH_ROWS) * d_count + e);
       for (int64_t b = 0; b < WIDE_QUERY_BLOCK; b++) acc[b] += scores[b][j] * v;
     }
     for (int64_t b = 0; b < block; b++) {
@@ -192,9 +215,10 @@ static void attend_chunk(void *data, size_t unit) {
   if (block <= 0) return;
   const int64_t first = chunk * CHUNK, past = (int64_t)w->seqlens_k[row] + 1 - real;
   const int64_t cached = past - first <= 0 ? 0 : past - first < CHUNK ? past - first : CHUNK; /* shared by all */
-  const float *keys = w->keys + kv * w->length * d_count, *values = w->values + kv * w->length * d_count;
-  /* per query, the new tokens it sees whose ranks fall in this chunk (slots after `past`, in order) */
-  int64_t fresh[WIDE_QUERY_BLOCK][MAX_STEPS], fresh_count[WIDE_QUERY_BLOCK], count[WIDE_QUERY_BLOCK], most = cached;
+  /* per query, the new tokens it sees whose ranks fall in this chunk (their slots after `past`, in order, counted
+   * from the chunk's first position as every row below is) */
+  int64_t fresh[WIDE_QUERY_BLOCK][MAX_STEPS_INT8_CACHE], fresh_count[WIDE_QUERY_BLOCK], count[WIDE_QUERY_BLOCK];
+  int64_t most = cached;
   for (int64_t b = 0; b < block; b++) {
     const int64_t token = (i0 + b) / group;
     const float *bias = w->bias + (row * w->steps + token) * w->bias_width;
@@ -202,7 +226,7 @@ static void attend_chunk(void *data, size_t unit) {
     fresh_count[b] = 0;
     for (int64_t s = 0; s <= token; s++) {
       if (bias[past + s] <= MASKED_BIAS) continue; /* another branch of the tree */
-      if (rank >= first && rank < first + CHUNK) fresh[b][fresh_count[b]++] = past + s;
+      if (rank >= first && rank < first + CHUNK) fresh[b][fresh_count[b]++] = past + s - first;
       rank++;
     }
     count[b] = cached + fresh_count[b];
@@ -210,16 +234,34 @@ static void attend_chunk(void *data, size_t unit) {
   }
   if (most == 0) return;
   const float *q = w->q_scaled + (kv * queries + i0) * d_count;
-  for (int64_t j = 0; j < (cached < PREFETCH_ROWS ? cached : PREFETCH_ROWS) * d_count; j += LINE_FLOATS) {
-    __builtin_prefetch(keys + first * d_count + j); /* the rows the loops' own prefetches do not reach */
-    __builtin_prefetch(values + first * d_count + j);
+  int64_t rows = cached; /* the cache rows the unit reads: its cached positions, then the new tokens' slots */
+  for (int64_t b = 0; b < block; b++)
+    if (fresh_count[b] && fresh[b][fresh_count[b] - 1] + 1 > rows) rows = fresh[b][fresh_count[b] - 1] + 1;
+  const int64_t base = (kv * w->length + first) * d_count; /* the chunk's first position in the cache */
+  const float *keys, *values;
+  float dequantized[w->keys8 ? rows * d_count : 1]; /* an int8 cache's rows as floats: K, then V in the same place */
+  if (w->keys8) { /* K's rows as floats now, V's after the softmax: every query then computes as over a float cache
+                     of those values, while the rows come from memory at a quarter of the bytes */
+    for (int64_t j = 0; j < rows * d_count; j += LINE_BYTES) {
+      __builtin_prefetch(w->keys8 + base + j);
+      __builtin_prefetch(w->values8 + base + j);
+    }
+    dequantize_rows(w->keys8 + base, w->k_scale + kv % w->kv_heads * d_count, rows, d_count, dequantized);
+    keys = values = dequantized;
+  } else {
+    keys = w->keys + base;
+    values = w->values + base;
+    for (int64_t j = 0; j < (cached < PREFETCH_ROWS ? cached : PREFETCH_ROWS) * d_count; j += LINE_FLOATS) {
+      __builtin_prefetch(keys + j); /* the rows the loops' own prefetches do not reach */
+      __builtin_prefetch(values + j);
+    }
   }
   float scores[WIDE_QUERY_BLOCK][CHUNK];
   if (w->query_block == WIDE_QUERY_BLOCK && block >= WIDE_BLOCK) {
-    wide_scores_512(q, keys + first * d_count, d_count, block, cached, scores);
+    wide_scores_512(q, keys, d_count, block, cached, scores);
   } else if (block < WIDE_BLOCK) { /* a few queries (a decode step): each score on its own */
     for (int64_t j = 0; j < cached; j++) {
-      const float *k = keys + (first + j) * d_count;
+      const float *k = keys + j * d_count;
       for (int64_t d = 0; d < d_count; d += LINE_FLOATS) __builtin_prefetch(k + PREFETCH_ROWS * d_count + d);
       for (int64_t b = 0; b < block; b++) scores[b][j] = score(q + b * d_count, k, d_count);
     }
@@ -228,7 +270,7 @@ static void attend_chunk(void *data, size_t unit) {
     for (int64_t d = 0; d < d_count; d++)
       for (int64_t b = 0; b < QUERY_BLOCK; b++) transposed[d][b] = b < block ? q[b * d_count + d] : 0.0f;
     for (int64_t j = 0; j < cached; j++) {
-      const float *k = keys + (first + j) * d_count;
+      const float *k = keys + j * d_count;
       for (int64_t d = 0; d < d_count; d += LINE_FLOATS) __builtin_prefetch(k + PREFETCH_ROWS * d_count + d);
       floats8 lanes[DOT_LANES] = {{0.0f}};
       for (int64_t d = 0; d < d_count; d += DOT_LANES)
@@ -250,7 +292,7 @@ static void attend_chunk(void *data, size_t unit) {
     }
     for (; j < cached; j++) s[j] = bias[first + j] <= MASKED_BIAS ? -INFINITY : s[j] + bias[first + j];
     for (int64_t f = 0; f < fresh_count[b]; f++)
-      s[cached + f] = score(q + b * d_count, keys + fresh[b][f] * d_count, d_count) + bias[fresh[b][f]];
+      s[cached + f] = score(q + b * d_count, keys + fresh[b][f] * d_count, d_count) + bias[first + fresh[b][f]];
     const int64_t padded = (count[b] + SOFTMAX_LANES - 1) / SOFTMAX_LANES * SOFTMAX_LANES; /* <= CHUNK */
     for (j = count[b]; j < padded; j++) s[j] = -INFINITY; /* no weight */
     floats8 most = (floats8){0} - INFINITY, sums = {0.0f};
@@ -279,13 +321,15 @@ static void attend_chunk(void *data, size_t unit) {
     partial[b * stride] = maximum;
     partial[b * stride + 1] = ((sums[0] + sums[1]) + (sums[2] + sums[3])) + ((sums[4] + sums[5]) + (sums[6] + sums[7]));
   }
+  if (w->values8)
+    dequantize_rows(w->values8 + base, w->v_scale + kv % w->kv_heads * d_count, rows, d_count, dequantized);
   if (block < WIDE_BLOCK) {
     for (int64_t b = 0; b < block; b++)
       for (int64_t d0 = 0; d0 < d_count; d0 += V_BLOCK) { /* V_BLOCK values of its weighted V, in registers */
         const int64_t vectors = (d_count - d0 < V_BLOCK ? d_count - d0 : V_BLOCK) / 8;
         floats8 acc[V_BLOCK / 8] = {{0.0f}};
         for (int64_t j = 0; j < count[b]; j++) {
-          const float *v = values + (j < cached ? first + j : fresh[b][j - cached]) * d_count, weight = scores[b][j];
+          const float *v = values + (j < cached ? j : fresh[b][j - cached]) * d_count, weight = scores[b][j];
           if (b == 0 && d0 == 0)
             for (int64_t d = 0; d < d_count; d += LINE_FLOATS) __builtin_prefetch(v + PREFETCH_ROWS * d_count + d);
           if (vectors == V_BLOCK / 8) /* a whole block: a fixed count, unrolled, its sums kept in registers */
@@ -300,17 +344,17 @@ static void attend_chunk(void *data, size_t unit) {
   for (int64_t b = block; b < w->query_block; b++)
     for (int64_t j = 0; j < cached; j++) scores[b][j] = 0.0f;
   if (w->query_block == WIDE_QUERY_BLOCK) {
-    wide_values_512(values, first, cached, fresh, count, d_count, block, scores, partial, stride);
+    wide_values_512(values, cached, fresh, count, d_count, block, scores, partial, stride);
     return;
   }
   for (int64_t d = 0; d < d_count; d += 8) { /* 8 values of every query's weighted V at a time, in registers */
     floats8 acc[QUERY_BLOCK] = {{0.0f}};
     for (int64_t j = 0; j < cached; j++) {
       floats8 v;
-      memcpy(&v, values + (first + j) * d_count + d, sizeof(v));
+      memcpy(&v, values + j * d_count + d, sizeof(v));
       if (d == 0)
         for (int64_t e = 0; e < d_count; e += LINE_FLOATS)
-          __builtin_prefetch(values + (first + j + PREFETCH_ROWS) * d_count + e);
+          __builtin_prefetch(values + (j + PREFETCH_ROWS) * d_count + e);
       for (int b = 0; b < QUERY_BLOCK; b++) acc[b] += scores[b][j] * v;
     }
     for (int64_t b = 0; b < block; b++) {
@@ -348,6 +392,14 @@ static void combine(const Work *w, int64_t row, float *out) {
     }
 }
 
+/* a new K or V row into an int8 cache: round(x / scale) to the nearest (ties to even, as torch.round), saturated */
+static void quantize_row(const float *x, const float *scale, int64_t d_count, int8_t *out) {
+  for (int64_t d = 0; d < d_count; d++) {
+    const float q = nearbyintf(x[d] / scale[d]);
+    out[d] = (int8_t)(q >= 127.0f ? 127.0f : q > -128.0f ? q : -128.0f); /* NaN: -128 */
+  }
+}
+
 static void rotate(const float *x, const float *cos, const float *sin, int64_t half, float *out) {
   for (int64_t d = 0; d < half; d++) {
     out[d] = x[d] * cos[d] - x[d + half] * sin[d];
@@ -360,7 +412,7 @@ static OrtStatus *invoke_onnxruntime(Kernel *kernel, OrtKernelContext *context, 
                                      int64_t batch, int64_t steps, const int64_t *cache_dims) {
   OrtApiTable api = kernel->api;
   const OrtValue *gqa_inputs[GQA_INPUTS] = {NULL};
-  for (int i = 0; i < INPUTS; i++) gqa_inputs[gqa_slot[i]] = inputs[i];
+  for (int i = 0; i < (kernel->int8_cache ? INPUTS_INT8_CACHE : INPUTS); i++) gqa_inputs[gqa_slot[i]] = inputs[i];
   const int64_t out_dims[3] = {batch, steps, kernel->num_heads * cache_dims[3]};
   OrtValue *outputs[3] = {NULL, NULL, NULL};
   OrtStatus *(*get_output)(OrtKernelContext *, size_t, const int64_t *, size_t, OrtValue **) =
@@ -379,21 +431,25 @@ static OrtStatus *compute(Kernel *kernel, OrtKernelContext *context) {
       API(api, KernelContext_GetInput, OrtStatus *(*)(const OrtKernelContext *, size_t, const OrtValue **));
   OrtStatus *(*get_output)(OrtKernelContext *, size_t, const int64_t *, size_t, OrtValue **) =
       API(api, KernelContext_GetOutput, OrtStatus *(*)(OrtKernelContext *, size_t, const int64_t *, size_t, OrtValue **));
-  const OrtValue *inputs[INPUTS];
-  void *data[INPUTS];
-  int64_t dims[INPUTS][4];
-  for (size_t i = 0; i < INPUTS; i++)
+  const OrtValue *inputs[INPUTS_INT8_CACHE];
+  void *data[INPUTS_INT8_CACHE];
+  int64_t dims[INPUTS_INT8_CACHE][4];
+  const size_t input_count = kernel->int8_cache ? INPUTS_INT8_CACHE : INPUTS;
+  for (size_t i = 0; i < input_count; i++)
     if (get_input(context, i, &inputs[i]) || !inputs[i] || !tensor(api, inputs[i], &data[i], dims[i]))
       return fail(api, "DecodeAttention: cannot read its inputs");
   const int64_t batch = dims[IN_QKV][0], steps = dims[IN_QKV][1], heads = kernel->num_heads, kv_heads = kernel->kv_heads;
   const int64_t head_dim = dims[IN_PAST_KEY][3], length = dims[IN_PAST_KEY][2], half = head_dim / 2;
   const int64_t bias_width = dims[IN_BIAS][3];
   const int64_t group = heads / kv_heads;
-  if (steps > MAX_STEPS || steps * group > MAX_QUERIES || head_dim > MAX_HEAD_DIM)
+  if (steps > (kernel->int8_cache ? MAX_STEPS_INT8_CACHE : MAX_STEPS) || head_dim > MAX_HEAD_DIM)
     return invoke_onnxruntime(kernel, context, inputs, batch, steps, dims[IN_PAST_KEY]);
   if (dims[IN_QKV][2] != (heads + 2 * kv_heads) * head_dim || dims[IN_PAST_KEY][1] != kv_heads ||
       dims[IN_COS][1] != half || head_dim % DOT_LANES || dims[IN_BIAS][2] != steps)
     return fail(api, "DecodeAttention: input shapes do not match num_heads / kv_num_heads / the cache");
+  for (int i = IN_K_SCALE; i < (int)input_count; i++)
+    if (dims[i][0] != 1 || dims[i][1] != kv_heads || dims[i][2] != 1 || dims[i][3] != head_dim)
+      return fail(api, "DecodeAttention: an int8 cache's scales are not [1, kv_num_heads, 1, head_dim]");
   const float *qkv = data[IN_QKV], *cos_cache = data[IN_COS], *sin_cache = data[IN_SIN];
   const int32_t *seqlens_k = data[IN_SEQLENS_K], *query_lens = data[IN_QUERY_LENS];
   const int64_t *position_ids = data[IN_POSITIONS];
@@ -409,6 +465,7 @@ static OrtStatus *compute(Kernel *kernel, OrtKernelContext *context) {
   }
 
   int64_t out_dims[3] = {batch, steps, heads * head_dim};
+  const size_t element_size = kernel->int8_cache ? sizeof(int8_t) : sizeof(float); /* the cache's */
   OrtValue *out_value = NULL, *present[2] = {NULL, NULL};
   void *out_data = NULL, *present_data[2];
   int64_t ignored[4];
@@ -418,9 +475,10 @@ static OrtStatus *compute(Kernel *kernel, OrtKernelContext *context) {
     if (get_output(context, 1 + i, dims[IN_PAST_KEY], 4, &present[i]) || !tensor(api, present[i], &present_data[i], ignored))
       return fail(api, "DecodeAttention: cannot allocate the present cache");
     if (present_data[i] != data[IN_PAST_KEY + i]) /* not bound in place: the present cache starts as a copy of the past */
-      memcpy(present_data[i], data[IN_PAST_KEY + i], sizeof(float) * batch * kv_heads * length * head_dim);
+      memcpy(present_data[i], data[IN_PAST_KEY + i], element_size * batch * kv_heads * length * head_dim);
   }
-  float *keys = present_data[0], *values = present_data[1];
+  const float *k_scale = kernel->int8_cache ? data[IN_K_SCALE] : NULL;
+  const float *v_scale = kernel->int8_cache ? data[IN_V_SCALE] : NULL;
 
   int64_t longest = 1;
   for (int64_t b = 0; b < batch; b++)
@@ -446,16 +504,43 @@ static OrtStatus *compute(Kernel *kernel, OrtKernelContext *context) {
       }
       for (int64_t g = 0; g < kv_heads; g++) {
         const int64_t slot = ((b * kv_heads + g) * length + past + s) * head_dim;
-        rotate(x + (heads + g) * head_dim, cos, sin, half, keys + slot);
-        memcpy(values + slot, x + (heads + kv_heads + g) * head_dim, sizeof(float) * head_dim);
+        const float *value = x + (heads + kv_heads + g) * head_dim;
+        if (!kernel->int8_cache) {
+          rotate(x + (heads + g) * head_dim, cos, sin, half, (float *)present_data[0] + slot);
+          memcpy((float *)present_data[1] + slot, value, sizeof(float) * head_dim);
+          continue;
+        }
+        float key[MAX_HEAD_DIM];
+        rotate(x + (heads + g) * head_dim, cos, sin, half, key);
+        quantize_row(key, k_scale + g * head_dim, head_dim, (int8_t *)present_data[0] + slot);
+        quantize_row(value, v_scale + g * head_dim, head_dim, (int8_t *)present_data[1] + slot);
       }
     }
   }
   /* 16 lanes only where they save a block: up to 8 queries a row take the same 8-lane block as ever */
   const int64_t query_block = kernel->wide && steps * group > QUERY_BLOCK ? WIDE_QUERY_BLOCK : QUERY_BLOCK;
   const int64_t query_blocks = (steps * group + query_block - 1) / query_block;
-  Work work = {q_scaled, keys, values, data[IN_BIAS], seqlens_k, query_lens, partials, kv_heads, group, steps, head_dim,
-               length, bias_width, chunks, query_blocks, query_block};
+  const int float_cache = !kernel->int8_cache;
+  Work work = {q_scaled,
+               float_cache ? present_data[0] : NULL,
+               float_cache ? present_data[1] : NULL,
+               float_cache ? NULL : present_data[0],
+               float_cache ? NULL : present_data[1],
+               k_scale,
+               v_scale,
+               data[IN_BIAS],
+               seqlens_k,
+               query_lens,
+               partials,
+               kv_heads,
+               group,
+               steps,
+               head_dim,
+               length,
+               bias_width,
+               chunks,
+               query_blocks,
+               query_block};
   OrtStatus *status = API(api, KernelContext_ParallelFor,
                           OrtStatus *(*)(const OrtKernelContext *, void (*)(void *, size_t), size_t, size_t, void *))(
       context, attend_chunk, (size_t)(batch * kv_heads * chunks * query_blocks), 0, &work);
@@ -472,24 +557,32 @@ static OrtStatus *create_gqa(Kernel *kernel, const OrtKernelInfo *info) {
   OrtApiTable api = kernel->api;
   OrtStatus *(*create_attr)(const char *, const void *, int, int, OrtOpAttr **) =
       API(api, CreateOpAttr, OrtStatus *(*)(const char *, const void *, int, int, OrtOpAttr **));
-  const int64_t rotary = 1, interleaved = 0;
-  OrtOpAttr *attrs[5] = {NULL};
+  const int64_t rotary = 1, interleaved = 0, cache_bits = 8;
+  static const char per_channel[] = "PER_CHANNEL";
+  OrtOpAttr *attrs[8] = {NULL};
+  const int attr_count = kernel->int8_cache ? 8 : 5;
   OrtStatus *status = create_attr("num_heads", &kernel->num_heads, 1, ATTR_INT, &attrs[0]);
   if (!status) status = create_attr("kv_num_heads", &kernel->kv_heads, 1, ATTR_INT, &attrs[1]);
   if (!status) status = create_attr("scale", &kernel->scale, 1, ATTR_FLOAT, &attrs[2]);
   if (!status) status = create_attr("do_rotary", &rotary, 1, ATTR_INT, &attrs[3]);
   if (!status) status = create_attr("rotary_interleaved", &interleaved, 1, ATTR_INT, &attrs[4]);
+  if (!status && kernel->int8_cache) /* the cache as plugins/attention.py lowers it: static per-channel int8 */
+    status = create_attr("k_quant_type", per_channel, sizeof(per_channel) - 1, ATTR_STRING, &attrs[5]);
+  if (!status && kernel->int8_cache)
+    status = create_attr("v_quant_type", per_channel, sizeof(per_channel) - 1, ATTR_STRING, &attrs[6]);
+  if (!status && kernel->int8_cache) status = create_attr("kv_cache_bit_width", &cache_bits, 1, ATTR_INT, &attrs[7]);
+  const int cache_type = kernel->int8_cache ? ELEMENT_INT8 : ELEMENT_FLOAT;
   static const char *names[][4] = {{"T", "T_CACHE", "M"}, {"T", "M"}, {"T", "T_CACHE", "T_KV_SCALE", "M"}};
-  static const int types[][4] = {{ELEMENT_FLOAT, ELEMENT_FLOAT, ELEMENT_INT32}, {ELEMENT_FLOAT, ELEMENT_INT32},
-                                 {ELEMENT_FLOAT, ELEMENT_FLOAT, ELEMENT_FLOAT, ELEMENT_INT32}};
+  const int types[][4] = {{ELEMENT_FLOAT, cache_type, ELEMENT_INT32}, {ELEMENT_FLOAT, ELEMENT_INT32},
+                          {ELEMENT_FLOAT, cache_type, ELEMENT_FLOAT, ELEMENT_INT32}};
   static const int counts[] = {3, 2, 4};
   OrtStatus *(*create_op)(const OrtKernelInfo *, const char *, const char *, int, const char *const *, const int *, int,
                           OrtOpAttr *const *, int, int, int, OrtOp **) =
       API(api, CreateOp, OrtStatus *(*)(const OrtKernelInfo *, const char *, const char *, int, const char *const *,
                                         const int *, int, OrtOpAttr *const *, int, int, int, OrtOp **));
   for (int i = 0; !status && i < 3; i++) {
-    status = create_op(info, "GroupQueryAttention", "com.microsoft", 1, names[i], types[i], counts[i], attrs, 5,
-                       GQA_INPUTS, 3, &kernel->gqa);
+    status = create_op(info, "GroupQueryAttention", "com.microsoft", 1, names[i], types[i], counts[i], attrs,
+                       attr_count, GQA_INPUTS, 3, &kernel->gqa);
     if (status && i < 2) {
       API(api, ReleaseStatus, void (*)(OrtStatus *))(status);
       status = NULL;
@@ -497,7 +590,7 @@ static OrtStatus *create_gqa(Kernel *kernel, const OrtKernelInfo *info) {
       break;
     }
   }
-  for (int i = 0; i < 5; i++)
+  for (int i = 0; i < 8; i++)
     if (attrs[i]) API(api, ReleaseOpAttr, void (*)(OrtOpAttr *))(attrs[i]);
   return status;
 }
@@ -509,10 +602,10 @@ static void kernel_destroy(void *kernel) {
 }
 
 static OrtStatus *create_kernel(const OrtCustomOp *op, OrtApiTable api, const OrtKernelInfo *info, void **out) {
-  (void)op;
   Kernel *kernel = calloc(1, sizeof(Kernel));
   if (!kernel) return fail(api, "DecodeAttention: out of memory");
   kernel->api = api;
+  kernel->int8_cache = op == &decode_attention_int8_cache_op;
   kernel->wide = __builtin_cpu_supports("avx512f") && !avx2_paths_asked();
   OrtStatus *(*get_int)(const OrtKernelInfo *, const char *, int64_t *) =
       API(api, KernelInfoGetAttribute_int64, OrtStatus *(*)(const OrtKernelInfo *, const char *, int64_t *));
@@ -533,12 +626,25 @@ static OrtStatus *create_kernel(const OrtCustomOp *op, OrtApiTable api, const Or
 }
 
 static OrtStatus *kernel_compute(void *kernel, OrtKernelContext *context) { return compute(kernel, context); }
-static const char *op_name(const OrtCustomOp *op) { (void)op; return "DecodeAttention"; }
-static const int input_types[INPUTS] = {ELEMENT_FLOAT, ELEMENT_FLOAT, ELEMENT_FLOAT, ELEMENT_INT32, ELEMENT_INT32,
-                                        ELEMENT_FLOAT, ELEMENT_FLOAT, ELEMENT_INT64, ELEMENT_FLOAT, ELEMENT_INT32};
-static int input_type(const OrtCustomOp *op, size_t index) { (void)op; return input_types[index]; }
-static size_t input_count(const OrtCustomOp *op) { (void)op; return INPUTS; }
+static const char *op_name(const OrtCustomOp *op) {
+  return op == &decode_attention_int8_cache_op ? "DecodeAttentionInt8Cache" : "DecodeAttention";
+}
+static const int input_types[INPUTS_INT8_CACHE] = {ELEMENT_FLOAT, ELEMENT_FLOAT, ELEMENT_FLOAT, ELEMENT_INT32,
+                                                   ELEMENT_INT32, ELEMENT_FLOAT, ELEMENT_FLOAT, ELEMENT_INT64,
+                                                   ELEMENT_FLOAT, ELEMENT_INT32, ELEMENT_FLOAT, ELEMENT_FLOAT};
+/* an int8 cache's op: the past and present buffers int8, its scales after the float cache's inputs */
+static int is_cache(size_t index) { return index == IN_PAST_KEY || index == IN_PAST_VALUE; }
+static int input_type(const OrtCustomOp *op, size_t index) {
+  return op == &decode_attention_int8_cache_op && is_cache(index) ? ELEMENT_INT8 : input_types[index];
+}
+static size_t input_count(const OrtCustomOp *op) { return op == &decode_attention_int8_cache_op ? INPUTS_INT8_CACHE : INPUTS; }
+static int output_type(const OrtCustomOp *op, size_t index) {
+  return op == &decode_attention_int8_cache_op && index ? ELEMENT_INT8 : ELEMENT_FLOAT;
+}
 static size_t output_count(const OrtCustomOp *op) { (void)op; return 3; }
 
-OrtCustomOp decode_attention_op =
-    CPU_CUSTOM_OP(op_name, input_type, input_count, required, output_count, create_kernel, kernel_compute, kernel_destroy);
+OrtCustomOp decode_attention_op = CPU_CUSTOM_OP(op_name, input_type, input_count, required, output_count, create_kernel,
+                                                kernel_compute, kernel_destroy);
+OrtCustomOp decode_attention_int8_cache_op = CPU_CUSTOM_OP_TYPED(op_name, input_type, input_count, required, output_type,
+                                                                 output_count, create_kernel, kernel_compute,
+                                                                 kernel_destroy);

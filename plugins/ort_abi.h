@@ -35,7 +35,7 @@ typedef struct OrtApiBase {
 } OrtApiBase;
 
 enum { ORT_FAIL = 1, ELEMENT_ANY = 0, ELEMENT_FLOAT = 1, ELEMENT_UINT8 = 2, ELEMENT_INT8 = 3, ELEMENT_INT32 = 6, ELEMENT_INT64 = 7,
-       ELEMENT_FLOAT16 = 10, ATTR_INT = 1, ATTR_FLOAT = 3 };
+       ELEMENT_FLOAT16 = 10, ATTR_INT = 1, ATTR_FLOAT = 3, ATTR_STRING = 5 };
 /* the OrtApi version that has every function below (KernelContext_ParallelFor came with 1.17) */
 #define ORT_API_VERSION_NEEDED 17
 /* positions in the OrtApi table */
@@ -131,12 +131,17 @@ static inline int float_output(const OrtCustomOp *op, size_t index) { (void)op; 
 /* an OrtCustomOp (version 16) for the CPU execution provider with float outputs, its outputs required and its inputs
  * as INPUT_CHARACTERISTIC says (`required` for all): the op's own callbacks, the rest answered alike */
 #define CPU_CUSTOM_OP(GET_NAME, INPUT_TYPE, INPUT_COUNT, INPUT_CHARACTERISTIC, OUTPUT_COUNT, CREATE, COMPUTE, DESTROY)  \
+  CPU_CUSTOM_OP_TYPED(GET_NAME, INPUT_TYPE, INPUT_COUNT, INPUT_CHARACTERISTIC, float_output, OUTPUT_COUNT, CREATE,    \
+                      COMPUTE, DESTROY)
+/* the same with the output types OUTPUT_TYPE answers */
+#define CPU_CUSTOM_OP_TYPED(GET_NAME, INPUT_TYPE, INPUT_COUNT, INPUT_CHARACTERISTIC, OUTPUT_TYPE, OUTPUT_COUNT, CREATE,  \
+                            COMPUTE, DESTROY)                                                                       \
   {.version = CUSTOM_OP_VERSION, .GetName = GET_NAME, .GetExecutionProviderType = op_provider,                      \
-   .GetInputType = INPUT_TYPE, .GetInputTypeCount = INPUT_COUNT, .GetOutputType = float_output,                     \
+   .GetInputType = INPUT_TYPE, .GetInputTypeCount = INPUT_COUNT, .GetOutputType = OUTPUT_TYPE,                      \
    .GetOutputTypeCount = OUTPUT_COUNT, .KernelDestroy = DESTROY, .GetInputCharacteristic = INPUT_CHARACTERISTIC,    \
    .GetOutputCharacteristic = required, .GetInputMemoryType = default_memory, .GetVariadicInputMinArity = one,      \
    .GetVariadicInputHomogeneity = one, .GetVariadicOutputMinArity = one, .GetVariadicOutputHomogeneity = one,       \
    .CreateKernelV2 = CREATE, .KernelComputeV2 = COMPUTE}
 
-extern OrtCustomOp decode_attention_op, int4_matmul_op, int8_matmul_op, int6_matmul_op, int5_matmul_op, quantized_rows_op, all_reduce_op, all_gather_op;
+extern OrtCustomOp decode_attention_op, decode_attention_int8_cache_op, int4_matmul_op, int8_matmul_op, int6_matmul_op, int5_matmul_op, quantized_rows_op, all_reduce_op, all_gather_op;
 #endif

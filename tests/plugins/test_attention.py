@@ -150,23 +150,26 @@ def test_onnx_lowering_is_one_fused_node_matching_the_reference_in_place(tmp_pat
     inputs = case(**CASES[name], int8_cache=int8_cache)
     out, keys, values, ops = run_onnxruntime(tmp_path, inputs)
     assert ops == ["GroupQueryAttention"]
+    assert_onnxruntimes_kernel_computed_the_reference(inputs, out, keys, values, CASES[name]["query"])
+
+
+def assert_onnxruntimes_kernel_computed_the_reference(inputs: dict, out, keys, values, query: list[int]) -> None:
+    """The cache: real tokens written at past + t, padding and idle rows leave it as it was; an int8 cache may round
+    a value sitting on a rounding boundary the other way (onnxruntime's x * (1 / scale) against x / scale), and
+    attention then reads what the kernel wrote. The outputs of real tokens (padding tokens' are unspecified)."""
     ref_out, ref_keys, ref_values = (t.numpy() for t in OneAttention()(*(torch.from_numpy(v) for v in inputs.values())))
-    # the cache: real tokens written at past + t, padding and idle rows leave it as it was; an int8 cache may
-    # round a value sitting on a rounding boundary the other way (x / scale against x * (1 / scale))
+    int8_cache = "k_scale" in inputs
     assert keys.dtype == values.dtype == inputs["past_key"].dtype
-    np.testing.assert_allclose(
-        keys.astype(np.float32), ref_keys.astype(np.float32), rtol=0, atol=1 if int8_cache else 1e-6
-    )
-    np.testing.assert_allclose(
-        values.astype(np.float32), ref_values.astype(np.float32), rtol=0, atol=1 if int8_cache else 1e-6
-    )
+    for written, expected in ((keys, ref_keys), (values, ref_values)):
+        np.testing.assert_allclose(
+            written.astype(np.float32), expected.astype(np.float32), rtol=0, atol=1 if int8_cache else 1e-6
+        )
     if int8_cache:
         assert (keys != inputs["past_key"]).any() and (keys != ref_keys).mean() < 0.01
-        # attention read what the kernel wrote: the reference over the kernel's own cache
         ref_out = OneAttention()(
             *(torch.from_numpy(v) for v in dict(inputs, past_key=keys, past_value=values).values())
         )[0].numpy()
-    for row, q in enumerate(CASES[name]["query"]):  # outputs of padding tokens and idle rows are unspecified
+    for row, q in enumerate(query):
         np.testing.assert_allclose(out[row, :q], ref_out[row, :q], rtol=0, atol=2e-5)
 
 

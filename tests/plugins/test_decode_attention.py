@@ -1,7 +1,7 @@
 """DecodeAttention, our onnxruntime CPU kernel for decode steps, verify trees and short prompt chunks: the onnxruntime
 ABI positions it relies on, the kernel against the attention plugin's torch reference (cache bound in place as the
-engine binds it, and not), a verify tree's tokens against decode steps of them bit for bit, and an engine whose
-decode phase runs it against transformers."""
+engine binds it, and not), over a float cache and an int8 one, a verify tree's tokens against decode steps of them bit
+for bit, and an engine whose decode phase runs it against transformers."""
 
 from __future__ import annotations
 
@@ -14,7 +14,17 @@ import pytest
 import torch
 
 from plugins import native_ops
-from tests.plugins.test_attention import CASES, HEAD_DIM, HEADS, KV_HEADS, MASKED, OneAttention, case, run_in_place
+from tests.plugins.test_attention import (
+    CASES,
+    HEAD_DIM,
+    HEADS,
+    KV_HEADS,
+    MASKED,
+    OneAttention,
+    assert_onnxruntimes_kernel_computed_the_reference,
+    case,
+    run_in_place,
+)
 from tests.reference import load_reference, reference_greedy
 
 needs_compiler = pytest.mark.skipif(
@@ -42,6 +52,10 @@ def onnxruntime_api():
 
 def kernel_positions() -> dict[str, int]:
     return {name: int(index) for name, index in re.findall(r"API_(\w+) = (\d+)", native_ops.ABI_HEADER.read_text())}
+
+
+def kernel_constants() -> dict[str, int]:
+    return {name: int(value) for name, value in re.findall(r"\b(ATTR_\w+) = (\d+)", native_ops.ABI_HEADER.read_text())}
 
 
 def test_the_onnxruntime_functions_the_kernel_calls_sit_where_it_calls_them():
@@ -95,21 +109,43 @@ def test_the_onnxruntime_functions_the_kernel_calls_sit_where_it_calls_them():
         and attribute.value
     )
     call(at["ReleaseOpAttr"], None, p)(attribute)
+    name = b"PER_CHANNEL"  # a string attribute, as the kernel makes one for an int8 cache's GroupQueryAttention
+    assert (
+        call(at["CreateOpAttr"], p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.POINTER(p))(
+            b"k_quant_type", name, len(name), kernel_constants()["ATTR_STRING"], ctypes.byref(attribute)
+        )
+        is None
+        and attribute.value
+    )
+    call(at["ReleaseOpAttr"], None, p)(attribute)
     # KernelContext_ParallelFor follows SetDeterministicCompute (273), which takes session options and a flag
     assert at["KernelContext_ParallelFor"] == 274 and call(273, p, p, ctypes.c_bool)(options, True) is None
 
 
 NAMES = ["qkv", "past_key", "past_value", "seqlens_k", "total_len", "cos", "sin", "position_ids", "bias", "query_lens"]
+SCALES = ["k_scale", "v_scale"]  # an int8 cache's
+
+
+def input_names(inputs: dict) -> list[str]:
+    return NAMES + (SCALES if "k_scale" in inputs else [])
 
 
 def one_node_graph(path: Path, inputs: dict) -> None:
+    """One DecodeAttention node (DecodeAttentionInt8Cache where `inputs` hold an int8 cache's scales)."""
     import onnx
     from onnx import TensorProto, helper
 
-    types = {np.float32: TensorProto.FLOAT, np.int32: TensorProto.INT32, np.int64: TensorProto.INT64}
+    types = {
+        np.float32: TensorProto.FLOAT,
+        np.int8: TensorProto.INT8,
+        np.int32: TensorProto.INT32,
+        np.int64: TensorProto.INT64,
+    }
+    names = input_names(inputs)
+    cache_type = types[inputs["past_key"].dtype.type]
     node = helper.make_node(
-        "DecodeAttention",
-        NAMES,
+        "DecodeAttentionInt8Cache" if "k_scale" in inputs else "DecodeAttention",
+        names,
         ["out", "present_key", "present_value"],
         domain=native_ops.DOMAIN,
         num_heads=HEADS,
@@ -119,8 +155,11 @@ def one_node_graph(path: Path, inputs: dict) -> None:
     graph = helper.make_graph(
         [node],
         "one",
-        [helper.make_tensor_value_info(n, types[inputs[n].dtype.type], inputs[n].shape) for n in NAMES],
-        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("out", "present_key", "present_value")],
+        [helper.make_tensor_value_info(n, types[inputs[n].dtype.type], inputs[n].shape) for n in names],
+        [
+            helper.make_tensor_value_info("out", TensorProto.FLOAT, None),
+            *(helper.make_tensor_value_info(n, cache_type, None) for n in ("present_key", "present_value")),
+        ],
     )
     model = helper.make_model(
         graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(native_ops.DOMAIN, 1)]
@@ -137,7 +176,7 @@ def run_kernel(tmp_path: Path, library: Path, inputs: dict, in_place: bool):
     options.intra_op_num_threads = 2
     options.register_custom_ops_library(str(library))
     session = ort.InferenceSession(str(tmp_path / "one.onnx"), options, providers=["CPUExecutionProvider"])
-    feeds = {name: inputs[name] for name in NAMES}
+    feeds = {name: inputs[name] for name in input_names(inputs)}
     return run_in_place(session, feeds) if in_place else session.run(None, feeds)
 
 
@@ -149,23 +188,38 @@ DECODE_CASES = {
 }
 
 
+def assert_cache_written_as_the_reference_writes_it(keys, values, ref_keys, ref_values) -> None:
+    """The new K/V at each row's positions, nothing else: a float cache to rounding, an int8 one to the code (the
+    kernel rounds x / scale as the reference does, from the same rotated floats)."""
+    assert keys.dtype == ref_keys.dtype and values.dtype == ref_values.dtype
+    if keys.dtype == np.int8:
+        assert np.array_equal(keys, ref_keys) and np.array_equal(values, ref_values)
+    else:
+        np.testing.assert_allclose(keys, ref_keys, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(values, ref_values, rtol=0, atol=1e-6)
+
+
+CACHES = pytest.mark.parametrize("int8_cache", [False, True], ids=["float cache", "int8 cache"])
+
+
 @needs_compiler
+@CACHES
 @pytest.mark.parametrize("in_place", [True, False], ids=["cache bound in place", "cache copied"])
 @pytest.mark.parametrize("name", sorted(DECODE_CASES))
-def test_the_kernel_computes_what_the_reference_computes(tmp_path, library, name, in_place):
-    inputs = case(**DECODE_CASES[name])
+def test_the_kernel_computes_what_the_reference_computes(tmp_path, library, name, in_place, int8_cache):
+    inputs = case(**DECODE_CASES[name], int8_cache=int8_cache)
     inputs["bias"][0, 0, 0, :3] = MASKED  # row 0 may not see its first positions (a bias the graph could pass)
     out, keys, values = run_kernel(tmp_path, library, inputs, in_place)
     ref_out, ref_keys, ref_values = (t.numpy() for t in OneAttention()(*(torch.from_numpy(v) for v in inputs.values())))
-    np.testing.assert_allclose(keys, ref_keys, rtol=0, atol=1e-6)  # the new K/V at each row's position, nothing else
-    np.testing.assert_allclose(values, ref_values, rtol=0, atol=1e-6)
+    assert_cache_written_as_the_reference_writes_it(keys, values, ref_keys, ref_values)
+    assert int8_cache == (keys.dtype == np.int8)
     for row, q in enumerate(DECODE_CASES[name]["query"]):
         if q:
             np.testing.assert_allclose(out[row], ref_out[row], rtol=0, atol=2e-5)
         else:  # a row that takes no part: zeros (the reference leaves it unspecified)
             assert not out[row].any()
     if not in_place:  # the inputs stay as they were
-        assert np.array_equal(inputs["past_key"], case(**DECODE_CASES[name])["past_key"])
+        assert np.array_equal(inputs["past_key"], case(**DECODE_CASES[name], int8_cache=int8_cache)["past_key"])
 
 
 SEVERAL_TOKENS = {
@@ -176,34 +230,47 @@ SEVERAL_TOKENS = {
 
 
 @needs_compiler
+@CACHES
 @pytest.mark.parametrize("in_place", [True, False], ids=["cache bound in place", "cache copied"])
 @pytest.mark.parametrize("name", sorted(SEVERAL_TOKENS))
-def test_calls_of_several_tokens_per_row_compute_what_the_reference_computes(tmp_path, library, name, in_place):
+def test_calls_of_several_tokens_per_row_compute_what_the_reference_computes(
+    tmp_path, library, name, in_place, int8_cache
+):
     """Verify trees and short prompt chunks run the kernel too: each row's real tokens written at its positions,
     attending causally plus the bias (the trees' masks); padding tokens and idle rows get zeros."""
-    inputs = case(**SEVERAL_TOKENS[name])
+    inputs = case(**SEVERAL_TOKENS[name], int8_cache=int8_cache)
     out, keys, values = run_kernel(tmp_path, library, inputs, in_place)
     ref_out, ref_keys, ref_values = (t.numpy() for t in OneAttention()(*(torch.from_numpy(v) for v in inputs.values())))
-    np.testing.assert_allclose(keys, ref_keys, rtol=0, atol=1e-6)
-    np.testing.assert_allclose(values, ref_values, rtol=0, atol=1e-6)
+    assert_cache_written_as_the_reference_writes_it(keys, values, ref_keys, ref_values)
     for row, q in enumerate(SEVERAL_TOKENS[name]["query"]):
         np.testing.assert_allclose(out[row, :q], ref_out[row, :q], rtol=0, atol=2e-5)
         assert not out[row, q:].any()
 
 
 @needs_compiler
+@CACHES
 @pytest.mark.parametrize("past", [21, 125], ids=["within a chunk", "slots across a chunk's end, ancestors not"])
-def test_a_verify_trees_tokens_compute_bit_for_bit_what_decode_steps_of_them_compute(tmp_path, library, past):
+def test_a_verify_trees_tokens_compute_bit_for_bit_what_decode_steps_of_them_compute(
+    tmp_path, library, past, int8_cache
+):
     """Speculation keeps the plain engine's greedy tokens only if a tree node's attention is exactly what a decode
     step of that token computes once its ancestors are in the cache (at consecutive positions): the same sums in the
     same order and chunks, the other branches weighing exactly nothing. With 125 cached positions node 4 sits in
-    slot 129 of the next 128-position chunk, while its decode step has it at position 127."""
+    slot 129 of the next 128-position chunk, while its decode step has it at position 127. An int8 cache: the same,
+    over the int8 rows the verify call wrote."""
     tree = np.array([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 0, 1, 1, 0], [1, 1, 0, 0, 1]], bool)
-    verify = case(past=[past], query=[5], steps=5, trees={0: tree}, length=160)
+    verify = case(past=[past], query=[5], steps=5, trees={0: tree}, length=160, int8_cache=int8_cache)
     out, keys, values = run_kernel(tmp_path, library, verify, in_place=True)
     for node, path in enumerate(tree):
         ancestors = np.flatnonzero(path)  # in slot order, the node itself last
-        decode = case(past=[past + len(ancestors) - 1], query=[1], steps=1, length=verify["past_key"].shape[2])
+        decode = case(
+            past=[past + len(ancestors) - 1],
+            query=[1],
+            steps=1,
+            length=verify["past_key"].shape[2],
+            int8_cache=int8_cache,
+        )
+        decode.update({name: verify[name] for name in SCALES if int8_cache})
         for name, written in (("past_key", keys), ("past_value", values)):
             decode[name][0, :, :past] = verify[name][0, :, :past]
             decode[name][0, :, past : past + len(ancestors) - 1] = written[0][:, past + ancestors[:-1]]
@@ -221,27 +288,55 @@ def avx512() -> bool:
 
 @needs_compiler
 @pytest.mark.skipif(not avx512(), reason="no AVX-512 here: the kernel runs its 256-bit blocks only")
+@CACHES
 @pytest.mark.parametrize("name", sorted(SEVERAL_TOKENS))
-def test_the_512_bit_blocks_compute_what_the_256_bit_blocks_compute_bit_for_bit(tmp_path, library, name, monkeypatch):
+def test_the_512_bit_blocks_compute_what_the_256_bit_blocks_compute_bit_for_bit(
+    tmp_path, library, name, int8_cache, monkeypatch
+):
     """Where the CPU has AVX-512, calls of several tokens take blocks of 16 queries on 512-bit vectors instead of 8
     on 256-bit ones: each query's operations are the same, so an engine answers alike on both kinds of CPU (and a
     verify tree's tokens stay what decode steps of them compute)."""
-    inputs = case(**SEVERAL_TOKENS[name])
+    inputs = case(**SEVERAL_TOKENS[name], int8_cache=int8_cache)
     wide = run_kernel(tmp_path, library, inputs, in_place=True)
     monkeypatch.setenv("LLM_ENGINE_BUILDER_KERNEL_ISA", "avx2")  # read when the session creates the kernel
-    for result, narrow in zip(wide, run_kernel(tmp_path, library, case(**SEVERAL_TOKENS[name]), in_place=True)):
+    again = case(**SEVERAL_TOKENS[name], int8_cache=int8_cache)
+    for result, narrow in zip(wide, run_kernel(tmp_path, library, again, in_place=True)):
         assert np.array_equal(result, narrow)
 
 
+INT8_PROMPT_CHUNKS = {
+    "two rows, one padded": dict(past=[7, 40], query=[30, 19], steps=32, length=80),
+    # the new tokens' ranks cross a chunk of 128 positions; 128 tokens, the most the kernel takes over an int8 cache
+    "across a chunk's end": dict(past=[100, 0], query=[100, 128], steps=128, length=256),
+}
+
+
 @needs_compiler
-def test_chunks_longer_than_the_kernel_takes_go_to_onnxruntimes_kernel(tmp_path, library):
-    """A prompt chunk of more than 16 tokens a row: the node hands it to onnxruntime's GroupQueryAttention."""
-    inputs = case(past=[7, 40], query=[30, 19], steps=32, length=80)
+@pytest.mark.parametrize("name", sorted(INT8_PROMPT_CHUNKS))
+def test_prompt_chunks_over_an_int8_cache_run_the_kernel_up_to_128_tokens(tmp_path, library, name):
+    """Over an int8 cache the kernel takes prompt chunks too (onnxruntime's int8-cache kernel is the slower one
+    there): the codes the reference writes, the reference's attention over them."""
+    inputs = case(**INT8_PROMPT_CHUNKS[name], int8_cache=True)
     out, keys, values = run_kernel(tmp_path, library, inputs, in_place=True)
     ref_out, ref_keys, ref_values = (t.numpy() for t in OneAttention()(*(torch.from_numpy(v) for v in inputs.values())))
-    np.testing.assert_allclose(keys, ref_keys, rtol=0, atol=1e-6)
-    for row, q in enumerate([30, 19]):
+    assert_cache_written_as_the_reference_writes_it(keys, values, ref_keys, ref_values)
+    for row, q in enumerate(INT8_PROMPT_CHUNKS[name]["query"]):
         np.testing.assert_allclose(out[row, :q], ref_out[row, :q], rtol=0, atol=2e-5)
+        assert not out[row, q:].any()  # padding tokens: zeros
+
+
+@needs_compiler
+@pytest.mark.parametrize(
+    "int8_cache, steps", [(False, 32), (True, 136)], ids=["float cache, over 16 tokens", "int8 cache, over 128"]
+)
+def test_chunks_longer_than_the_kernel_takes_go_to_onnxruntimes_kernel(tmp_path, library, int8_cache, steps):
+    """A prompt chunk longer than the kernel takes (16 tokens a row over a float cache, 128 over an int8 one): the
+    node hands it to onnxruntime's GroupQueryAttention, with the same per-channel scales for an int8 cache
+    (onnxruntime multiplies by 1 / scale, so a value on a rounding boundary may take the next code)."""
+    query = [steps - 2, steps - 13]
+    inputs = case(past=[7, 40], query=query, steps=steps, length=steps + 48, int8_cache=int8_cache)
+    out, keys, values = run_kernel(tmp_path, library, inputs, in_place=True)
+    assert_onnxruntimes_kernel_computed_the_reference(inputs, out, keys, values, query)
 
 
 @needs_compiler

@@ -13,6 +13,7 @@ from builder.loaders import load_checkpoint
 from builder.quantization.kv_quant import KVCalibration, calibrate_kv_scales, calibration_windows
 from builder.weights import load_model
 from engines.format import open_artifact
+from plugins import native_ops
 from runner import LLM, SamplingParams
 from runner.core.args import EngineArgs
 from runner.core.engine import LLMEngine
@@ -67,10 +68,16 @@ def test_int8_cache_engine_computes_its_int8_reference_and_stays_close_to_the_fl
     manifest = open_artifact(path).manifest
     assert manifest.kv_cache.dtype == "int8" and manifest.quantization.kv_cache.dtype == "int8"
     graph = onnx.load(str(path / "model.onnx"), load_external_data=False).graph
-    attention = [n for n in graph.node if n.op_type == "GroupQueryAttention"]
-    assert attention and all(
-        {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}["kv_cache_bit_width"] == 8 for n in attention
-    )
+    if native_ops.unavailable_reason() is None:  # our attention kernel, its int8-cache form
+        assert manifest.graphs["step"].native_ops == ["DecodeAttention"]
+        attention = [n for n in graph.node if n.op_type == "DecodeAttentionInt8Cache"]
+        assert attention and not [n for n in graph.node if "Attention" in n.op_type and n not in attention]
+    else:
+        attention = [n for n in graph.node if n.op_type == "GroupQueryAttention"]
+        assert attention and all(
+            {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}["kv_cache_bit_width"] == 8
+            for n in attention
+        )
 
     engine, float_engine = LLMEngine(EngineArgs(path)), LLMEngine(EngineArgs(engine_factory("gqa")))
     prompt = engine.codec.encode(TEXT)

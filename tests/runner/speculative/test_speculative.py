@@ -551,8 +551,8 @@ def _scored_logits(llm: LLM, token_ids: list[int]) -> np.ndarray:
 
 @pytest.mark.parametrize("ours", [True, False], ids=["our kernels", "onnxruntime's matmul kept"])
 def test_speculating_on_int8_activations_warns_only_where_onnxruntimes_kernels_stay(checkpoint_factory, tmp_path, ours):
-    """Our kernels verify a tree's tokens bit for bit as decode steps compute them; onnxruntime's round differently,
-    which int8 activations grow into whole logits."""
+    """Our kernels verify a tree's tokens bit for bit as decode steps compute them (over an int8 KV cache too);
+    onnxruntime's round differently, which int8 activations grow into whole logits."""
     from builder.build import BuildOptions, build_engine
     from plugins import native_ops
 
@@ -568,23 +568,34 @@ def test_speculating_on_int8_activations_warns_only_where_onnxruntimes_kernels_s
             quant="int8",
             speculative="prompt-lookup",
             native_quantized_matmul=ours,
+            kv_cache_dtype="int8",
         ),
         log=lines.append,
     )
     warnings = [line for line in lines if line.startswith("warning: this target quantizes activations to int8")]
     assert not warnings if ours else "--onnxruntime-quantized-matmul" in warnings[0]
+    assert not any("cache" in line for line in warnings)
 
 
-def test_an_int8_activation_engine_speculates_to_its_plain_greedy_tokens(engine_factory):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"], ids=["float cache", "int8 cache"])
+def test_an_int8_activation_engine_speculates_to_its_plain_greedy_tokens(engine_factory, kv_cache_dtype):
     """int4 weights with int8 activations: any rounding difference between a verify call and decode steps could
-    flip an activation's int8 code and part the answers; our kernels make them agree bit for bit."""
+    flip an activation's int8 code and part the answers; our kernels make them agree bit for bit, over an int8 KV
+    cache as over a float one."""
     from plugins import native_ops
 
     if native_ops.unavailable_reason():
         pytest.skip(f"our kernels cannot be built here: {native_ops.unavailable_reason()}")
-    plain = LLM(engine_factory("gqa", quant="int4", prefill_chunk=8))
+    plain = LLM(engine_factory("gqa", quant="int4", prefill_chunk=8, kv_cache_dtype=kv_cache_dtype))
     spec = LLM(
-        engine_factory("gqa", quant="int4", prefill_chunk=8, speculative="prompt-lookup", draft_len=4),
+        engine_factory(
+            "gqa",
+            quant="int4",
+            prefill_chunk=8,
+            speculative="prompt-lookup",
+            draft_len=4,
+            kv_cache_dtype=kv_cache_dtype,
+        ),
         speculative_max_rows=None,
     )
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=0)
