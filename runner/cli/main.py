@@ -465,6 +465,11 @@ def serve(
     limit_malloc_arenas()
     engine_options["num_scheduler_steps"] = engine_options["num_scheduler_steps"] or 1  # streams token by token
     llm_engine, name = open_served_engine(engine, tool_call_parser=tool_call_parser, **engine_options)
+    # bound here, not by uvicorn once it starts, so that a port in use is one clear error before "serving ..." is
+    # printed; not before the engine opens, since under mpirun every rank runs this command and only rank 0 returns
+    # from opening it
+    listener = listening_socket(host, port)
+    port = listener.getsockname()[1]  # --port 0: the one the system chose
     config = ServerConfig(
         name,
         shutdown_grace,
@@ -500,11 +505,27 @@ def serve(
         )
     )
     try:
-        server.run()
+        server.run(sockets=[listener])
     except KeyboardInterrupt:  # uvicorn raises the Ctrl-C it caught again once it has shut down gracefully
         pass
     if async_engine.fatal is not None:
         raise click.ClickException(f"the engine failed: {async_engine.fatal}")
+
+
+def listening_socket(host: str, port: int):
+    """A socket bound to host:port for the server to listen on (uvicorn's own choices: IPv6 for an address with a
+    colon, SO_REUSEADDR), or a one-line error."""
+    import socket
+
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        raise click.ClickException(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 @main.command("run-batch")

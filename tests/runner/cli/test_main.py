@@ -314,6 +314,19 @@ def test_speculative_build_errors(checkpoint_factory, tiny_draft_head, tmp_path)
     assert certain.returncode == 2 and "--min-draft-prob must be in [0, 1)" in certain.stderr
 
 
+def test_serve_on_a_port_in_use_says_so_and_does_not_claim_to_serve(engine_factory):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run(RUNNER + ["serve", str(engine_factory("gqa")), "--port", str(port)])
+    assert result.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in result.stderr
+    assert "serving" not in result.stderr
+
+
 def test_serve_answers_and_stops_cleanly_on_sigint(engine_factory):
     import signal
     import socket
