@@ -23,7 +23,8 @@
  * turns the rows it reads into floats (code x scale, as the reference reads them) in a buffer of its own, so the
  * loops below are the float cache's and a verify call still computes what decode steps compute. Over an int8 cache
  * it takes prompt chunks of up to MAX_STEPS_INT8_CACHE tokens too: onnxruntime's int8-cache kernel is slower than
- * this one there (docs/measurements.md).
+ * this one there, while over a float cache onnxruntime's (a matrix product) is the faster one for long chunks
+ * (docs/measurements.md).
  *
  * onnxruntime's C ABI is reached as ort_abi.h declares; native_ops.c registers the ops.
  */
@@ -176,14 +177,15 @@ __attribute__((target("avx2,fma,avx512f"))) static void wide_scores_512(const fl
   }
 }
 
-/* every query's weighted V (its cached ranks, then its new tokens), 16 head dimensions at a time in registers, into
- * its partial */
+/* every query's weighted V (the rows the block shares, then its own new tokens': `shared` is the unit's cached rows,
+ * or all its rows where the block is contiguous and no query has rows of its own), 16 head dimensions at a time in
+ * registers, into its partial */
 __attribute__((target("avx2,fma,avx512f"))) static void wide_values_512(
-    const float *values, int64_t cached, const int64_t fresh[][MAX_STEPS_INT8_CACHE], const int64_t *count,
+    const float *values, int64_t shared, const int64_t fresh[][MAX_STEPS_INT8_CACHE], const int64_t *count,
     int64_t d_count, int64_t block, const float scores[][CHUNK], float *partial, int64_t stride) {
   for (int64_t d = 0; d < d_count; d += 16) {
     floats16 acc[WIDE_QUERY_BLOCK] = {{0.0f}};
-    for (int64_t j = 0; j < cached; j++) {
+    for (int64_t j = 0; j < shared; j++) {
       floats16 v;
       memcpy(&v, values + j * d_count + d, sizeof(v));
       if (d == 0)
@@ -192,9 +194,9 @@ __attribute__((target("avx2,fma,avx512f"))) static void wide_values_512(
       for (int64_t b = 0; b < WIDE_QUERY_BLOCK; b++) acc[b] += scores[b][j] * v;
     }
     for (int64_t b = 0; b < block; b++) {
-      for (int64_t j = cached; j < count[b]; j++) {
+      for (int64_t j = shared; j < count[b]; j++) {
         floats16 v;
-        memcpy(&v, values + fresh[b][j - cached] * d_count + d, sizeof(v));
+        memcpy(&v, values + fresh[b][j - shared] * d_count + d, sizeof(v));
         acc[b] += scores[b][j] * v;
       }
       memcpy(partial + b * stride + 2 + d, &acc[b], sizeof(floats16));
@@ -256,9 +258,16 @@ static void attend_chunk(void *data, size_t unit) {
       __builtin_prefetch(values + j);
     }
   }
+  /* A block of several queries whose new tokens each see all those before them (a prompt chunk; in a verify tree, a
+   * chain) scores the new tokens' rows with the cached ones, in the lanes, each query's rows past its own masked:
+   * the same sums as scoring them one by one, and those rows weigh exactly nothing. */
+  int contiguous = block >= WIDE_BLOCK;
+  for (int64_t b = 0; b < block && contiguous; b++)
+    for (int64_t f = 0; f < fresh_count[b] && contiguous; f++) contiguous = fresh[b][f] == cached + f;
+  const int64_t shared = contiguous ? rows : cached; /* the rows every query of the block is scored against */
   float scores[WIDE_QUERY_BLOCK][CHUNK];
   if (w->query_block == WIDE_QUERY_BLOCK && block >= WIDE_BLOCK) {
-    wide_scores_512(q, keys, d_count, block, cached, scores);
+    wide_scores_512(q, keys, d_count, block, shared, scores);
   } else if (block < WIDE_BLOCK) { /* a few queries (a decode step): each score on its own */
     for (int64_t j = 0; j < cached; j++) {
       const float *k = keys + j * d_count;
@@ -269,7 +278,7 @@ static void attend_chunk(void *data, size_t unit) {
     floats8 transposed[MAX_HEAD_DIM]; /* lane b of element d: query i0 + b's d-th value */
     for (int64_t d = 0; d < d_count; d++)
       for (int64_t b = 0; b < QUERY_BLOCK; b++) transposed[d][b] = b < block ? q[b * d_count + d] : 0.0f;
-    for (int64_t j = 0; j < cached; j++) {
+    for (int64_t j = 0; j < shared; j++) {
       const float *k = keys + j * d_count;
       for (int64_t d = 0; d < d_count; d += LINE_FLOATS) __builtin_prefetch(k + PREFETCH_ROWS * d_count + d);
       floats8 lanes[DOT_LANES] = {{0.0f}};
@@ -282,16 +291,17 @@ static void attend_chunk(void *data, size_t unit) {
   for (int64_t b = 0; b < block; b++) { /* the bias, the new tokens' scores, then the softmax over the ranks */
     const float *bias = w->bias + (row * w->steps + (i0 + b) / group) * w->bias_width;
     float *s = scores[b];
+    const int64_t scored = contiguous ? count[b] : cached; /* its rows scored above */
     int64_t j = 0;
-    for (; j + SOFTMAX_LANES <= cached; j += SOFTMAX_LANES) {
+    for (; j + SOFTMAX_LANES <= scored; j += SOFTMAX_LANES) {
       floats8 x, added;
       memcpy(&x, s + j, sizeof(x));
       memcpy(&added, bias + first + j, sizeof(added));
       x = select8(added <= MASKED_BIAS, (floats8){0} - INFINITY, x + added);
       memcpy(s + j, &x, sizeof(x));
     }
-    for (; j < cached; j++) s[j] = bias[first + j] <= MASKED_BIAS ? -INFINITY : s[j] + bias[first + j];
-    for (int64_t f = 0; f < fresh_count[b]; f++)
+    for (; j < scored; j++) s[j] = bias[first + j] <= MASKED_BIAS ? -INFINITY : s[j] + bias[first + j];
+    for (int64_t f = scored - cached; f < fresh_count[b]; f++)
       s[cached + f] = score(q + b * d_count, keys + fresh[b][f] * d_count, d_count) + bias[first + fresh[b][f]];
     const int64_t padded = (count[b] + SOFTMAX_LANES - 1) / SOFTMAX_LANES * SOFTMAX_LANES; /* <= CHUNK */
     for (j = count[b]; j < padded; j++) s[j] = -INFINITY; /* no weight */
@@ -304,8 +314,8 @@ static void attend_chunk(void *data, size_t unit) {
     float maximum = most[0];
     for (int l = 1; l < SOFTMAX_LANES; l++) maximum = most[l] > maximum ? most[l] : maximum;
     if (maximum == -INFINITY) { /* it sees nothing here: no weight anywhere, it stays empty */
-      for (j = 0; j < cached; j++) s[j] = 0.0f;
-      count[b] = cached;
+      for (j = 0; j < shared; j++) s[j] = 0.0f;
+      count[b] = shared;
       continue;
     }
     for (j = 0; j < padded; j += SOFTMAX_LANES) {
@@ -318,6 +328,7 @@ static void attend_chunk(void *data, size_t unit) {
       memcpy(s + j, &x, sizeof(x));
       sums += x;
     }
+    for (j = padded; j < shared; j++) s[j] = 0.0f; /* rows past its own (a contiguous block's) */
     partial[b * stride] = maximum;
     partial[b * stride + 1] = ((sums[0] + sums[1]) + (sums[2] + sums[3])) + ((sums[4] + sums[5]) + (sums[6] + sums[7]));
   }
@@ -342,14 +353,14 @@ static void attend_chunk(void *data, size_t unit) {
     return;
   }
   for (int64_t b = block; b < w->query_block; b++)
-    for (int64_t j = 0; j < cached; j++) scores[b][j] = 0.0f;
-  if (w->query_block == WIDE_QUERY_BLOCK) {
-    wide_values_512(values, cached, fresh, count, d_count, block, scores, partial, stride);
+    for (int64_t j = 0; j < shared; j++) scores[b][j] = 0.0f;
+  if (w->query_block == WIDE_QUERY_BLOCK) { /* (its own rows a query weighs after the shared ones: none if contiguous) */
+    wide_values_512(values, shared, fresh, count, d_count, block, scores, partial, stride);
     return;
   }
   for (int64_t d = 0; d < d_count; d += 8) { /* 8 values of every query's weighted V at a time, in registers */
     floats8 acc[QUERY_BLOCK] = {{0.0f}};
-    for (int64_t j = 0; j < cached; j++) {
+    for (int64_t j = 0; j < shared; j++) {
       floats8 v;
       memcpy(&v, values + j * d_count + d, sizeof(v));
       if (d == 0)
@@ -358,7 +369,7 @@ static void attend_chunk(void *data, size_t unit) {
       for (int b = 0; b < QUERY_BLOCK; b++) acc[b] += scores[b][j] * v;
     }
     for (int64_t b = 0; b < block; b++) {
-      for (int64_t j = cached; j < count[b]; j++) {
+      for (int64_t j = shared; j < count[b]; j++) { /* its own new tokens' rows (none if contiguous) */
         floats8 v;
         memcpy(&v, values + fresh[b][j - cached] * d_count + d, sizeof(v));
         acc[b] += scores[b][j] * v;

@@ -247,19 +247,27 @@ def test_calls_of_several_tokens_per_row_compute_what_the_reference_computes(
         assert not out[row, q:].any()
 
 
+TREES = {
+    "a tree": np.array([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 0, 1, 1, 0], [1, 1, 0, 0, 1]], bool),
+    # every token sees all before it (a prompt chunk's mask): its blocks score the new tokens with the cached rows
+    "a chain": np.tril(np.ones((7, 7), bool)),
+}
+
+
 @needs_compiler
 @CACHES
+@pytest.mark.parametrize("shape", sorted(TREES))
 @pytest.mark.parametrize("past", [21, 125], ids=["within a chunk", "slots across a chunk's end, ancestors not"])
 def test_a_verify_trees_tokens_compute_bit_for_bit_what_decode_steps_of_them_compute(
-    tmp_path, library, past, int8_cache
+    tmp_path, library, past, shape, int8_cache
 ):
     """Speculation keeps the plain engine's greedy tokens only if a tree node's attention is exactly what a decode
     step of that token computes once its ancestors are in the cache (at consecutive positions): the same sums in the
     same order and chunks, the other branches weighing exactly nothing. With 125 cached positions node 4 sits in
     slot 129 of the next 128-position chunk, while its decode step has it at position 127. An int8 cache: the same,
     over the int8 rows the verify call wrote."""
-    tree = np.array([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 0, 1, 1, 0], [1, 1, 0, 0, 1]], bool)
-    verify = case(past=[past], query=[5], steps=5, trees={0: tree}, length=160, int8_cache=int8_cache)
+    tree = TREES[shape]
+    verify = case(past=[past], query=[len(tree)], steps=len(tree), trees={0: tree}, length=160, int8_cache=int8_cache)
     out, keys, values = run_kernel(tmp_path, library, verify, in_place=True)
     for node, path in enumerate(tree):
         ancestors = np.flatnonzero(path)  # in slot order, the node itself last
