@@ -48,6 +48,8 @@ typedef struct Kernel {
   int int8_cache; /* a DecodeAttentionInt8Cache node */
 } Kernel;
 
+static size_t node_inputs(const Kernel *kernel) { return kernel->int8_cache ? INPUTS_INT8_CACHE : INPUTS; }
+
 /* The work is split into units of (row, kv head, chunk of CHUNK positions, block of QUERY_BLOCK queries, or of
  * WIDE_QUERY_BLOCK where the CPU has AVX-512 and a row has more than QUERY_BLOCK: the row's new tokens times the query
  * heads that share the kv head); each unit scores its positions for its queries (reading
@@ -57,6 +59,7 @@ typedef struct Kernel {
 #define CHUNK 128
 #define MAX_STEPS 16   /* new tokens a row for this kernel; longer chunks run onnxruntime's */
 #define MAX_STEPS_INT8_CACHE 128 /* the same over an int8 cache, where onnxruntime's kernel is slower than ours */
+#define MOST_STEPS MAX_STEPS_INT8_CACHE /* the most new tokens a row any call of this kernel has */
 #define MAX_HEAD_DIM 256
 #define QUERY_BLOCK 8       /* queries a unit computes together, a vector lane each */
 #define WIDE_QUERY_BLOCK 16 /* the same on 512-bit vectors */
@@ -181,7 +184,7 @@ __attribute__((target("avx2,fma,avx512f"))) static void wide_scores_512(const fl
  * or all its rows where the block is contiguous and no query has rows of its own), 16 head dimensions at a time in
  * registers, into its partial */
 __attribute__((target("avx2,fma,avx512f"))) static void wide_values_512(
-    const float *values, int64_t shared, const int64_t fresh[][MAX_STEPS_INT8_CACHE], const int64_t *count,
+    const float *values, int64_t shared, const int64_t fresh[][MOST_STEPS], const int64_t *count,
     int64_t d_count, int64_t block, const float scores[][CHUNK], float *partial, int64_t stride) {
   for (int64_t d = 0; d < d_count; d += 16) {
     floats16 acc[WIDE_QUERY_BLOCK] = {{0.0f}};
@@ -219,7 +222,7 @@ static void attend_chunk(void *data, size_t unit) {
   const int64_t cached = past - first <= 0 ? 0 : past - first < CHUNK ? past - first : CHUNK; /* shared by all */
   /* per query, the new tokens it sees whose ranks fall in this chunk (their slots after `past`, in order, counted
    * from the chunk's first position as every row below is) */
-  int64_t fresh[WIDE_QUERY_BLOCK][MAX_STEPS_INT8_CACHE], fresh_count[WIDE_QUERY_BLOCK], count[WIDE_QUERY_BLOCK];
+  int64_t fresh[WIDE_QUERY_BLOCK][MOST_STEPS], fresh_count[WIDE_QUERY_BLOCK], count[WIDE_QUERY_BLOCK];
   int64_t most = cached;
   for (int64_t b = 0; b < block; b++) {
     const int64_t token = (i0 + b) / group;
@@ -423,7 +426,7 @@ static OrtStatus *invoke_onnxruntime(Kernel *kernel, OrtKernelContext *context, 
                                      int64_t batch, int64_t steps, const int64_t *cache_dims) {
   OrtApiTable api = kernel->api;
   const OrtValue *gqa_inputs[GQA_INPUTS] = {NULL};
-  for (int i = 0; i < (kernel->int8_cache ? INPUTS_INT8_CACHE : INPUTS); i++) gqa_inputs[gqa_slot[i]] = inputs[i];
+  for (size_t i = 0; i < node_inputs(kernel); i++) gqa_inputs[gqa_slot[i]] = inputs[i];
   const int64_t out_dims[3] = {batch, steps, kernel->num_heads * cache_dims[3]};
   OrtValue *outputs[3] = {NULL, NULL, NULL};
   OrtStatus *(*get_output)(OrtKernelContext *, size_t, const int64_t *, size_t, OrtValue **) =
@@ -445,7 +448,7 @@ static OrtStatus *compute(Kernel *kernel, OrtKernelContext *context) {
   const OrtValue *inputs[INPUTS_INT8_CACHE];
   void *data[INPUTS_INT8_CACHE];
   int64_t dims[INPUTS_INT8_CACHE][4];
-  const size_t input_count = kernel->int8_cache ? INPUTS_INT8_CACHE : INPUTS;
+  const size_t input_count = node_inputs(kernel);
   for (size_t i = 0; i < input_count; i++)
     if (get_input(context, i, &inputs[i]) || !inputs[i] || !tensor(api, inputs[i], &data[i], dims[i]))
       return fail(api, "DecodeAttention: cannot read its inputs");
