@@ -62,7 +62,10 @@ def test_an_engine_that_cannot_go_on_fails_every_request_and_refuses_new_ones(en
     requests fails too): the running and the waiting request both get the error (none hangs), `on_fatal` is told
     once, the loop thread ends and a new request is refused with the reason."""
     told: list[BaseException] = []
-    engine = AsyncEngine(LLMEngine(EngineArgs(engine_factory("gqa"), max_batch=1)), on_fatal=told.append)
+    # a token a step, so that the first request is still running at the failing step (in bursts of 8 its 8 tokens
+    # could all come in the two steps before it)
+    args = EngineArgs(engine_factory("gqa"), max_batch=1, num_scheduler_steps=1)
+    engine = AsyncEngine(LLMEngine(args), on_fatal=told.append)
     llm = engine.engine
     fail_step(llm, 3, RankFailure("rank 1 exited") if failure == "rank_failure" else RuntimeError("graph call failed"))
 
