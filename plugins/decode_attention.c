@@ -111,15 +111,9 @@ __attribute__((always_inline)) static inline void exp_nonpositive(floats8 *value
  * query sees the row's cached positions, then the new tokens it may see (itself, and in a verify tree its ancestors:
  * the bias masks the other branches), ranked in that order; chunk c holds its ranks 128c .. 128c + 127, as a decode
  * step's chunk holds those positions. Its scores are DOT_LANES partial sums over the head dimension added up
- * pairwise (`add_halves`), its softmax runs over its ranks SOFTMAX_LANES at a time (rank j in lane j % 8, the lanes
+ * pairwise (`score`'s tree), its softmax runs over its ranks SOFTMAX_LANES at a time (rank j in lane j % 8, the lanes
  * summed pairwise), its weighted V over its ranks in order. So a verify step's token computes bit for bit what a
  * decode step of that token computes, and speculation keeps the plain engine's greedy tokens. */
-
-/* lanes[0] = the sum of lanes[0 .. DOT_LANES - 1] (vectors of queries), added pairwise: halves lane by lane, four
- * levels deep rather than a chain of fifteen adds */
-#define add_halves(lanes)                                          \
-  for (int width = DOT_LANES / 2; width >= 1; width /= 2)          \
-    for (int l = 0; l < width; l++) (lanes)[l] += (lanes)[l + width]
 
 /* acc[a] += weight x the a-th 8 values of v, for a < vectors */
 __attribute__((always_inline)) static inline void add_weighted(floats8 *acc, float weight, const float *v,
@@ -131,8 +125,9 @@ __attribute__((always_inline)) static inline void add_weighted(floats8 *acc, flo
   }
 }
 
-/* query b's score: the dot product of its values and a K row, as DOT_LANES partial sums added as add_halves adds
- * them (the partial sums in two vectors: lanes 0-7 and 8-15) */
+/* query b's score: the dot product of its values and a K row, as DOT_LANES partial sums P_l (d = l mod 16, in order
+ * of d) added pairwise, four levels deep rather than a chain of fifteen adds: s_l = P_l + P_l+8, then
+ * ((s0 + s4) + (s2 + s6)) + ((s1 + s5) + (s3 + s7)) (the partial sums in two vectors: lanes 0-7 and 8-15) */
 static inline float score(const float *q, const float *k, int64_t d_count) {
   floats8 low = {0.0f}, high = {0.0f}; /* independent partial sums: no serial chain of adds */
   for (int64_t d = 0; d < d_count; d += DOT_LANES) {
@@ -148,6 +143,61 @@ static inline float score(const float *q, const float *k, int64_t d_count) {
   const float four[4] = {eight[0] + eight[4], eight[1] + eight[5], eight[2] + eight[6], eight[3] + eight[7]};
   return (four[0] + four[2]) + (four[1] + four[3]);
 }
+
+/* The scores of a block of queries side by side in the lanes of VEC (t[d]: lane b holds query b's d-th value),
+ * `rows` K rows at a time (k: the first, d_count floats apart), each computed as `score` computes it. Each query's
+ * partial sums are formed two at a time, P_l and P_l+8, for all the rows, and folded into score's tree as they come:
+ * a query vector loaded serves every row, and only a few sums a row are live, so they stay in registers (a row's 16
+ * partial sums beside the broadcast K values do not fit there). */
+#define DEFINE_LANE_SCORES(VEC, MOST_ROWS)                                                                           \
+  __attribute__((always_inline)) static inline void pair_sums_##VEC(const VEC *t, const float *k, int64_t d_count,  \
+                                                                    int l, const int rows, VEC *s) {                \
+    VEC low[MOST_ROWS] = {{0.0f}}, high[MOST_ROWS] = {{0.0f}};                                                       \
+    for (int64_t d = 0; d < d_count; d += DOT_LANES)                                                                 \
+      for (int r = 0; r < rows; r++) {                                                                               \
+        low[r] += t[d + l] * k[r * d_count + d + l];                                                                 \
+        high[r] += t[d + l + 8] * k[r * d_count + d + l + 8];                                                        \
+      }                                                                                                              \
+    for (int r = 0; r < rows; r++) s[r] = low[r] + high[r];                                                          \
+  }                                                                                                                  \
+  __attribute__((always_inline)) static inline void lane_scores_##VEC(const VEC *t, const float *k, int64_t d_count, \
+                                                                      const int rows, VEC *total) {                 \
+    VEC x[MOST_ROWS], y[MOST_ROWS], pair[MOST_ROWS], left[MOST_ROWS];                                                \
+    pair_sums_##VEC(t, k, d_count, 0, rows, x);                                                                      \
+    pair_sums_##VEC(t, k, d_count, 4, rows, y);                                                                      \
+    for (int r = 0; r < rows; r++) pair[r] = x[r] + y[r];                                                            \
+    pair_sums_##VEC(t, k, d_count, 2, rows, x);                                                                      \
+    pair_sums_##VEC(t, k, d_count, 6, rows, y);                                                                      \
+    for (int r = 0; r < rows; r++) left[r] = pair[r] + (x[r] + y[r]);                                                \
+    pair_sums_##VEC(t, k, d_count, 1, rows, x);                                                                      \
+    pair_sums_##VEC(t, k, d_count, 5, rows, y);                                                                      \
+    for (int r = 0; r < rows; r++) pair[r] = x[r] + y[r];                                                            \
+    pair_sums_##VEC(t, k, d_count, 3, rows, x);                                                                      \
+    pair_sums_##VEC(t, k, d_count, 7, rows, y);                                                                      \
+    for (int r = 0; r < rows; r++) total[r] = left[r] + (pair[r] + (x[r] + y[r]));                                  \
+  }                                                                                                                  \
+  /* scores[b][j] for the block's queries b < block and K rows j < count */                                          \
+  __attribute__((always_inline)) static inline void block_scores_##VEC(const VEC *t, const float *keys,             \
+                                                                       int64_t d_count, int64_t block,              \
+                                                                       int64_t count, float scores[][CHUNK]) {      \
+    for (int64_t j = 0; j < count;) {                                                                                \
+      const int rows = count - j >= MOST_ROWS ? MOST_ROWS : 1;                                                       \
+      const float *k = keys + j * d_count;                                                                           \
+      for (int64_t e = PREFETCH_ROWS * d_count; e < (PREFETCH_ROWS + rows) * d_count; e += LINE_FLOATS)              \
+        __builtin_prefetch(k + e);                                                                                   \
+      VEC total[MOST_ROWS];                                                                                          \
+      if (rows == MOST_ROWS)                                                                                         \
+        lane_scores_##VEC(t, k, d_count, MOST_ROWS, total);                                                          \
+      else                                                                                                           \
+        lane_scores_##VEC(t, k, d_count, 1, total);                                                                  \
+      for (int r = 0; r < rows; r++, j++)                                                                            \
+        for (int64_t b = 0; b < block; b++) scores[b][j] = total[r][b];                                              \
+    }                                                                                                                \
+  }
+/* 4 K rows at a time: 8 chains of fmas in flight, which keep both fma pipes busy; on 256-bit vectors (16 registers)
+ * a few of the tree's sums spill, which measured no slower than 2 rows without spills */
+DEFINE_LANE_SCORES(floats16, 4)
+DEFINE_LANE_SCORES(floats8, 4)
 
 /* `count` rows of an int8 cache as the values attention reads: int8 x its channel's scale, the float product the
  * reference computes (a loop GCC turns into vpmovsxbw / vpmovsxwd / vcvtdq2ps: building a vector lane by lane from
@@ -169,15 +219,7 @@ __attribute__((target("avx2,fma,avx512f"))) static void wide_scores_512(const fl
   floats16 transposed[MAX_HEAD_DIM]; /* lane b of element d: query b's d-th value */
   for (int64_t d = 0; d < d_count; d++)
     for (int64_t b = 0; b < WIDE_QUERY_BLOCK; b++) transposed[d][b] = b < block ? q[b * d_count + d] : 0.0f;
-  for (int64_t j = 0; j < cached; j++) {
-    const float *k = keys + j * d_count;
-    for (int64_t d = 0; d < d_count; d += LINE_FLOATS) __builtin_prefetch(k + PREFETCH_ROWS * d_count + d);
-    floats16 lanes[DOT_LANES] = {{0.0f}};
-    for (int64_t d = 0; d < d_count; d += DOT_LANES)
-      for (int l = 0; l < DOT_LANES; l++) lanes[l] += transposed[d + l] * k[d + l];
-    add_halves(lanes);
-    for (int64_t b = 0; b < block; b++) scores[b][j] = lanes[0][b];
-  }
+  block_scores_floats16(transposed, keys, d_count, block, cached, scores);
 }
 
 /* every query's weighted V (the rows the block shares, then its own new tokens': `shared` is the unit's cached rows,
@@ -281,15 +323,7 @@ static void attend_chunk(void *data, size_t unit) {
     floats8 transposed[MAX_HEAD_DIM]; /* lane b of element d: query i0 + b's d-th value */
     for (int64_t d = 0; d < d_count; d++)
       for (int64_t b = 0; b < QUERY_BLOCK; b++) transposed[d][b] = b < block ? q[b * d_count + d] : 0.0f;
-    for (int64_t j = 0; j < shared; j++) {
-      const float *k = keys + j * d_count;
-      for (int64_t d = 0; d < d_count; d += LINE_FLOATS) __builtin_prefetch(k + PREFETCH_ROWS * d_count + d);
-      floats8 lanes[DOT_LANES] = {{0.0f}};
-      for (int64_t d = 0; d < d_count; d += DOT_LANES)
-        for (int l = 0; l < DOT_LANES; l++) lanes[l] += transposed[d + l] * k[d + l];
-      add_halves(lanes);
-      for (int64_t b = 0; b < block; b++) scores[b][j] = lanes[0][b];
-    }
+    block_scores_floats8(transposed, keys, d_count, block, shared, scores);
   }
   for (int64_t b = 0; b < block; b++) { /* the bias, the new tokens' scores, then the softmax over the ranks */
     const float *bias = w->bias + (row * w->steps + (i0 + b) / group) * w->bias_width;
