@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 
 import pytest
 
@@ -23,14 +25,18 @@ async def collect(engine: AsyncEngine, prompt: str) -> list[int]:
     return request.output_token_ids
 
 
-def fail_step(llm: LLMEngine, number: int, error: Exception) -> None:
-    """The engine's `number`-th step from now raises `error`; the others run."""
+def fail_step(llm: LLMEngine, number: int, error: Exception, once: Callable[[], bool] | None = None) -> None:
+    """The engine's `number`-th step from now raises `error` (after waiting, up to 10 s, until `once()` holds); the
+    others run."""
     working_step, steps = llm.step, 0
 
     def step():
         nonlocal steps
         steps += 1
         if steps == number:
+            deadline = time.monotonic() + 10
+            while once is not None and not once() and time.monotonic() < deadline:
+                time.sleep(0.001)
             raise error
         return working_step()
 
@@ -67,7 +73,10 @@ def test_an_engine_that_cannot_go_on_fails_every_request_and_refuses_new_ones(en
     args = EngineArgs(engine_factory("gqa"), max_batch=1, num_scheduler_steps=1)
     engine = AsyncEngine(LLMEngine(args), on_fatal=told.append)
     llm = engine.engine
-    fail_step(llm, 3, RankFailure("rank 1 exited") if failure == "rank_failure" else RuntimeError("graph call failed"))
+    error = RankFailure("rank 1 exited") if failure == "rank_failure" else RuntimeError("graph call failed")
+    # the step fails once the second request is in the engine's hands: on a fast machine the first one's steps can
+    # otherwise all run before the caller submits the second, which then is refused instead of failed
+    fail_step(llm, 3, error, once=lambda: engine.num_waiting() > 0)
 
     def abort_fails(request):
         raise RuntimeError("the cache row could not be freed")
