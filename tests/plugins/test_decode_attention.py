@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import re
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -310,6 +311,37 @@ def test_the_512_bit_blocks_compute_what_the_256_bit_blocks_compute_bit_for_bit(
     again = case(**SEVERAL_TOKENS[name], int8_cache=int8_cache)
     for result, narrow in zip(wide, run_kernel(tmp_path, library, again, in_place=True)):
         assert np.array_equal(result, narrow)
+
+
+def runs_the_avx512_clone() -> bool:
+    """The CPU has what attend_chunk's x86-64-v4 clone needs (AVX-512 F, BW, CD, DQ, VL)."""
+    flags = re.search(r"^flags\s*:(.*)$", Path("/proc/cpuinfo").read_text(), re.MULTILINE)
+    return flags is not None and {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"} <= set(flags[1].split())
+
+
+@pytest.fixture(scope="module")
+def library_without_the_avx512_clone(tmp_path_factory) -> Path:
+    target = tmp_path_factory.mktemp("avx2_clone") / native_ops.LIBRARY_NAME
+    clones = '-DATTEND_CLONES="arch=x86-64-v3","default"'
+    command = ["cc", *native_ops.COMPILE_FLAGS, clones, "-o", str(target), *map(str, native_ops.SOURCES), "-lm"]
+    subprocess.run(command, check=True, capture_output=True)
+    return target
+
+
+@needs_compiler
+@pytest.mark.skipif(not runs_the_avx512_clone(), reason="no AVX-512 here: the kernel runs its x86-64-v3 clone only")
+@CACHES
+@pytest.mark.parametrize("name", sorted({**DECODE_CASES, **SEVERAL_TOKENS}))
+def test_the_avx512_clone_computes_what_the_avx2_clone_computes_bit_for_bit(
+    tmp_path, library, library_without_the_avx512_clone, name, int8_cache
+):
+    """On AVX-512 CPUs the kernel's loops run a clone compiled for them (more registers, wider conversions of an
+    int8 cache's rows): the same operations, so an engine answers alike there and on AVX2-only CPUs."""
+    shape = {**DECODE_CASES, **SEVERAL_TOKENS}[name]
+    avx512 = run_kernel(tmp_path, library, case(**shape, int8_cache=int8_cache), in_place=True)
+    avx2 = run_kernel(tmp_path, library_without_the_avx512_clone, case(**shape, int8_cache=int8_cache), in_place=True)
+    for result, expected in zip(avx512, avx2):
+        assert np.array_equal(result, expected)
 
 
 INT8_PROMPT_CHUNKS = {
