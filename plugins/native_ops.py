@@ -4,9 +4,9 @@ plugins/int4_matmul.py) and the tensor-parallel AllReduce / AllGather (collectiv
 registered in our domain by native_ops.c; ort_abi.h declares what they use of onnxruntime's C ABI.
 
 `builder build` compiles the library with the machine's C compiler into the artifact (a Linux x86-64 shared
-library; its hot loops are compiled for AVX2 + FMA), rewrites the step graph's nodes that one of the kernels covers,
-and names the library in the step graph's GraphSpec, which the backend registers. Where it cannot be compiled, the
-build says why and keeps onnxruntime's own ops.
+library; its hot loops are compiled for AVX2 + FMA, with AVX-512 variants the CPU picks at run time), rewrites the
+step graph's nodes that one of the kernels covers, and names the library in the step graph's GraphSpec, which the
+backend registers. Where it cannot be compiled, the build says why and keeps onnxruntime's own ops.
 """
 
 from __future__ import annotations
