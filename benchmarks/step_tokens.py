@@ -5,7 +5,8 @@ chunk calls it. Prints each call's time and its ratio to the one-token call.
     python benchmarks/step_tokens.py ENGINE [--context 100] [--threads 2] [--library LIB ...] [--json FILE]
 
 The graph alone, in onnxruntime's own session as the runner opens it (the engine's kernel library registered, the same
-thread settings), its cache of --context positions (zeros: the attention's work depends on the count, not the values)
+thread settings), its cache of --context positions (zeros of the engine's cache dtype, float or int8: the attention's
+work depends on the count, not the values)
 bound in place as the runner binds its cache (fed as plain inputs instead, every call would first copy the whole
 cache buffer into its outputs: 5.9 MB at 100 positions for the default model, 32 MB at 650), and a causal bias; best
 of 3 passes of --repeats calls, each after 5 untimed ones, the token counts interleaved within each pass so that the
@@ -32,7 +33,7 @@ from engines.format import open_artifact  # noqa: E402
 from runner.core.machine import cpu_model  # noqa: E402
 
 TOKENS = list(range(1, 17))
-_DTYPES = {"tensor(float)": np.float32, "tensor(int64)": np.int64}
+_DTYPES = {"tensor(float)": np.float32, "tensor(int64)": np.int64, "tensor(int8)": np.int8}
 
 
 def step_feeds(session, tokens: int, context: int) -> dict[str, np.ndarray]:
@@ -51,7 +52,7 @@ def step_feeds(session, tokens: int, context: int) -> dict[str, np.ndarray]:
     }
     for spec in session.get_inputs():
         if spec.name.startswith(("past_key", "past_value")):
-            feeds[spec.name] = np.zeros((1, spec.shape[1], capacity, spec.shape[3]), np.float32)
+            feeds[spec.name] = np.zeros((1, spec.shape[1], capacity, spec.shape[3]), _DTYPES[spec.type])
     return feeds
 
 

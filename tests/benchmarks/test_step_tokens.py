@@ -11,6 +11,13 @@ def test_a_step_of_each_token_count_runs_and_is_timed(engine_factory):
     assert list(times) == TOKENS and all(ms > 0 for ms in times.values())
 
 
+def test_an_int8_cache_engine_is_timed_over_an_int8_cache(engine_factory):
+    """The cache buffers take the graph's dtype: an int8 KV cache is fed int8 zeros (float ones fail the call)."""
+    engine = engine_factory(quant="int4", kv_cache_dtype="int8")
+    times = measure(engine, threads=1, context=20, repeats=1)["engine"]
+    assert list(times) == TOKENS and all(ms > 0 for ms in times.values())
+
+
 def test_another_kernel_library_runs_the_same_graph(engine_factory, tmp_path):
     from plugins import native_ops
 
