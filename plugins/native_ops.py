@@ -67,8 +67,8 @@ def _compiler_identity() -> str:
     return f"{compiler and os.path.realpath(compiler)}\n{banner}"
 
 
-def _compile(target: Path) -> Path:
-    command = ["cc", *COMPILE_FLAGS, "-o", str(target), *map(str, SOURCES), "-lm"]
+def _compile(target: Path, extra_flags: tuple[str, ...] = ()) -> Path:
+    command = ["cc", *COMPILE_FLAGS, *extra_flags, "-o", str(target), *map(str, SOURCES), "-lm"]
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise ValueError(

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ctypes
 import re
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +14,7 @@ import pytest
 import torch
 
 from plugins import native_ops
+from runner.core.machine import cpu_flags
 from tests.plugins.test_attention import (
     CASES,
     HEAD_DIM,
@@ -292,7 +292,7 @@ def test_a_verify_trees_tokens_compute_bit_for_bit_what_decode_steps_of_them_com
 
 
 def avx512() -> bool:
-    return "avx512f" in Path("/proc/cpuinfo").read_text()
+    return "avx512f" in cpu_flags()
 
 
 @needs_compiler
@@ -315,17 +315,13 @@ def test_the_512_bit_blocks_compute_what_the_256_bit_blocks_compute_bit_for_bit(
 
 def runs_the_avx512_clone() -> bool:
     """The CPU has what attend_chunk's x86-64-v4 clone needs (AVX-512 F, BW, CD, DQ, VL)."""
-    flags = re.search(r"^flags\s*:(.*)$", Path("/proc/cpuinfo").read_text(), re.MULTILINE)
-    return flags is not None and {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"} <= set(flags[1].split())
+    return {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"} <= cpu_flags()
 
 
 @pytest.fixture(scope="module")
 def library_without_the_avx512_clone(tmp_path_factory) -> Path:
     target = tmp_path_factory.mktemp("avx2_clone") / native_ops.LIBRARY_NAME
-    clones = '-DATTEND_CLONES="arch=x86-64-v3","default"'
-    command = ["cc", *native_ops.COMPILE_FLAGS, clones, "-o", str(target), *map(str, native_ops.SOURCES), "-lm"]
-    subprocess.run(command, check=True, capture_output=True)
-    return target
+    return native_ops._compile(target, ('-DATTEND_CLONES="arch=x86-64-v3","default"',))
 
 
 @needs_compiler
