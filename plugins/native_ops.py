@@ -1,7 +1,8 @@
 """Our onnxruntime CPU kernels, compiled into one custom-op library that ships inside an engine:
 DecodeAttention (decode_attention.c, plugins/decode_attention.py), Int4MatMul (int4_matmul.c,
-plugins/int4_matmul.py) and the tensor-parallel AllReduce / AllGather (collectives.c, plugins/collectives.py),
-registered in our domain by native_ops.c; ort_abi.h declares what they use of onnxruntime's C ABI.
+plugins/int4_matmul.py), ArgMax (argmax.c, plugins/argmax.py) and the tensor-parallel AllReduce / AllGather
+(collectives.c, plugins/collectives.py), registered in our domain by native_ops.c; ort_abi.h declares what
+they use of onnxruntime's C ABI.
 
 `builder build` compiles the library with the machine's C compiler into the artifact (a Linux x86-64 shared
 library; its hot loops are compiled for AVX2 + FMA, with AVX-512 variants the CPU picks at run time), rewrites the
@@ -23,7 +24,13 @@ import numpy as np
 from plugins import build_cache
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "decode_attention.c", HERE / "int4_matmul.c", HERE / "collectives.c", HERE / "native_ops.c")
+SOURCES = (
+    HERE / "decode_attention.c",
+    HERE / "int4_matmul.c",
+    HERE / "argmax.c",
+    HERE / "collectives.c",
+    HERE / "native_ops.c",
+)
 ABI_HEADER = HERE / "ort_abi.h"
 LIBRARY_NAME = "libnative_ops.so"
 COMPILE_FLAGS = ("-O3", "-shared", "-fPIC")

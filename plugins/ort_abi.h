@@ -1,4 +1,4 @@
-/* What our onnxruntime custom ops (decode_attention.c, int4_matmul.c, registered by native_ops.c) need of
+/* What our onnxruntime custom ops (decode_attention.c, int4_matmul.c, argmax.c, registered by native_ops.c) need of
  * onnxruntime's C ABI, declared here rather than taken from onnxruntime's header (which is not vendored): the
  * positions of the few functions they call in its OrtApi table, which only ever grows at the end (checked against
  * the installed onnxruntime by tests/plugins/test_decode_attention.py), and the OrtCustomOp layout of version 16.
@@ -143,5 +143,5 @@ static inline int float_output(const OrtCustomOp *op, size_t index) { (void)op; 
    .GetVariadicInputHomogeneity = one, .GetVariadicOutputMinArity = one, .GetVariadicOutputHomogeneity = one,       \
    .CreateKernelV2 = CREATE, .KernelComputeV2 = COMPUTE}
 
-extern OrtCustomOp decode_attention_op, decode_attention_int8_cache_op, int4_matmul_op, int8_matmul_op, int6_matmul_op, int5_matmul_op, quantized_rows_op, all_reduce_op, all_gather_op;
+extern OrtCustomOp decode_attention_op, decode_attention_int8_cache_op, int4_matmul_op, int8_matmul_op, int6_matmul_op, int5_matmul_op, quantized_rows_op, argmax_op, all_reduce_op, all_gather_op;
 #endif

@@ -34,11 +34,6 @@ needs_compiler = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module")
-def library(tmp_path_factory) -> Path:
-    return native_ops.compile_library(tmp_path_factory.mktemp("native_ops"))
-
-
 def onnxruntime_api():
     """onnxruntime's OrtApi table (from the C API library its wheel ships beside the Python module), and a caller."""
     import onnxruntime
