@@ -1,8 +1,10 @@
 """What one row's step costs per number of query tokens: the step graph called with 1 .. 16 tokens of one row after
 a cached context, as a decode step (1 token), a speculative verify step (a draft tree's nodes) or a short prompt
-chunk calls it. Prints each call's time and its ratio to the one-token call.
+chunk calls it; with --rows, also decode steps of several rows (one token each, every row after the same context),
+as a decode batch calls it. Prints each call's time and its ratio to the one-token call.
 
-    python benchmarks/step_tokens.py ENGINE [--context 100] [--threads 2] [--library LIB ...] [--json FILE]
+    python benchmarks/step_tokens.py ENGINE [--context 100] [--threads 2] [--rows 8 ...] [--library LIB ...]
+                                     [--json FILE]
 
 The graph alone, in onnxruntime's own session as the runner opens it (the engine's kernel library registered, the same
 thread settings), its cache of --context positions (zeros of the engine's cache dtype, float or int8: the attention's
@@ -36,31 +38,36 @@ TOKENS = list(range(1, 17))
 _DTYPES = {"tensor(float)": np.float32, "tensor(int64)": np.int64, "tensor(int8)": np.int8}
 
 
-def step_feeds(session, tokens: int, context: int) -> dict[str, np.ndarray]:
-    """One row: `tokens` new positions after `context` cached ones (the cache buffer rounded up to 64)."""
+def step_feeds(session, tokens: int, context: int, rows: int = 1) -> dict[str, np.ndarray]:
+    """`rows` alike: each `tokens` new positions after `context` cached ones (the cache buffer rounded up to 64)."""
     total = context + tokens
     capacity = -(-total // 64) * 64
+    bias = np.where(np.arange(total)[None, :] <= context + np.arange(tokens)[:, None], 0.0, -np.inf)
     feeds = {
-        "input_ids": np.full((1, tokens), 100, np.int64),
-        "positions": np.arange(context, total, dtype=np.int64)[None],
-        "past_lens": np.array([context], np.int64),
-        "query_lens": np.array([tokens], np.int64),
-        "attention_bias": np.where(
-            np.arange(total)[None, :] <= context + np.arange(tokens)[:, None], 0.0, -np.inf
-        ).astype(np.float32)[None, None],
-        "logits_index": np.arange(tokens, dtype=np.int64)[None],
+        "input_ids": np.full((rows, tokens), 100, np.int64),
+        "positions": np.tile(np.arange(context, total, dtype=np.int64), (rows, 1)),
+        "past_lens": np.full(rows, context, np.int64),
+        "query_lens": np.full(rows, tokens, np.int64),
+        "attention_bias": np.tile(bias.astype(np.float32), (rows, 1, 1, 1)),
+        "logits_index": np.tile(np.arange(tokens, dtype=np.int64), (rows, 1)),
     }
     for spec in session.get_inputs():
         if spec.name.startswith(("past_key", "past_value")):
-            feeds[spec.name] = np.zeros((1, spec.shape[1], capacity, spec.shape[3]), _DTYPES[spec.type])
+            feeds[spec.name] = np.zeros((rows, spec.shape[1], capacity, spec.shape[3]), _DTYPES[spec.type])
     return feeds
 
 
 def measure(
-    engine: Path, threads: int, context: int, repeats: int, libraries: list[Path] | None = None
-) -> dict[str, dict[int, float]]:
-    """ms per call and token count, per kernel library: the engine's own ("engine"), or each of `libraries` (a
-    library built from another checkout, say) in its place, their calls interleaved."""
+    engine: Path,
+    threads: int,
+    context: int,
+    repeats: int,
+    libraries: list[Path] | None = None,
+    rows: tuple[int, ...] = (),
+) -> dict[str, dict[int | str, float]]:
+    """ms per call, per kernel library (the engine's own, "engine", or each of `libraries`, a library built from
+    another checkout say, in its place; their calls interleaved) and per call: one row's 1 .. 16 tokens (keys 1 ..
+    16), and a decode step of each of `rows` rows (keys "R rows")."""
     import onnxruntime as ort
 
     artifact = open_artifact(engine)
@@ -74,36 +81,42 @@ def measure(
         session = ort.InferenceSession(
             str(artifact.path(artifact.manifest.graphs["step"].file)), options, providers=["CPUExecutionProvider"]
         )
-        graphs["engine" if library is None else str(library)] = bound_steps(session, context)
-    best = {name: dict.fromkeys(TOKENS, float("inf")) for name in graphs}
+        graphs["engine" if library is None else str(library)] = bound_steps(session, context, rows)
+    calls = [*TOKENS, *(f"{count} rows" for count in rows)]
+    best = {name: dict.fromkeys(calls, float("inf")) for name in graphs}
     for _ in range(3):
-        for tokens in TOKENS:
-            for name, (graph, calls) in graphs.items():
-                inputs, outputs = calls[tokens]
+        for call in calls:
+            for name, steps in graphs.items():
+                graph, inputs, outputs = steps[call]
                 for _ in range(5):  # a new shape's first calls set up its buffers
                     graph.run(inputs, outputs)
                 start = time.perf_counter()
                 for _ in range(repeats):
                     graph.run(inputs, outputs)
-                best[name][tokens] = min(best[name][tokens], (time.perf_counter() - start) / repeats * 1000)
+                best[name][call] = min(best[name][call], (time.perf_counter() - start) / repeats * 1000)
     return best
 
 
-def bound_steps(session, context: int) -> tuple[BoundGraph, dict[int, tuple[dict, dict]]]:
-    """The session with one cache bound in place (each layer's array as both its past and its present), and per token
-    count the inputs and output arrays of its call."""
-    feeds = {tokens: step_feeds(session, tokens, context) for tokens in TOKENS}
-    cache = {name: array for name, array in feeds[TOKENS[-1]].items() if name.startswith(("past_key", "past_value"))}
-    cache |= {name.replace("past_", "present_"): array for name, array in cache.items()}
-    calls = {}
-    for tokens in TOKENS:
-        outputs = {
-            o.name: np.empty((1, tokens, *o.shape[2:]), _DTYPES[o.type])
-            for o in session.get_outputs()
-            if o.name not in cache
-        }
-        calls[tokens] = ({k: v for k, v in feeds[tokens].items() if k not in cache}, outputs)
-    return BoundGraph(session, cache), calls
+def bound_steps(session, context: int, rows: tuple[int, ...] = ()) -> dict[int | str, tuple[BoundGraph, dict, dict]]:
+    """Per call (one row's token counts, then "R rows"), the session with a cache bound in place (each layer's array
+    as both its past and its present: one for the one-row calls, one per row count), the call's inputs and its
+    output arrays."""
+    steps = {}
+    for count, tokens in [(1, TOKENS), *((r, [1]) for r in rows)]:
+        feeds = {t: step_feeds(session, t, context, count) for t in tokens}
+        largest = feeds[tokens[-1]]
+        cache = {name: array for name, array in largest.items() if name.startswith(("past_key", "past_value"))}
+        cache |= {name.replace("past_", "present_"): array for name, array in cache.items()}
+        graph = BoundGraph(session, cache)
+        for t in tokens:
+            outputs = {
+                o.name: np.empty((count, t, *o.shape[2:]), _DTYPES[o.type])
+                for o in session.get_outputs()
+                if o.name not in cache
+            }
+            inputs = {k: v for k, v in feeds[t].items() if k not in cache}
+            steps[t if count == 1 else f"{count} rows"] = (graph, inputs, outputs)
+    return steps
 
 
 @click.command()
@@ -119,17 +132,27 @@ def bound_steps(session, context: int) -> tuple[BoundGraph, dict[int, tuple[dict
     help="A kernel library to run the engine's graph with instead of its own (repeat it to compare several; "
     "`python -c 'from plugins import native_ops; native_ops.compile_library(...)'` builds one from a checkout).",
 )
+@click.option(
+    "--rows", type=int, multiple=True, help="Also time a decode step of this many rows, one token each (repeatable)."
+)
 @click.option("--json", "json_path", type=click.Path(path_type=Path), default=None)
 def main(
-    engine: Path, context: int, threads: int, repeats: int, libraries: tuple[Path, ...], json_path: Path | None
+    engine: Path,
+    context: int,
+    threads: int,
+    repeats: int,
+    libraries: tuple[Path, ...],
+    rows: tuple[int, ...],
+    json_path: Path | None,
 ) -> None:
-    curves = measure(engine, threads, context, repeats, list(libraries))
+    curves = measure(engine, threads, context, repeats, list(libraries), rows)
     machine = cpu_model()
     print(f"\n{machine}, {threads} threads, {engine}, {context} cached positions: ms per step call (x one token)")
     for name, times in curves.items():
         print(name)
-        for tokens, ms in times.items():
-            print(f"{tokens:>3} tokens {ms:8.2f} ({ms / times[1]:.2f}x)")
+        for call, ms in times.items():
+            label = f"{call} tokens" if isinstance(call, int) else f"{call}, 1 token each"
+            print(f"{label:>22} {ms:8.2f} ({ms / times[1]:.2f}x)")
     if json_path:
         report = {"machine": machine, "commit": source_commit(), "threads": threads, "engine": str(engine)}
         report |= {"context": context, "ms": curves}

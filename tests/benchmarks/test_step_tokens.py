@@ -18,6 +18,30 @@ def test_an_int8_cache_engine_is_timed_over_an_int8_cache(engine_factory):
     assert list(times) == TOKENS and all(ms > 0 for ms in times.values())
 
 
+def test_decode_steps_of_several_rows_are_timed_beside_the_token_counts(engine_factory):
+    times = measure(engine_factory(quant="int4"), threads=1, context=9, repeats=1, rows=(2, 8))["engine"]
+    assert list(times) == [*TOKENS, "2 rows", "8 rows"] and all(ms > 0 for ms in times.values())
+
+
+def test_the_rows_of_a_decode_batch_each_follow_the_context(engine_factory):
+    import onnxruntime as ort
+
+    from benchmarks.step_tokens import bound_steps
+    from engines.backends.onnxruntime import register_native_libraries, session_options
+    from engines.format import open_artifact
+
+    artifact = open_artifact(engine_factory())
+    options = session_options(ort, 1, spinning=False)
+    register_native_libraries(options, artifact)
+    session = ort.InferenceSession(str(artifact.path(artifact.manifest.graphs["step"].file)), options)
+    graph, inputs, outputs = bound_steps(session, context=5, rows=(3,))["3 rows"]
+    assert inputs["input_ids"].shape == (3, 1) and inputs["positions"].tolist() == [[5]] * 3
+    graph.run(inputs, outputs)
+    keys = graph.buffers["past_key.0"]
+    assert keys.shape[0] == 3 and all(np.abs(keys[r, :, 5]).sum() > 0 and not keys[r, :, 6:].any() for r in range(3))
+    assert outputs["argmax"].shape == (3, 1)
+
+
 def test_another_kernel_library_runs_the_same_graph(engine_factory, tmp_path):
     from plugins import native_ops
 
@@ -37,8 +61,8 @@ def test_the_cache_is_bound_in_place_as_the_runner_binds_it(engine_factory):
     options = session_options(ort, 1, spinning=False)
     register_native_libraries(options, artifact)
     session = ort.InferenceSession(str(artifact.path(artifact.manifest.graphs["step"].file)), options)
-    graph, calls = bound_steps(session, context=5)
-    graph.run(*calls[3])
+    graph, inputs, outputs = bound_steps(session, context=5)[3]
+    graph.run(inputs, outputs)
     keys = graph.buffers["past_key.0"]
     assert keys is graph.buffers["present_key.0"]
     assert np.abs(keys[0, :, 5:8]).sum() > 0 and not keys[0, :, :5].any() and not keys[0, :, 8:].any()
