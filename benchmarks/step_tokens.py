@@ -102,20 +102,19 @@ def bound_steps(session, context: int, rows: tuple[int, ...] = ()) -> dict[int |
     as both its past and its present: one for the one-row calls, one per row count), the call's inputs and its
     output arrays."""
     steps = {}
-    for count, tokens in [(1, TOKENS), *((r, [1]) for r in rows)]:
-        feeds = {t: step_feeds(session, t, context, count) for t in tokens}
-        largest = feeds[tokens[-1]]
+    for count, calls in [(1, {t: t for t in TOKENS}), *((r, {f"{r} rows": 1}) for r in rows)]:
+        feeds = {call: step_feeds(session, tokens, context, count) for call, tokens in calls.items()}
+        largest = feeds[list(calls)[-1]]
         cache = {name: array for name, array in largest.items() if name.startswith(("past_key", "past_value"))}
         cache |= {name.replace("past_", "present_"): array for name, array in cache.items()}
         graph = BoundGraph(session, cache)
-        for t in tokens:
+        for call, tokens in calls.items():
             outputs = {
-                o.name: np.empty((count, t, *o.shape[2:]), _DTYPES[o.type])
+                o.name: np.empty((count, tokens, *o.shape[2:]), _DTYPES[o.type])
                 for o in session.get_outputs()
                 if o.name not in cache
             }
-            inputs = {k: v for k, v in feeds[t].items() if k not in cache}
-            steps[t if count == 1 else f"{count} rows"] = (graph, inputs, outputs)
+            steps[call] = (graph, {k: v for k, v in feeds[call].items() if k not in cache}, outputs)
     return steps
 
 
@@ -133,7 +132,10 @@ def bound_steps(session, context: int, rows: tuple[int, ...] = ()) -> dict[int |
     "`python -c 'from plugins import native_ops; native_ops.compile_library(...)'` builds one from a checkout).",
 )
 @click.option(
-    "--rows", type=int, multiple=True, help="Also time a decode step of this many rows, one token each (repeatable)."
+    "--rows",
+    type=click.IntRange(min=2),
+    multiple=True,
+    help="Also time a decode step of this many rows, one token each (repeatable; one row is the 1-token call).",
 )
 @click.option("--json", "json_path", type=click.Path(path_type=Path), default=None)
 def main(

@@ -6,9 +6,9 @@
  * takes 4-9 ms on a 2-core Zen 4 VM. This one scans 16 values at a time and spreads the rows over the session's
  * threads (plugins/argmax.py rewrites the node; docs/measurements.md has what it gains).
  *
- * Input: x [..., V] float, 1 to 4 dimensions, V >= 1. Output: [...] int64, per row the first position holding its
- * largest value. A NaN is never the largest value (onnxruntime's kernel leaves that case unspecified); a row with
- * nothing above -inf gives 0.
+ * Input: x [..., V] float, 1 to 4 dimensions, 1 <= V < 2^31 (positions are int32 in the lanes). Output: [...]
+ * int64, per row the first position holding its largest value. A NaN is never the largest value (onnxruntime's
+ * kernel leaves that case unspecified); a row with nothing above -inf gives 0.
  */
 #include "ort_abi.h"
 
@@ -25,7 +25,8 @@ typedef struct Rows {
 
 /* lane by lane: where v is larger than *most, v and its positions replace *most and *at (a later equal value does
  * not: *at stays the first position that held the lane's largest value) */
-__attribute__((always_inline)) static inline void keep_larger(const float *x, int32_t first, floats16 *most, ints16 *at) {
+__attribute__((always_inline)) static inline void keep_larger(const float *x, int32_t first, floats16 *most,
+                                                             ints16 *at) {
   const ints16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   floats16 v;
   memcpy(&v, x + first, sizeof(v));
@@ -90,8 +91,8 @@ static OrtStatus *compute(void *kernel_state, OrtKernelContext *context) {
           context, 0, &input) ||
       !input || !tensor_typed(api, input, &x, dims, &rank, &type))
     return fail(api, "ArgMax: cannot read its input (float, 1 to 4 dimensions)");
-  if (type != ELEMENT_FLOAT || rank < 1 || dims[rank - 1] < 1)
-    return fail(api, "ArgMax: its input must be float with at least one value on the last axis");
+  if (type != ELEMENT_FLOAT || rank < 1 || dims[rank - 1] < 1 || dims[rank - 1] > INT32_MAX)
+    return fail(api, "ArgMax: its input must be float with 1 to 2^31 - 1 values on the last axis");
   int64_t count = 1;
   for (size_t d = 0; d + 1 < rank; d++) count *= dims[d];
   OrtValue *output = NULL;
