@@ -17,10 +17,13 @@ def test_every_kind_and_row_count_is_timed(tmp_path, monkeypatch):
     monkeypatch.setattr(quantized_rows, "SHAPES", [("tiny", 40, 96)])
     monkeypatch.setattr(quantized_rows, "ROWS", [1, 3])
     library = native_ops.compile_library(tmp_path)
-    results = quantized_rows.measure(library, threads=1, repeats=5)
-    assert set(results) == {f"{kind} tiny 40x96" for kind in quantized_rows.KINDS}
-    assert all(set(times) == {1, 3} and min(times.values()) > 0 for times in results.values())
-    assert kernel_library_tiles(library) in ("avx2", "avx512vnni")
+    choices = quantized_rows.tile_choices(library)
+    assert choices[-1] == "avx2" and kernel_library_tiles(library) in ("avx2", "avx512vnni")
+    results = quantized_rows.measure(library, threads=1, repeats=5, tile_kinds=choices)
+    assert set(results) == set(choices)
+    for on_tiles in results.values():
+        assert set(on_tiles) == {f"{kind} tiny 40x96" for kind in quantized_rows.KINDS}
+        assert all(set(times) == {1, 3} and min(times.values()) > 0 for times in on_tiles.values())
 
 
 def test_its_q4_1_session_applies_the_minimums(tmp_path):

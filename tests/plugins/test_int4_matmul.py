@@ -588,39 +588,48 @@ def test_engines_keep_onnxruntimes_matmul_when_told(engine_factory):
     assert "Int4MatMul" not in step.native_ops
 
 
+# every kind of tile: int4 with float16 or float32 scales, with or without minimums, factored; int8
+TILE_KINDS = [
+    "Int4MatMul",
+    "Int4MatMul with float32 scales",
+    "Int4MatMul with minimums",
+    "Int4MatMul with float32 minimums",
+    "Int4MatMul with factored minimums",
+    "Int8MatMul",
+    "Int8MatMul with float32 scales",
+]
+
+
+def tile_kind_node(library: Path, op: str, n: int, k: int):
+    """A one-node session of the tile kind `op` names (TILE_KINDS) and its K (the factored kind's K is a multiple
+    of 256: k rounded down to one, at least 256)."""
+    packed, scales, minimums = q4_k_blocks(n, k) if "float32 minimums" in op else q4_1_blocks(n, k)
+    if op.startswith("Int8MatMul"):
+        packed = np.random.default_rng(8).integers(0, 256, (n, k // 32, 32), dtype=np.uint8)
+    if "float32 scales" in op:
+        scales = scales.astype(np.float32)
+    extra = {"minimums": minimums} if "minimums" in op else {}
+    if "factored" in op:
+        k = max(256, k // 256 * 256)
+        (packed, scales, minimums, factors), _ = factored_q4_k(n, k)
+        extra = {"minimums": minimums, "factors": factors}
+    return session(library, op.split()[0], packed, scales, k, n, 32, **extra), k
+
+
 @pytest.mark.skipif(not vnni(), reason="no AVX-512 VNNI here: the kernels run their AVX2 tiles only")
-@pytest.mark.parametrize(
-    "op",
-    [
-        "Int4MatMul",
-        "Int4MatMul with minimums",
-        "Int4MatMul with float32 minimums",
-        "Int4MatMul with factored minimums",
-        "Int8MatMul",
-    ],
-)
+@pytest.mark.parametrize("op", TILE_KINDS)
 def test_the_vnni_tiles_compute_what_the_avx2_tiles_compute_bit_for_bit(library, monkeypatch, op):
     """vpdpbusd sums the same integer products as vpmaddubsw + vpmaddwd (which never saturate here), so an engine
     answers alike on both kinds of CPU."""
-    n, k = 70, 576
-    packed, scales, minimums = q4_k_blocks(n, k) if "float32" in op else q4_1_blocks(n, k)
-    if op == "Int8MatMul":
-        packed = np.random.default_rng(8).integers(0, 256, (n, k // 32, 32), dtype=np.uint8)
-    extra = {"minimums": minimums} if "minimums" in op else {}
-    if "factored" in op:
-        (packed, scales, minimums, factors), _ = factored_q4_k(n, 512)
-        k, extra = 512, {"minimums": minimums, "factors": factors}
-    a = np.random.default_rng(9).standard_normal((9, k), dtype=np.float32) * 4
-    name = op.split()[0]
     isa = ctypes.CDLL(str(library)).QuantizedMatMulIsa
     isa.restype = ctypes.c_char_p
     assert isa() == b"avx512vnni"
-    native = session(library, name, packed, scales, k, n, 32, **extra).run(None, {"a": a})[0]
+    run, k = tile_kind_node(library, op, 70, 576)
+    a = np.random.default_rng(9).standard_normal((9, k), dtype=np.float32) * 4
+    native = run.run(None, {"a": a})[0]
     monkeypatch.setenv("LLM_ENGINE_BUILDER_KERNEL_ISA", "avx2")
     assert isa() == b"avx2"
-    np.testing.assert_array_equal(
-        session(library, name, packed, scales, k, n, 32, **extra).run(None, {"a": a})[0], native
-    )
+    np.testing.assert_array_equal(tile_kind_node(library, op, 70, 576)[0].run(None, {"a": a})[0], native)
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q4_K"])
