@@ -68,19 +68,10 @@ def measure(
     """ms per call, per kernel library (the engine's own, "engine", or each of `libraries`, a library built from
     another checkout say, in its place; their calls interleaved) and per call: one row's 1 .. 16 tokens (keys 1 ..
     16), and a decode step of each of `rows` rows (keys "R rows")."""
-    import onnxruntime as ort
-
     artifact = open_artifact(engine)
     graphs = {}
     for library in libraries or [None]:
-        options = session_options(ort, threads, spinning=True)
-        if library is None:
-            register_native_libraries(options, artifact)
-        else:
-            options.register_custom_ops_library(str(library))
-        session = ort.InferenceSession(
-            str(artifact.path(artifact.manifest.graphs["step"].file)), options, providers=["CPUExecutionProvider"]
-        )
+        session = step_session(artifact, threads, library)
         graphs["engine" if library is None else str(library)] = bound_steps(session, context, rows)
     calls = [*TOKENS, *(f"{count} rows" for count in rows)]
     best = {name: dict.fromkeys(calls, float("inf")) for name in graphs}
@@ -95,6 +86,21 @@ def measure(
                     graph.run(inputs, outputs)
                 best[name][call] = min(best[name][call], (time.perf_counter() - start) / repeats * 1000)
     return best
+
+
+def step_session(artifact, threads: int, library: Path | None = None, spinning: bool = True):
+    """The artifact's step graph in an onnxruntime session as the runner opens it, with the engine's kernel library
+    registered, or `library` in its place."""
+    import onnxruntime as ort
+
+    options = session_options(ort, threads, spinning=spinning)
+    if library is None:
+        register_native_libraries(options, artifact)
+    else:
+        options.register_custom_ops_library(str(library))
+    return ort.InferenceSession(
+        str(artifact.path(artifact.manifest.graphs["step"].file)), options, providers=["CPUExecutionProvider"]
+    )
 
 
 def bound_steps(session, context: int, rows: tuple[int, ...] = ()) -> dict[int | str, tuple[BoundGraph, dict, dict]]:

@@ -3,7 +3,8 @@ context, and every token count must run."""
 
 import numpy as np
 
-from benchmarks.step_tokens import TOKENS, measure, step_feeds
+from benchmarks.step_tokens import TOKENS, bound_steps, measure, step_feeds, step_session
+from engines.format import open_artifact
 
 
 def test_a_step_of_each_token_count_runs_and_is_timed(engine_factory):
@@ -24,16 +25,7 @@ def test_decode_steps_of_several_rows_are_timed_beside_the_token_counts(engine_f
 
 
 def test_the_rows_of_a_decode_batch_each_follow_the_context(engine_factory):
-    import onnxruntime as ort
-
-    from benchmarks.step_tokens import bound_steps
-    from engines.backends.onnxruntime import register_native_libraries, session_options
-    from engines.format import open_artifact
-
-    artifact = open_artifact(engine_factory())
-    options = session_options(ort, 1, spinning=False)
-    register_native_libraries(options, artifact)
-    session = ort.InferenceSession(str(artifact.path(artifact.manifest.graphs["step"].file)), options)
+    session = step_session(open_artifact(engine_factory()), threads=1, spinning=False)
     graph, inputs, outputs = bound_steps(session, context=5, rows=(3,))["3 rows"]
     assert inputs["input_ids"].shape == (3, 1) and inputs["positions"].tolist() == [[5]] * 3
     graph.run(inputs, outputs)
@@ -51,16 +43,7 @@ def test_another_kernel_library_runs_the_same_graph(engine_factory, tmp_path):
 
 
 def test_the_cache_is_bound_in_place_as_the_runner_binds_it(engine_factory):
-    import onnxruntime as ort
-
-    from benchmarks.step_tokens import bound_steps
-    from engines.backends.onnxruntime import register_native_libraries, session_options
-    from engines.format import open_artifact
-
-    artifact = open_artifact(engine_factory())
-    options = session_options(ort, 1, spinning=False)
-    register_native_libraries(options, artifact)
-    session = ort.InferenceSession(str(artifact.path(artifact.manifest.graphs["step"].file)), options)
+    session = step_session(open_artifact(engine_factory()), threads=1, spinning=False)
     graph, inputs, outputs = bound_steps(session, context=5)[3]
     graph.run(inputs, outputs)
     keys = graph.buffers["past_key.0"]
