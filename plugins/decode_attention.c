@@ -71,9 +71,6 @@ static size_t node_inputs(const Kernel *kernel) { return kernel->int8_cache ? IN
 /* The cache rows come from memory: the weights streamed through the caches since the layer's last step. The
  * hardware prefetcher alone left this loop waiting on them; 32 rows ahead measured best (docs/measurements.md) */
 #define PREFETCH_ROWS 32
-/* into the L2 rather than the L1, whose few outstanding misses bounded the stream of rows (int4_matmul.c's
- * PREFETCH_HINT: the two together made a Zen 4 VM's decode steps 5-13% faster) */
-#define prefetch_row(address) __builtin_prefetch((address), 0, 2)
 #define LINE_FLOATS 16 /* floats per 64-byte cache line */
 #define LINE_BYTES 64
 #define V_BLOCK 64     /* floats of a query's weighted V a decode step keeps in registers at a time */
@@ -187,7 +184,7 @@ static inline float score(const float *q, const float *k, int64_t d_count) {
       const int rows = count - j >= MOST_ROWS ? MOST_ROWS : 1;                                                       \
       const float *k = keys + j * d_count;                                                                           \
       for (int64_t e = PREFETCH_ROWS * d_count; e < (PREFETCH_ROWS + rows) * d_count; e += LINE_FLOATS)              \
-        prefetch_row(k + e);                                                                                         \
+        prefetch_into_l2(k + e);                                                                                     \
       VEC total[MOST_ROWS];                                                                                          \
       if (rows == MOST_ROWS)                                                                                         \
         lane_scores_##VEC(t, k, d_count, MOST_ROWS, total);                                                          \
@@ -238,7 +235,7 @@ __attribute__((target("avx2,fma,avx512f"))) static void wide_values_512(
       memcpy(&v, values + j * d_count + d, sizeof(v));
       if (d == 0)
         for (int64_t e = 0; e < d_count; e += LINE_FLOATS)
-          prefetch_row(values + (j + PREFETCH_ROWS) * d_count + e);
+          prefetch_into_l2(values + (j + PREFETCH_ROWS) * d_count + e);
       for (int64_t b = 0; b < WIDE_QUERY_BLOCK; b++) acc[b] += scores[b][j] * v;
     }
     for (int64_t b = 0; b < block; b++) {
@@ -301,8 +298,8 @@ static void attend_chunk(void *data, size_t unit) {
   if (w->keys8) { /* K's rows as floats now, V's after the softmax: every query then computes as over a float cache
                      of those values, while the rows come from memory at a quarter of the bytes */
     for (int64_t j = 0; j < rows * d_count; j += LINE_BYTES) {
-      prefetch_row(w->keys8 + base + j);
-      prefetch_row(w->values8 + base + j);
+      prefetch_into_l2(w->keys8 + base + j);
+      prefetch_into_l2(w->values8 + base + j);
     }
     dequantize_rows(w->keys8 + base, w->k_scale + kv % w->kv_heads * d_count, rows, d_count, dequantized);
     keys = values = dequantized;
@@ -310,8 +307,8 @@ static void attend_chunk(void *data, size_t unit) {
     keys = w->keys + base;
     values = w->values + base;
     for (int64_t j = 0; j < (cached < PREFETCH_ROWS ? cached : PREFETCH_ROWS) * d_count; j += LINE_FLOATS) {
-      prefetch_row(keys + j); /* the rows the loops' own prefetches do not reach */
-      prefetch_row(values + j);
+      prefetch_into_l2(keys + j); /* the rows the loops' own prefetches do not reach */
+      prefetch_into_l2(values + j);
     }
   }
   /* A block of several queries whose new tokens each see all those before them (a prompt chunk; in a verify tree, a
@@ -327,7 +324,7 @@ static void attend_chunk(void *data, size_t unit) {
   } else if (block < WIDE_BLOCK) { /* a few queries (a decode step): each score on its own */
     for (int64_t j = 0; j < cached; j++) {
       const float *k = keys + j * d_count;
-      for (int64_t d = 0; d < d_count; d += LINE_FLOATS) prefetch_row(k + PREFETCH_ROWS * d_count + d);
+      for (int64_t d = 0; d < d_count; d += LINE_FLOATS) prefetch_into_l2(k + PREFETCH_ROWS * d_count + d);
       for (int64_t b = 0; b < block; b++) scores[b][j] = score(q + b * d_count, k, d_count);
     }
   } else { /* several: the block's queries side by side in the lanes, each K row read once for all of them */
@@ -390,7 +387,7 @@ static void attend_chunk(void *data, size_t unit) {
         for (int64_t j = 0; j < count[b]; j++) {
           const float *v = values + (j < cached ? j : fresh[b][j - cached]) * d_count, weight = scores[b][j];
           if (b == 0 && d0 == 0)
-            for (int64_t d = 0; d < d_count; d += LINE_FLOATS) prefetch_row(v + PREFETCH_ROWS * d_count + d);
+            for (int64_t d = 0; d < d_count; d += LINE_FLOATS) prefetch_into_l2(v + PREFETCH_ROWS * d_count + d);
           if (vectors == V_BLOCK / 8) /* a whole block: a fixed count, unrolled, its sums kept in registers */
             add_weighted(acc, weight, v + d0, V_BLOCK / 8);
           else
@@ -413,7 +410,7 @@ static void attend_chunk(void *data, size_t unit) {
       memcpy(&v, values + j * d_count + d, sizeof(v));
       if (d == 0)
         for (int64_t e = 0; e < d_count; e += LINE_FLOATS)
-          prefetch_row(values + (j + PREFETCH_ROWS) * d_count + e);
+          prefetch_into_l2(values + (j + PREFETCH_ROWS) * d_count + e);
       for (int b = 0; b < QUERY_BLOCK; b++) acc[b] += scores[b][j] * v;
     }
     for (int64_t b = 0; b < block; b++) {

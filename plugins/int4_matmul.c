@@ -78,12 +78,10 @@
 /* v is computed here, in a register: the integer sums' order may not be rearranged across this point, which keeps
  * the compiler from hoisting a chunk's products ahead of their sums (and spilling them, 16 registers being few) */
 #define KEEP_IN_REGISTER(v) __asm__("" : "+x"(v))
-/* How far ahead of use the weights are fetched (a tile's chunks are contiguous), and into which cache: the L2, not
- * the L1, whose few outstanding misses then bound the stream (a Zen 4 VM, with the attention's cache rows fetched
- * likewise: one-row decode steps 5-9% faster than 2 KiB ahead into the L1, 6-token and 8-row steps 7-13%; 4 KiB
- * into the L1 measured no better than 2; docs/measurements.md) */
+/* How far ahead of use the weights are fetched (a tile's chunks are contiguous; into the L2, ort_abi.h): on a Zen 4
+ * VM one-row decode steps 5-9% faster than 2 KiB ahead into the L1, 6-token and 8-row steps 7-13%; 4 KiB into the L1
+ * measured no better than 2 (docs/measurements.md) */
 #define PREFETCH_BYTES 4096
-#define PREFETCH_HINT _MM_HINT_T1
 #define CHUNKS_PER_SUPER_BLOCK 8 /* chunks of 32 that share factored scales' factors: a K-quant super-block of 256 */
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 #define INLINE_AVX2 __attribute__((always_inline, target("avx2,fma,f16c"))) static inline
@@ -285,7 +283,7 @@ INLINE_VNNI void tile_512(const Work *w, int64_t r, int64_t t, const int ROWS, c
   for (int i = 0; i < ROWS; i++) acc[i] = _mm512_setzero_ps();
   for (int64_t c = 0; c < chunks; c++, p += 64 * BITS) {
     __m512i u[8];
-    for (int s = 0; s < BITS; s++) _mm_prefetch((const char *)p + PREFETCH_BYTES + 64 * s, PREFETCH_HINT);
+    for (int s = 0; s < BITS; s++) prefetch_into_l2(p + PREFETCH_BYTES + 64 * s);
     if (FACTORED && !(c % CHUNKS_PER_SUPER_BLOCK))
       for (int which = 0; which < 2; which++) factors[which] = factors_512(w, t, c, which);
     if (BITS == 4) {
@@ -335,7 +333,7 @@ INLINE_AVX2 void tile_256(const Work *w, int64_t r, int64_t t, const int ROWS, c
     for (int i = 0; i < ROWS; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t c = 0; c < chunks; c++, p += 64 * BITS) {
       if (!half)
-        for (int s = 0; s < BITS; s++) _mm_prefetch((const char *)p + PREFETCH_BYTES + 64 * s, PREFETCH_HINT);
+        for (int s = 0; s < BITS; s++) prefetch_into_l2(p + PREFETCH_BYTES + 64 * s);
       if (FACTORED && !(c % CHUNKS_PER_SUPER_BLOCK))
         for (int which = 0; which < 2; which++) factors[which] = factors_256(w, t, c, 8 * half, which);
       const int32_t *x[ROW_TILE_AVX2];
@@ -397,7 +395,7 @@ INLINE_AVX2 void tile6_256(const Work *w, int64_t r, int64_t t, const int ROWS) 
     for (int i = 0; i < ROWS; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t c = 0; c < chunks; c++, p += 64 * 6) {
       if (!half)
-        for (int s = 0; s < 6; s++) _mm_prefetch((const char *)p + PREFETCH_BYTES + 64 * s, PREFETCH_HINT);
+        for (int s = 0; s < 6; s++) prefetch_into_l2(p + PREFETCH_BYTES + 64 * s);
       if (!(c % CHUNKS_PER_SUPER_BLOCK)) {
         const int64_t super_block = t * (chunks / CHUNKS_PER_SUPER_BLOCK) + c / CHUNKS_PER_SUPER_BLOCK;
         factors = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->factors + super_block * TILE_COLUMNS + 8 * half)));
@@ -455,7 +453,7 @@ INLINE_AVX2 void tile5_256(const Work *w, int64_t r, int64_t t, const int ROWS, 
     for (int i = 0; i < ROWS; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t c = 0; c < chunks; c++, p += 64 * 5) {
       if (!half)
-        for (int s = 0; s < 5; s++) _mm_prefetch((const char *)p + PREFETCH_BYTES + 64 * s, PREFETCH_HINT);
+        for (int s = 0; s < 5; s++) prefetch_into_l2(p + PREFETCH_BYTES + 64 * s);
       if (FACTORED && !(c % CHUNKS_PER_SUPER_BLOCK))
         for (int which = 0; which < 2; which++) factors[which] = factors_256(w, t, c, 8 * half, which);
       const int32_t *x[ROW_TILE_AVX2];
