@@ -61,7 +61,7 @@ from engines.format import (
 )
 from engines.model_config import ModelConfig
 from engines.resources import children_peak_rss_mb, peak_rss_mb
-from plugins import argmax, blockwise_matmul, decode_attention, int4_matmul, native_ops
+from plugins import argmax, blockwise_matmul, decode_attention, int4_matmul, native_ops, norm
 from plugins.attention import check_head_dim
 from plugins.quant_linear import QuantizedEmbedding, QuantizedLinear, QuantSpec
 
@@ -901,8 +901,9 @@ def _native_kernels(wanted: dict[str, bool], graph: GraphSpec, staging: Path, lo
         counts["DecodeAttention"] = decode_attention.use_in_graph(staging / graph.file)
     if wanted["QuantizedMatMul"]:
         counts.update(int4_matmul.use_in_graph(staging / graph.file))
-    if any(counts.values()):  # the library ships with the graph: its ArgMax takes onnxruntime's too
+    if any(counts.values()):  # the library ships with the graph: its ArgMax and norms take onnxruntime's too
         counts["ArgMax"] = argmax.use_in_graph(staging / graph.file)
+        counts["SkipRmsNorm"] = norm.use_in_graph(staging / graph.file)
     used = [op for op, count in counts.items() if count]
     for op in used:
         log(f"      {op}: our kernel in {counts[op]} nodes of {graph.file}")

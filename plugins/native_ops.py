@@ -28,6 +28,7 @@ SOURCES = (
     HERE / "decode_attention.c",
     HERE / "int4_matmul.c",
     HERE / "argmax.c",
+    HERE / "norm.c",
     HERE / "collectives.c",
     HERE / "native_ops.c",
 )

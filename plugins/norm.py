@@ -5,12 +5,18 @@
 - `torch.ops.plugins.add_rms_norm`: (x + residual, rms_norm(x + residual)) with its reference and fake kernel,
   lowered to com.microsoft::SkipSimplifiedLayerNormalization. onnxruntime's own fusion of Add + norm does not fire
   on our graph (the running sum feeds the next add too), and an unfused Add per norm is ~60 more nodes per step.
+- `use_in_graph`: those nodes as our SkipRmsNorm kernel (norm.c) wherever the engine ships our kernel library
+  anyway: onnxruntime's hands a call's rows to another thread from two rows up, which costs a verify step or a
+  decode batch more than the rows' work.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
+from plugins.native_ops import DOMAIN, rewrite_nodes
 from plugins.onnx_schema import register_contrib_op
 
 
@@ -65,3 +71,37 @@ def onnx_translations() -> dict:
         return normed, total
 
     return {torch.ops.plugins.add_rms_norm.default: add_rms_norm_to_onnx}
+
+
+def use_in_graph(graph_file: Path) -> int:
+    """Replace each SkipSimplifiedLayerNormalization of `graph_file` that our kernel computes (float input, skip and
+    gamma of one width, no bias, neither its mean nor its inverse deviation used) by our SkipRmsNorm; returns how
+    many."""
+    import onnx
+    from onnx import helper
+
+    graph = onnx.load(str(graph_file), load_external_data=False).graph
+    floats = {
+        value.name
+        for value in [*graph.input, *graph.output, *graph.value_info, *graph.initializer]
+        if (value.data_type if isinstance(value, onnx.TensorProto) else value.type.tensor_type.elem_type)
+        == onnx.TensorProto.FLOAT
+    }
+
+    def replace(node):
+        if node.op_type != "SkipSimplifiedLayerNormalization" or node.domain != "com.microsoft":
+            return None
+        if len(node.input) != 3 or not all(name in floats for name in node.input):
+            return None
+        outputs = [*node.output, "", "", ""][:4]
+        if outputs[1] or outputs[2]:
+            return None
+        epsilon = [helper.get_attribute_value(a) for a in node.attribute if a.name == "epsilon"]
+        if not epsilon:  # onnxruntime's default, which the export never leaves to it
+            return None
+        total = outputs[3] or f"{outputs[0]}.unused_sum"
+        return helper.make_node(
+            "SkipRmsNorm", list(node.input), [outputs[0], total], name=node.name, domain=DOMAIN, epsilon=epsilon[0]
+        )
+
+    return rewrite_nodes(graph_file, replace)

@@ -148,5 +148,5 @@ static inline int float_output(const OrtCustomOp *op, size_t index) { (void)op; 
    .GetVariadicInputHomogeneity = one, .GetVariadicOutputMinArity = one, .GetVariadicOutputHomogeneity = one,       \
    .CreateKernelV2 = CREATE, .KernelComputeV2 = COMPUTE}
 
-extern OrtCustomOp decode_attention_op, decode_attention_int8_cache_op, int4_matmul_op, int8_matmul_op, int6_matmul_op, int5_matmul_op, quantized_rows_op, argmax_op, all_reduce_op, all_gather_op;
+extern OrtCustomOp decode_attention_op, decode_attention_int8_cache_op, int4_matmul_op, int8_matmul_op, int6_matmul_op, int5_matmul_op, quantized_rows_op, argmax_op, skip_rms_norm_op, all_reduce_op, all_gather_op;
 #endif

@@ -556,7 +556,7 @@ def test_an_int4_engine_runs_it_in_every_matmul_and_pads_no_lone_row(engine_fact
 
     llm = LLM(str(engine_factory("gqa", quant="int4")))
     step = llm.engine.manifest.graphs["step"]
-    assert step.native_ops == ["DecodeAttention", "Int4MatMul", "QuantizedRows", "ArgMax"]
+    assert step.native_ops == ["DecodeAttention", "Int4MatMul", "QuantizedRows", "ArgMax", "SkipRmsNorm"]
     assert llm.engine.executor.min_rows == 1  # the probe found a lone row rounds as it does in a batch
     graph = onnx.load(str(llm.engine.artifact.path(step.file)), load_external_data=False)
     scales = {node.input[2] for node in graph.graph.node if node.op_type == "Int4MatMul"}

@@ -69,7 +69,7 @@ def test_int8_cache_engine_computes_its_int8_reference_and_stays_close_to_the_fl
     assert manifest.kv_cache.dtype == "int8" and manifest.quantization.kv_cache.dtype == "int8"
     graph = onnx.load(str(path / "model.onnx"), load_external_data=False).graph
     if native_ops.unavailable_reason() is None:  # our attention kernel, its int8-cache form
-        assert manifest.graphs["step"].native_ops == ["DecodeAttention", "ArgMax"]
+        assert manifest.graphs["step"].native_ops == ["DecodeAttention", "ArgMax", "SkipRmsNorm"]
         attention = [n for n in graph.node if n.op_type == "DecodeAttentionInt8Cache"]
         assert attention and not [n for n in graph.node if "Attention" in n.op_type and n not in attention]
     else:
