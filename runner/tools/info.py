@@ -49,6 +49,7 @@ def _kernels(manifest) -> str:
     if manifest.quantization.bits == 4:
         ours["Int4MatMul"] = "MatMulNBits"
     ours["ArgMax"] = "ArgMax"
+    ours["SkipRmsNorm"] = "SkipSimplifiedLayerNormalization"
     kernels = [
         f"our {op} ({step.native_library})" if op in step.native_ops else f"onnxruntime's {theirs}"
         for op, theirs in ours.items()

@@ -208,9 +208,12 @@ def test_an_engine_runs_its_norms_on_our_kernel(engine_factory):
     import onnx
 
     from runner import LLM
+    from runner.tools.info import describe
 
     llm = LLM(str(engine_factory("gqa", quant="int4")))
     step = llm.engine.manifest.graphs["step"]
     assert "SkipRmsNorm" in step.native_ops
     ops = [n.op_type for n in onnx.load(str(llm.engine.artifact.path(step.file)), load_external_data=False).graph.node]
     assert "SkipSimplifiedLayerNormalization" not in ops and ops.count("SkipRmsNorm") > 0
+    kernels = next(line for line in describe(llm.engine.artifact) if line.startswith("kernels:"))
+    assert "our SkipRmsNorm" in kernels
