@@ -417,7 +417,23 @@ def train_drafter(options: DrafterTrainingOptions, log: Callable[[str], None] = 
     splits = {"train": train.take(probe), "validation": held_split}
     accuracy = {f"{name}_before": first_draft_accuracy(head, *split) for name, split in splits.items()}
     bf16 = (device.type == "cuda" or native_bf16()) if options.bf16 is None else options.bf16
-    kept_epoch, epoch_losses = _fit(options, head, train, labels, draft_table, held_split, bf16, log)
+    record = {
+        "target": target.source,
+        "scored_by": str(options.score_engine or options.engine)
+        + ("" if options.device is None else f" (PyTorch float32 on {options.device})"),
+        "prompts": options.prompts,
+        "validation_prompts": options.validation,
+        "answer_tokens": int(sum(len(t.tokens) - 1 for t in train_traces)),
+        "epochs": options.epochs,
+    }
+
+    def keep_best(epoch: int, losses: list[float]) -> None:
+        # written as the run goes, so a run cut short (a lent machine's deadline) leaves its best head so far; its
+        # epoch_losses then list fewer epochs than `epochs`
+        save_draft_head(head, Path(options.out), {**record, "kept_epoch": epoch, "epoch_losses": losses})
+
+    Path(options.out).parent.mkdir(parents=True, exist_ok=True)
+    kept_epoch, epoch_losses = _fit(options, head, train, labels, draft_table, held_split, bf16, keep_best, log)
 
     accepted = {
         (w, k): accepted_drafts(head, *held_split, w, k) for w in (1, 2, 3, 4) for k in range(1, options.horizon + 1)
@@ -428,13 +444,7 @@ def train_drafter(options: DrafterTrainingOptions, log: Callable[[str], None] = 
         for w in (1, 2, 3, 4)
     }
     facts = {
-        "target": target.source,
-        "scored_by": str(options.score_engine or options.engine)
-        + ("" if options.device is None else f" (PyTorch float32 on {options.device})"),
-        "prompts": options.prompts,
-        "validation_prompts": options.validation,
-        "answer_tokens": int(sum(len(t.tokens) - 1 for t in train_traces)),
-        "epochs": options.epochs,
+        **record,
         "kept_epoch": kept_epoch,
         "epoch_losses": epoch_losses,
         "horizon": options.horizon,
@@ -451,7 +461,6 @@ def train_drafter(options: DrafterTrainingOptions, log: Callable[[str], None] = 
         "seconds": round(time.perf_counter() - begin, 1),
     }
     log(f"[3/3] writing {options.out}")
-    Path(options.out).parent.mkdir(parents=True, exist_ok=True)
     save_draft_head(head.cpu(), Path(options.out), facts)
     return facts
 
@@ -512,10 +521,11 @@ def _fit(
     draft_table: torch.Tensor,
     held_split,
     bf16: bool,
+    keep: Callable[[int, list[float]], None],
     log: Callable[[str], None],
 ) -> tuple[int, list[float]]:
-    """Train for the epochs asked and keep the epoch whose head the validation answers accept most of;
-    -> (that epoch, every epoch's mean loss)."""
+    """Train for the epochs asked and keep the epoch whose head the validation answers accept most of (`keep` is
+    told of each new best while the head holds it); -> (that epoch, every epoch's mean loss)."""
     head.dropout.p = options.dropout
     log(f"      matmuls in {'bfloat16 autocast (fp32 weights and softmax)' if bf16 else 'float32'}")
     best = (0.0, None, 0)  # validation tokens per step, weights, epoch
@@ -530,6 +540,7 @@ def _fit(
         )
         if accepted > best[0]:
             best = (accepted, {k: v.clone() for k, v in head.state_dict().items()}, epoch + 1)
+            keep(epoch + 1, list(epoch_losses))
     head.load_state_dict(best[1])
     log(f"      kept epoch {best[2]}")
     return best[2], epoch_losses

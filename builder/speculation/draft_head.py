@@ -20,6 +20,7 @@ except the batch.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -149,13 +150,18 @@ class BeamSearchDrafter(nn.Module):
 
 
 def save_draft_head(head: DraftHead, path: Path, metadata: dict | None = None) -> None:
-    """One safetensors file: the weights in fp16 (a drafter needs no more), the config and training facts as text."""
+    """One safetensors file: the weights in fp16 (a drafter needs no more), the config and training facts as text.
+    The head may be on any device. The file is replaced whole: a reader never sees half of it."""
     from safetensors.torch import save_file
 
-    tensors = {name: (t.half() if t.is_floating_point() else t).contiguous() for name, t in head.state_dict().items()}
+    tensors = {
+        name: (t.half() if t.is_floating_point() else t).cpu().contiguous() for name, t in head.state_dict().items()
+    }
     info = {"config": json.dumps(asdict(head.config)), "format": "redrafter-head-v1"}
     info.update({key: json.dumps(value) for key, value in (metadata or {}).items()})
-    save_file(tensors, str(path), metadata=info)
+    partial = path.with_name(path.name + ".partial")
+    save_file(tensors, str(partial), metadata=info)
+    os.replace(partial, path)
 
 
 def load_draft_head(path: str | Path) -> tuple[DraftHead, dict]:

@@ -108,6 +108,31 @@ def test_traces_are_kept_per_shard_resumed_and_refused_for_other_prompts(engine_
         train(6, bf16=False, distill=1.5)
 
 
+def test_a_run_cut_short_leaves_its_best_head_so_far(engine_factory, tmp_path):
+    from builder.speculation.draft_head import load_draft_head
+    from training.drafter import DrafterTrainingOptions, train_drafter
+
+    class Deadline(Exception):
+        pass
+
+    def log(line: str) -> None:
+        if "epoch 2/3" in line:  # the machine is taken back while the second epoch is measured
+            raise Deadline
+
+    out = tmp_path / "head.safetensors"
+    options = DrafterTrainingOptions(
+        engine_factory("gqa"), out, prompts=2, validation=1, max_new_tokens=4, draft_vocab=32, epochs=3
+    )
+    with pytest.raises(Deadline):
+        train_drafter(options, log=log)
+    head, facts = load_draft_head(out)
+    assert facts["kept_epoch"] == 1 and len(facts["epoch_losses"]) == 1 and facts["epochs"] == 3
+    assert "validation_tokens_per_step" not in facts  # the whole record comes with the finished head
+    assert [path.name for path in tmp_path.iterdir()] == ["head.safetensors"]
+    finished = train_drafter(options, log=lambda line: None)
+    assert len(load_draft_head(out)[1]["epoch_losses"]) == 3 and "validation_tokens_per_step" in finished
+
+
 def test_a_scoring_engine_of_the_same_model_gives_the_states_and_keys_the_traces(engine_factory, tmp_path):
     from training.drafter import DrafterTrainingOptions, train_drafter
 
