@@ -195,8 +195,8 @@ def test_an_invalid_seed_is_refused_through_the_sdk_too(server):
 
 
 def test_memory_comes_back_after_oversized_and_aborted_requests(engine_factory):
-    """A server process of its own, warmed up with every shape of request first: its RSS after bodies over the
-    limit, text too long for the context and streams the client left stays within 10% of where it started."""
+    """A server process of its own, warmed up with every shape of request first: its RSS after more bodies over the
+    limit, text too long for the context and streams the client left stays within 10% of where it was."""
     port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "runner.cli.main", "serve", str(engine_factory("gqa")), "--port", str(port)],
@@ -227,13 +227,16 @@ def test_memory_comes_back_after_oversized_and_aborted_requests(engine_factory):
             assert post(url, huge).status_code == 413
             abort_a_stream()
 
-        abuse()  # the warm-up: every shape once
-        time.sleep(0.5)
-        start = rss_mib(server.pid)
-        for _ in range(3):
+        def rss_after_abuse() -> float:
             abuse()
-        time.sleep(0.5)
-        assert rss_mib(server.pid) <= 1.10 * start
+            time.sleep(0.5)
+            return rss_mib(server.pid)
+
+        # Sampled after each round, RSS moves by a body's size or two (7-14 MiB) either way on a busy machine, as
+        # buffers are still held or already freed: a leak shows as every later sample above the warm-up's.
+        warm = max(rss_after_abuse() for _ in range(2))  # every shape twice
+        later = [rss_after_abuse() for _ in range(4)]
+        assert min(later[-2:]) <= 1.10 * warm, (warm, later)
         assert httpx.get(f"{url}/health").status_code == 200
     finally:
         server.terminate()
