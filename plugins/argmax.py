@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from plugins.native_ops import DOMAIN, rewrite_nodes
+from plugins.native_ops import DOMAIN, float_tensors, rewrite_nodes
 
 
 def use_in_graph(graph_file: Path) -> int:
@@ -20,12 +20,7 @@ def use_in_graph(graph_file: Path) -> int:
     import onnx
     from onnx import helper
 
-    graph = onnx.load(str(graph_file), load_external_data=False).graph
-    floats = {
-        value.name
-        for value in [*graph.input, *graph.output, *graph.value_info]
-        if value.type.tensor_type.elem_type == onnx.TensorProto.FLOAT
-    }
+    floats = float_tensors(onnx.load(str(graph_file), load_external_data=False).graph)
 
     def replace(node):
         if node.op_type != "ArgMax" or node.domain not in ("", "ai.onnx") or node.input[0] not in floats:

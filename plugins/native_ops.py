@@ -86,6 +86,17 @@ def _compile(target: Path, extra_flags: tuple[str, ...] = ()) -> Path:
     return target
 
 
+def float_tensors(graph) -> set[str]:
+    """Names of `graph`'s float32 tensors whose type it states: inputs, outputs, inferred values and initializers
+    (the types our kernels' replacements check their inputs against)."""
+    import onnx
+
+    typed = [*graph.input, *graph.output, *graph.value_info]
+    return {value.name for value in typed if value.type.tensor_type.elem_type == onnx.TensorProto.FLOAT} | {
+        tensor.name for tensor in graph.initializer if tensor.data_type == onnx.TensorProto.FLOAT
+    }
+
+
 def rewrite_nodes(graph_file: Path, replace) -> int:
     """Rewrite `graph_file` (the graph only: its initializers stay in the weights file they point to), each node
     through `replace(node)`, which returns a new node or None to keep it; adds our domain to the opsets. Returns how

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from plugins.native_ops import DOMAIN, rewrite_nodes
+from plugins.native_ops import DOMAIN, float_tensors, rewrite_nodes
 from plugins.onnx_schema import register_contrib_op
 
 
@@ -80,13 +80,7 @@ def use_in_graph(graph_file: Path) -> int:
     import onnx
     from onnx import helper
 
-    graph = onnx.load(str(graph_file), load_external_data=False).graph
-    floats = {
-        value.name
-        for value in [*graph.input, *graph.output, *graph.value_info, *graph.initializer]
-        if (value.data_type if isinstance(value, onnx.TensorProto) else value.type.tensor_type.elem_type)
-        == onnx.TensorProto.FLOAT
-    }
+    floats = float_tensors(onnx.load(str(graph_file), load_external_data=False).graph)
 
     def replace(node):
         if node.op_type != "SkipSimplifiedLayerNormalization" or node.domain != "com.microsoft":

@@ -461,7 +461,7 @@ def train_drafter(options: DrafterTrainingOptions, log: Callable[[str], None] = 
         "seconds": round(time.perf_counter() - begin, 1),
     }
     log(f"[3/3] writing {options.out}")
-    save_draft_head(head.cpu(), Path(options.out), facts)
+    save_draft_head(head, Path(options.out), facts)
     return facts
 
 
