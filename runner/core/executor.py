@@ -91,9 +91,14 @@ class Executor:
         """Fresh arrays for the step graph's outputs besides the cache, for `count` tokens with logits in each row."""
         return {name: np.empty((batch, count, *size), dtype) for name, (size, dtype) in self._per_token_outputs.items()}
 
-    def _batch_bucket(self, rows: list[int], phase: PhaseSpec) -> int:
-        """The rows a call over `rows` (cache rows from 0) runs as: past the highest, and at least `min_rows`."""
-        return bucket_for(max(max(rows) + 1, self.min_rows), phase.batch_sizes)
+    def _window(self, rows: list[int], phase: PhaseSpec) -> tuple[int, int]:
+        """The cache rows [start, start + batch) a call over `rows` runs as: from the lowest of them to past the
+        highest, at least `min_rows`, rounded up to a batch bucket. A call computes every row of its window, so rows
+        left in high cache rows when the rows below them finished must not carry those: one row in cache row 3
+        would otherwise run a 4-row call (a verify call: 4 rows of its tree's size)."""
+        start = min(rows)
+        batch = bucket_for(max(max(rows) - start + 1, self.min_rows), phase.batch_sizes)
+        return min(start, self.cache.rows - batch), batch
 
     def prefill(self, row: int, token_ids: list[int], start: int) -> Scored:
         """Run one prompt chunk of one row whose first `start` tokens are cached; returns the last token's logits
@@ -125,19 +130,20 @@ class Executor:
     def decode(self, rows: list[int], token_ids: list[int], positions: list[int]) -> Scored:
         """One token for each of `rows` (token at `positions`, i.e. that many cached); returns logits
         [len(rows), vocab], argmax [len(rows)], hidden [len(rows), hidden]."""
-        batch = self._batch_bucket(rows, self.decode_phase)
+        start, batch = self._window(rows, self.decode_phase)
+        index = [row - start for row in rows]
         input_ids, past_lens, query_lens = (
             np.zeros((batch, 1), np.int64),
             np.zeros(batch, np.int64),
             np.zeros(batch, np.int64),
         )
-        input_ids[rows, 0] = token_ids
-        past_lens[rows] = positions
-        query_lens[rows] = 1
+        input_ids[index, 0] = token_ids
+        past_lens[index] = positions
+        query_lens[index] = 1
         bias = np.zeros((batch, 1, 1, past_lens.max() + 1), np.float32)
         zeros = np.zeros((batch, 1), np.int64)
-        decoded = self._run(self.decode_phase, input_ids, past_lens[:, None], past_lens, query_lens, bias, zeros, 0)
-        return decoded[_select(rows), 0]
+        decoded = self._run(self.decode_phase, input_ids, past_lens[:, None], past_lens, query_lens, bias, zeros, start)
+        return decoded[_select(index), 0]
 
     def decode_greedy(
         self, rows: list[int], token_ids: list[int], positions: list[int], steps: int, stop: np.ndarray
@@ -146,20 +152,21 @@ class Executor:
         calls made]. Stops before a call whose argmax is a `stop` token (a bool per vocabulary id) in any row: that
         call's choice is the sampler's (a stop token may be banned, min_tokens), so its tokens are left out, and its
         K/V, written where the next call for the row writes the same again, do no harm."""
-        batch = self._batch_bucket(rows, self.decode_phase)
-        loop = self._greedy_loops.get(batch)
+        window = self._window(rows, self.decode_phase)
+        loop = self._greedy_loops.get(window)
         if loop is None:
-            loop = self._greedy_loops[batch] = self._greedy_loop(batch)
-        tokens = loop.run(rows, token_ids, positions, steps, stop)
+            loop = self._greedy_loops[window] = self._greedy_loop(*window)
+        tokens = loop.run([row - window[0] for row in rows], token_ids, positions, steps, stop)
         self.step_calls += min(steps, tokens.shape[1] + 1)  # and the call that chose a stop token, if one did
         return tokens
 
-    def _greedy_loop(self, batch: int):
-        """The backend's own loop where it has one (state kept on its device), else GreedyDecodeLoop."""
+    def _greedy_loop(self, start: int, batch: int):
+        """Over cache rows [start, start + batch): the backend's own loop where it has one (state kept on its
+        device), else GreedyDecodeLoop."""
         device_loop = getattr(self.backend, "greedy_loop", None)
         if device_loop is None:
-            return GreedyDecodeLoop(self, batch)
-        return device_loop(self.decode_phase.graph, self._cache_buffers(0, batch), batch, self.max_seq_len)
+            return GreedyDecodeLoop(self, start, batch)
+        return device_loop(self.decode_phase.graph, self._cache_buffers(start, start + batch), batch, self.max_seq_len)
 
     def _cache_buffers(self, start_row: int, stop_row: int) -> dict[str, np.ndarray]:
         """The graph's cache inputs and outputs for rows [start_row, stop_row): each layer's view, bound as both."""
@@ -188,22 +195,24 @@ class Executor:
     def _score_trees(
         self, rows: list[int], trees: list[tuple[list[int], np.ndarray]], starts: list[int], last_only: bool
     ) -> Scored:
-        batch = self._batch_bucket(rows, self.verify_phase)
+        first, batch = self._window(rows, self.verify_phase)
+        index = [row - first for row in rows]
         steps = bucket_for(max(len(tokens) for tokens, _ in trees), self.verify_phase.steps)
         input_ids, positions = np.zeros((batch, steps), np.int64), np.zeros((batch, steps), np.int64)
         past_lens, query_lens = np.zeros(batch, np.int64), np.zeros(batch, np.int64)
-        past_lens[rows] = starts
+        past_lens[index] = starts
         bias = np.zeros((batch, 1, steps, past_lens.max() + steps), np.float32)
-        for row, (tokens, tree_mask), start in zip(rows, trees, starts):
+        for row, (tokens, tree_mask), start in zip(index, trees, starts):
             count = query_lens[row] = len(tokens)
             input_ids[row, :count] = tokens
             positions[row, :count] = start + tree_mask.sum(axis=1) - 1  # a node's position is its depth
             bias[row, 0, :count, start : start + count][~tree_mask] = MASKED  # (the graph masks what is causal)
         if last_only:
-            index = np.maximum(query_lens - 1, 0)[:, None]
+            logits_index = np.maximum(query_lens - 1, 0)[:, None]
         else:
-            index = np.tile(np.arange(steps, dtype=np.int64), (batch, 1))
-        return self._run(self.verify_phase, input_ids, positions, past_lens, query_lens, bias, index, 0)[_select(rows)]
+            logits_index = np.tile(np.arange(steps, dtype=np.int64), (batch, 1))
+        scored = self._run(self.verify_phase, input_ids, positions, past_lens, query_lens, bias, logits_index, first)
+        return scored[_select(index)]
 
     def pad_single_rows_if_they_round_differently(self) -> None:
         """Run one-row decode and verify calls padded to two rows if a lone row's logits are not, bit for bit, what
@@ -243,13 +252,13 @@ class Executor:
 
 
 class GreedyDecodeLoop:
-    """Greedy decode calls in a row over cache rows [0, batch) of one batch bucket, with every input and output of the
+    """Greedy decode calls in a row over cache rows [start, start + batch), with every input and output of the
     decode phase in arrays of its own, bound once and refilled in place: a call binds only its attention bias (whose
     length grows). Between two calls only the argmax goes back in, so the Python between them is a few array
     operations, where a whole engine step (schedule, sample, detokenize, stop checks) pays its cache misses again
     after every call's weights stream through the caches (docs/measurements.md)."""
 
-    def __init__(self, executor: Executor, batch: int) -> None:
+    def __init__(self, executor: Executor, start: int, batch: int) -> None:
         self.input_ids = np.zeros((batch, 1), np.int64)
         self.past_lens = np.zeros(batch, np.int64)  # also the positions input: a one-token row sits at its past length
         self.query_lens = np.zeros(batch, np.int64)
@@ -259,7 +268,7 @@ class GreedyDecodeLoop:
         self.zero_bias = np.zeros(batch * (executor.max_seq_len + 1), np.float32)
         self.bound = executor.backend.bind(
             executor.decode_phase.graph,
-            executor._cache_buffers(0, batch)
+            executor._cache_buffers(start, start + batch)
             | outputs
             | {
                 "input_ids": self.input_ids,

@@ -154,7 +154,7 @@ def test_device_greedy_loop_gives_the_host_loops_tokens_and_stops_where_it_does(
     the same tokens for rows of different lengths, and the same cut at the first stop token, whether the loop
     checks for stops after each call (CPU) or once after the last (CUDA)."""
     loops = [LLMEngine(EngineArgs(e)).executor for e in (aoti_engine, engine_factory("gqa"))]
-    device_loop = loops[0]._greedy_loops[2] = loops[0]._greedy_loop(2)
+    device_loop = loops[0]._greedy_loops[0, 2] = loops[0]._greedy_loop(0, 2)
     device_loop.stop_each_call = stop_each_call
     prompts = [[5, 6, 7, 8], [9, 10]]
     results = []

@@ -64,3 +64,32 @@ def test_greedy_calls_in_a_row_match_single_calls_and_leave_other_rows_alone(eng
     stops[expected[0]] = True  # the first call picks it: no tokens (the stop inside a burst: test_llm_engine.py)
     calls = bursting.step_calls
     assert bursting.decode_greedy([1], [12], [3], 6, stops).shape == (1, 0) and bursting.step_calls == calls + 1
+
+
+def test_a_call_spans_the_cache_rows_from_its_lowest_row_not_from_row_0(engine_factory):
+    """A row left alone in cache row 3 (the rows below it finished) runs a one-row call over that row, not a
+    4-row one: a call computes every row it spans, and a verify call every row's whole tree bucket. Its results are
+    the ones it gets among the others."""
+    executor = LLMEngine(EngineArgs(engine_factory(), threads=1, max_batch=4)).executor
+    for row in range(4):
+        executor.prefill(row, [5 + row, 6, 7], 0)
+    calls = []
+    run = executor._run
+    executor._run = lambda phase, input_ids, *rest: (
+        calls.append((rest[-1], input_ids.shape)),
+        run(phase, input_ids, *rest),
+    )[1]
+    together = executor.decode([0, 1, 2, 3], [11, 12, 13, 14], [3, 3, 3, 3])
+    tree = ([15, 16, 17], np.array([[1, 0, 0], [1, 1, 0], [1, 0, 1]], bool))
+    verified_together = executor.verify([0, 3], [tree, tree], [4, 4])
+    expected = together.logits[3].copy(), verified_together.logits[1].copy()
+    calls.clear()
+    alone = executor.decode([3], [14], [3])
+    verified_alone = executor.verify([3], [tree], [4])
+    assert calls == [(3, (1, 1)), (3, (1, 3))]
+    np.testing.assert_allclose(alone.logits[0], expected[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(verified_alone.logits[0], expected[1], rtol=1e-5, atol=1e-5)
+    executor.decode([1, 3], [12, 14], [4, 4])  # from row 1: 3 rows
+    executor.min_rows = 2  # where a lone row is padded to two, the pair ends at the cache's last row
+    executor.decode([3], [14], [4])
+    assert calls[2:] == [(1, (3, 1)), (2, (2, 1))]
