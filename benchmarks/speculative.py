@@ -46,6 +46,20 @@ HELD_OUT_PROMPTS = [
 ]
 
 
+def _estimate_line(estimate: dict) -> str:
+    """A speculation policy's averages for one row count, as the benchmark prints them."""
+
+    def ms(seconds: float | None) -> str:
+        return "-" if seconds is None else f"{1000 * seconds:.1f} ms"
+
+    tokens = estimate["tokens_per_verify"]
+    return (
+        f"plain {ms(estimate['plain_seconds'])}, verify {ms(estimate['verify_seconds'])} "
+        f"(trees of {estimate['tree_nodes'] or 'any'} nodes, "
+        f"{'-' if tokens is None else f'{tokens:.2f}'} tokens per row and verify step)"
+    )
+
+
 def timed(engine, prompt_ids: list[int], new_tokens: int, schema: dict | None) -> tuple[list[int], float, float]:
     from runner.sampling.params import SamplingParams
     from runner.sampling.structured import StructuredOutputs
@@ -231,6 +245,7 @@ def main(plain_dir, spec_dirs, threads, new_tokens, runs, out, json_schema, batc
                     else {
                         "verify_row_steps": specs[name].speculation_stats.verify_steps - before[name][0],
                         "plain_row_steps": specs[name].speculation_stats.plain_rows - before[name][1],
+                        "cost_model": specs[name].speculation_policy.estimates(),
                     }
                 ),
             }
@@ -246,6 +261,9 @@ def main(plain_dir, spec_dirs, threads, new_tokens, runs, out, json_schema, batc
                 if name != "plain"
             )
         )
+        for name, r in batched_rows[batch].items():
+            for rows_count, estimate in r.get("cost_model", {}).items():
+                print(f"  {Path(name).name} cost model at {rows_count} rows: {_estimate_line(estimate)}")
     commit = source_commit()
     record = {
         "commit": commit,

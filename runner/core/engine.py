@@ -291,6 +291,7 @@ class LLMEngine:
             self.speculation_stats.verify_seconds += sample_seconds  # acceptance is part of verifying
         to_draft = []
         verified_tokens = 0
+        row_paths = []  # per verified row: its tokens and the tree nodes it accepted (the policy replays smaller trees)
         for row, result in zip(pending, sampled):
             request, emitted = row.request, 0
             for token, logprob in zip(result.tokens, result.logprobs or [None] * len(result.tokens)):
@@ -300,6 +301,7 @@ class LLMEngine:
                     break
             if row.verified:
                 verified_tokens += emitted
+                row_paths.append((emitted, result.path[1:]))
                 self.speculation_stats.record(emitted)
                 if not request.finished:
                     self.executor.commit(request.row, request.num_computed, result.path)
@@ -310,16 +312,16 @@ class LLMEngine:
                 to_draft.append((request, row.hidden[result.path[-1]]))  # drafting resumes where acceptance stopped
         if self.speculation is not None:
             seconds = draft_seconds + decode_seconds + sample_seconds
-            self._plan_next_step(step.decode, verifying, seconds, verified_tokens, to_draft)
+            self._plan_next_step(step.decode, verifying, seconds, verified_tokens, row_paths, to_draft)
         return events
 
     def _plan_next_step(
-        self, decoded: list[Request], verified: bool, seconds: float, emitted: int, to_draft: list
+        self, decoded: list[Request], verified: bool, seconds: float, emitted: int, row_paths: list, to_draft: list
     ) -> None:
         """Time this step's generating rows for the speculation policy, then let it choose whether the next step
         verifies drafts (`to_draft`: every row the next step decodes); that step drafts them first."""
         if decoded and verified:
-            self.speculation_policy.record_verify(len(decoded), seconds, emitted)
+            self.speculation_policy.record_verify(len(decoded), seconds, emitted, row_paths)
         elif decoded:
             self.speculation_policy.record_plain(len(decoded), seconds)
         verifies = bool(to_draft) and self.speculation_policy.verifies(len(to_draft))

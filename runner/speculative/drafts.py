@@ -33,7 +33,8 @@ class TokenTree:
 
 def pack_tree(root_token: int, beams, max_depth: int) -> TokenTree:
     """Merge draft beams (sequences of token ids, best first; any lengths) under `root_token` into a trie of at
-    most `max_depth` draft levels."""
+    most `max_depth` draft levels, its nodes in the order the beams first reach them (`ranked_drafts`' paths: in
+    their rank order)."""
     if max_depth == 0 or len(beams) == 0:  # a plain decode step's tree: made every step, so made cheaply
         return TokenTree([int(root_token)], [-1], _ROOT_ALONE)
     tokens, parents = [int(root_token)], [-1]
@@ -57,11 +58,13 @@ def pack_tree(root_token: int, beams, max_depth: int) -> TokenTree:
 def ranked_drafts(
     chain: list[int], beams: np.ndarray, prefix_logprobs: np.ndarray | None, min_prob: float, max_nodes: int | None
 ) -> list[list[int]]:
-    """The beams a verify tree is packed from, its nodes chosen best first until the tree (root included) has
-    `max_nodes` (None: no limit): a chain's tokens first (the prompt-lookup draft, or a draft model's greedy
-    continuation), then the draft head's prefixes (beams [W, K]) from the most to the least likely by the
-    log-probability the head gives them ([W, K]; None: unranked, shallow prefixes first), those under `min_prob`
-    left out.
+    """The token paths of a verify tree's nodes below the root, best first (each after its parent), until the tree
+    (root included) has `max_nodes` (None: no limit): a chain's tokens first (the prompt-lookup draft, or a draft
+    model's greedy continuation), then the draft head's prefixes (beams [W, K]) from the most to the least likely by
+    the log-probability the head gives them ([W, K]; None: unranked, shallow prefixes first), those under `min_prob`
+    left out. Packed in this order (`pack_tree`), node i of the tree is the i-th choice, so the tree a smaller limit
+    m gives is its first m nodes: what a verify step accepted tells what trees of every smaller limit would have
+    accepted (`SpeculationPolicy.record_verify`).
 
     Why that order: a lookup draft copies what followed an earlier occurrence of the context's last two tokens, and
     the target accepts its tokens more often than the head's probabilities promise past their first token
@@ -81,9 +84,7 @@ def ranked_drafts(
             break
         if path not in chosen and (len(path) == 1 or path[:-1] in chosen):
             chosen[path] = None
-    leaves = set(chosen) - {path[:-1] for path in chosen}
-    rank = {path: index for index, path in enumerate(chosen)}  # leaves in the trie's depth-first order, by rank
-    return [list(path) for path in sorted(leaves, key=lambda leaf: [rank[leaf[:d]] for d in range(1, len(leaf) + 1)])]
+    return [list(path) for path in chosen]
 
 
 class PromptLookup:

@@ -17,6 +17,11 @@ budget. One row's tree gets all of it, two rows' trees half each, and where a tr
 the step decodes plain. On the Zen 3 VM, every step verifying, two rows of 3-node trees made 1.24x of plain on the
 fp32 target where 6-node trees made 1.07x, and four rows of 2-node trees 0.95x (docs/speculative-decoding.md).
 
+A verify step also tells what trees of fewer nodes would have accepted: a tree of m nodes is the first m nodes of
+the larger one (`ranked_drafts`), so a row's emitted tokens with it are 1 + its accepted nodes numbered below m.
+The tree sizes of more rows (two rows' trees half the size of one row's) thus have their tokens per verify step
+from the one-row steps, which verify most, without verifying at that row count first.
+
 Tokens per verify step is the mean since the engine started, not a recent one: acceptance swings with the text (a
 list the lookup drafts copy, a poem the head cannot guess), and a recent mean that fell during one hard answer
 would stop verification for the easy answers after it, which no verify step would then measure. It is kept per
@@ -147,12 +152,23 @@ class SpeculationPolicy:
     def record_plain(self, rows: int, seconds: float) -> None:
         self._plain.setdefault(rows, _Timed()).record(seconds)
 
-    def record_verify(self, rows: int, seconds: float, emitted: int) -> None:
-        """A verify step of `rows` rows took `seconds` (drafting for it included) and emitted `emitted` tokens."""
+    def record_verify(
+        self, rows: int, seconds: float, emitted: int, row_paths: list[tuple[int, list[int]]] = ()
+    ) -> None:
+        """A verify step of `rows` rows took `seconds` (drafting for it included) and emitted `emitted` tokens.
+        `row_paths`: per row, the tokens it emitted and the tree nodes it accepted below the root (their indices in
+        the tree), from which the step's acceptance with every smaller node limit is replayed (the rows' trees of m
+        nodes being their first m nodes, `ranked_drafts`): exact for greedy rows, an estimate for sampled ones."""
         self._verify.setdefault(rows, _Timed()).record(seconds)
-        accepted = self._accepted.setdefault(self.tree_nodes(rows), _Accepted())
+        limit = self.tree_nodes(rows)
+        accepted = self._accepted.setdefault(limit, _Accepted())
         accepted.rows += rows
         accepted.tokens += emitted
+        for nodes in range(2, 0 if limit is None else limit):
+            smaller = self._accepted.setdefault(nodes, _Accepted())
+            for row_emitted, path in row_paths:
+                smaller.rows += 1
+                smaller.tokens += min(row_emitted, 1 + sum(node < nodes for node in path))
 
     def tokens_per_verify(self, rows: int = 1) -> float | None:
         """Tokens a row emits per verify step with the trees of a step of `rows` rows: over every such step so far,

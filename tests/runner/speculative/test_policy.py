@@ -109,3 +109,23 @@ def test_tokens_per_verify_step_is_kept_per_tree_size_and_the_prior_is_one_rows_
     policy.record_verify(1, 0.010, 1)
     assert policy.tokens_per_verify(1) == (64 + 1) / 33
     assert policy.estimates()[2]["tree_nodes"] == 2 and policy.estimates()[2]["tokens_per_verify"] == 1.5
+
+
+def test_one_rows_verify_steps_tell_what_the_smaller_trees_of_more_rows_would_accept():
+    policy = SpeculationPolicy(call_tokens=8, min_verified_rows=6)
+    assert [policy.tree_nodes(rows) for rows in (1, 2, 3)] == [8, 4, 2]
+    # one row's 8-node trees: a step that accepted nodes 1 and 5 (3 tokens), one that accepted node 2 (2 tokens), and
+    # one that accepted nothing (1 token); node i of a tree is its i-th choice, so a 4-node tree is nodes 0-3
+    for accepted in ([1, 5], [2], [], [1, 5]):
+        policy.record_verify(1, 0.010, len(accepted) + 1, [(len(accepted) + 1, accepted)])
+    assert policy.tokens_per_verify(1) == (3 + 2 + 1 + 3) / 4
+    assert policy.tokens_per_verify(2) == (2 + 2 + 1 + 2) / 4  # 4 nodes: node 5 is not in them
+    assert policy.tokens_per_verify(3) == (2 + 1 + 1 + 2) / 4  # 2 nodes: the root and node 1
+    # so two rows compare as soon as both kinds are timed there (2 verify steps: 4 rows of their own and the 4
+    # replayed make the 6 asked for): verifying at 2 rows takes 2x a decode step here, and loses at once
+    chosen = choices(policy, 2, 5, plain_seconds=0.010, verify_seconds=0.020, emitted=2 * 2)
+    assert chosen == ["plain", "plain", "verify", "verify", "plain"]
+    # a row that finished within its tree emits fewer tokens than its path: the replay holds to what it emitted
+    finished = SpeculationPolicy(call_tokens=8)
+    finished.record_verify(1, 0.010, 1, [(1, [1, 2])])
+    assert finished.tokens_per_verify(2) == 1.0

@@ -74,24 +74,46 @@ def test_prompt_lookups_index_grows_with_the_context_and_matches_a_scan(max_ngra
 def test_ranked_drafts_take_the_chain_then_the_likeliest_head_prefixes_up_to_the_node_limit():
     beams = np.array([[5, 6, 7], [8, 9, 4], [1, 2, 3]])
     prefix_logprobs = np.log([[0.9, 0.5, 0.05], [0.3, 0.08, 0.01], [0.02, 0.01, 0.001]])
-    # no limit: every prefix the head gives at least min_prob
-    assert ranked_drafts([], beams, prefix_logprobs, 0.1, None) == [[5, 6], [8]]
-    assert ranked_drafts([], beams, prefix_logprobs, 0.0, None) == [[5, 6, 7], [8, 9, 4], [1, 2, 3]]
-    # a limit keeps the likeliest prefixes across beams: (5) 0.9, (5 6) 0.5, (8) 0.3, (8 9) 0.08, (5 6 7) 0.05, ...
-    assert ranked_drafts([], beams, prefix_logprobs, 0.0, 4) == [[5, 6], [8]]
-    assert ranked_drafts([], beams, prefix_logprobs, 0.0, 6) == [[5, 6, 7], [8, 9]]
+    # no limit: every prefix the head gives at least min_prob, likeliest first
+    assert ranked_drafts([], beams, prefix_logprobs, 0.1, None) == [[5], [5, 6], [8]]
+    # the likeliest prefixes across beams: (5) 0.9, (5 6) 0.5, (8) 0.3, (8 9) 0.08, (5 6 7) 0.05, (1) 0.02, then at
+    # 0.01 the shallower (1 2) before (8 9 4)
+    every = [[5], [5, 6], [8], [8, 9], [5, 6, 7], [1], [1, 2], [8, 9, 4], [1, 2, 3]]
+    assert ranked_drafts([], beams, prefix_logprobs, 0.0, None) == every
+    for limit in range(2, 12):  # a limit keeps the first choices
+        assert ranked_drafts([], beams, prefix_logprobs, 0.0, limit) == every[: limit - 1]
     # the chain (prompt lookup's draft) comes first; what it shares with the head's beams is one node
-    assert ranked_drafts([5, 6, 2], beams, prefix_logprobs, 0.0, 4) == [[5, 6, 2]]
-    assert ranked_drafts([5, 6, 2], beams, prefix_logprobs, 0.0, 5) == [[5, 6, 2], [8]]
-    assert ranked_drafts([4, 4, 4, 4], beams, prefix_logprobs, 0.1, 3) == [[4, 4]]
+    assert ranked_drafts([5, 6, 2], beams, prefix_logprobs, 0.0, 4) == [[5], [5, 6], [5, 6, 2]]
+    assert ranked_drafts([5, 6, 2], beams, prefix_logprobs, 0.0, 5) == [[5], [5, 6], [5, 6, 2], [8]]
+    assert ranked_drafts([4, 4, 4, 4], beams, prefix_logprobs, 0.1, 3) == [[4], [4, 4]]
     for limit in range(2, 12):
         drafts = ranked_drafts([5, 1, 1], beams, prefix_logprobs, 0.0, limit)
         assert len(pack_tree(0, drafts, max_depth=4).tokens) == min(limit, 1 + 3 + 8)  # (5) is shared
     # engines whose draft graph gives no probabilities: shallow prefixes first, beam order within a depth
-    assert ranked_drafts([], beams, None, 0.1, 5) == [[5, 6], [8], [1]]
-    assert ranked_drafts([], beams, None, 0.1, None) == [[5, 6, 7], [8, 9, 4], [1, 2, 3]]
+    assert ranked_drafts([], beams, None, 0.1, 5) == [[5], [8], [1], [5, 6]]
+    assert ranked_drafts([], beams, None, 0.1, None)[-3:] == [[5, 6, 7], [8, 9, 4], [1, 2, 3]]
     # a draft model's chain alone, as long as the limit allows
-    assert ranked_drafts([3, 1, 4, 1, 5, 9], np.zeros((0, 0), np.int64), None, 0.0, 6) == [[3, 1, 4, 1, 5]]
+    assert ranked_drafts([3, 1, 4, 1, 5, 9], np.zeros((0, 0), np.int64), None, 0.0, 6) == [
+        [3],
+        [3, 1],
+        [3, 1, 4],
+        [3, 1, 4, 1],
+        [3, 1, 4, 1, 5],
+    ]
+
+
+def test_a_smaller_node_limit_gives_the_first_nodes_of_the_packed_tree():
+    """What lets a verify step's acceptance tell what smaller trees would have accepted: node i of a packed tree is
+    the i-th choice, so a limit of m nodes gives the same tree's first m nodes, with the same parents."""
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        beams = rng.integers(0, 4, (3, 3))  # a small vocabulary: beams share prefixes
+        prefix_logprobs = np.sort(np.log(rng.uniform(0.01, 1.0, (3, 3))), axis=1)[:, ::-1]
+        chain = rng.integers(0, 4, int(rng.integers(0, 4))).tolist()
+        whole = pack_tree(7, ranked_drafts(chain, beams, prefix_logprobs, 0.0, None), max_depth=4)
+        for limit in range(2, len(whole.tokens) + 1):
+            tree = pack_tree(7, ranked_drafts(chain, beams, prefix_logprobs, 0.0, limit), max_depth=4)
+            assert tree.tokens == whole.tokens[:limit] and tree.parents == whole.parents[:limit]
 
 
 def test_the_node_limit_follows_the_fp32_matmul_kernels_pass():
@@ -442,7 +464,7 @@ def _slow_catch_up(engine_factory, monkeypatch) -> tuple[LLM, list[float]]:
     monkeypatch.setattr(
         spec.engine.speculation_policy,
         "record_verify",
-        lambda rows, seconds, emitted: (timed.append(seconds), record_verify(rows, seconds, emitted))[1],
+        lambda rows, seconds, *accepted: (timed.append(seconds), record_verify(rows, seconds, *accepted))[1],
     )
     return spec, timed
 
