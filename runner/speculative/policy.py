@@ -39,8 +39,11 @@ binding the call's buffers), and nothing is compared before `min_verified_rows` 
 tree size: a row emits 1 to draft_len + 1 tokens a verify step, and the first steps of an answer often accept
 nothing, so two steps that did not would stop verification for the next `explore_every` steps of an engine where it
 pays. The losing kind is retried after `explore_every` steps at that row count, so a change in load or context
-length is seen; each retry that confirms the choice doubles the wait (up to `max_explore_every`), since a retried
-loser costs its loss. Either choice emits the same tokens (verification is exact); only speed depends on it.
+length is seen, and its retry's timing replaces its average, which dates from before the wait: smoothed in, a few
+slow verify steps early on (a noisy machine, a new shape's first calls) kept an int4 engine plain through a whole
+benchmark on a Zen 4 VM, each retry moving the stale average a fifth of the way; each retry that confirms the choice
+doubles the wait (up to `max_explore_every`), since a retried loser costs its loss. Either choice emits the same
+tokens (verification is exact); only speed depends on it.
 """
 
 from __future__ import annotations
@@ -63,13 +66,15 @@ class _Retry:
 class _Timed:
     seconds: float | None = None  # moving average of a step's seconds
     seen: int = 0  # steps timed (the first is not kept)
+    stale: bool = False  # not chosen since the average was made: the next timing replaces it
 
     def record(self, seconds: float) -> None:
         self.seen += 1
-        if self.seen == 2:
+        if self.seen == 2 or (self.seen > 2 and self.stale):
             self.seconds = seconds
         elif self.seen > 2:
             self.seconds += SMOOTHING * (seconds - self.seconds)
+        self.stale = False
 
 
 @dataclass
@@ -130,6 +135,7 @@ class SpeculationPolicy:
             return better
         retry.interval = min(2 * retry.interval, self.max_explore_every)
         retry.countdown = retry.interval
+        (plain if better else verify).stale = True
         return not better
 
     def plain_burst(self, rows: int, most: int) -> int:

@@ -129,3 +129,15 @@ def test_one_rows_verify_steps_tell_what_the_smaller_trees_of_more_rows_would_ac
     finished = SpeculationPolicy(call_tokens=8)
     finished.record_verify(1, 0.010, 1, [(1, [1, 2])])
     assert finished.tokens_per_verify(2) == 1.0
+
+
+def test_a_retry_replaces_the_losing_kinds_stale_average():
+    """Slow verify steps early on (a noisy spell) turn the choice to plain; once verify steps are fast again, the
+    first retry's timing stands for them, not a fifth of it smoothed into the old average."""
+    policy = SpeculationPolicy(explore_every=8, max_explore_every=64, min_verified_rows=2)
+    slow = choices(policy, 1, 11, plain_seconds=0.010, verify_seconds=0.030, emitted=2)
+    assert slow[4:] == ["plain"] * 7  # 2 tokens in 3x the time
+    recovered = choices(policy, 1, 3, plain_seconds=0.010, verify_seconds=0.014, emitted=2)
+    assert recovered == ["verify", "verify", "verify"]  # the retry (the 8th comparison), then verify is kept
+    smoothed = 0.030 + 0.2 * (0.014 - 0.030)  # what the retry would have left: 2 tokens in 2.7x the time, plain
+    assert policy.estimates()[1]["verify_seconds"] < 0.015 < smoothed
