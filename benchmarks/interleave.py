@@ -31,6 +31,13 @@ def decode_rate(tokens: int, seconds_after_first: float) -> float:
     return (tokens - 1) / seconds_after_first
 
 
+def rotated(items: list, round_: int) -> list:
+    """The order of round `round_`: each round starts one later, so no contender always runs first (right after
+    the others, or after a pause) in a round."""
+    shift = round_ % len(items)
+    return items[shift:] + items[:shift]
+
+
 def paired_ratio(numerator: list[float], denominator: list[float]) -> tuple[float, float, float]:
     """numerator / denominator round by round -> (median, lowest, highest). Run i of every engine comes from round i,
     and the runs of a round follow one another within seconds, so a machine whose speed drifts over minutes moves
@@ -101,7 +108,7 @@ def interleaved_runs(
     labels = list(workers)
     for round_ in range(runs):
         for name in prompts:
-            for label in labels[round_ % len(labels) :] + labels[: round_ % len(labels)]:
+            for label in rotated(labels, round_):
                 time.sleep(SETTLE_S)
                 measured[label][name].append(started[label].ask(name))
         log(f"round {round_ + 1}/{runs} done")
