@@ -70,7 +70,7 @@ class _Timed:
 
     def record(self, seconds: float) -> None:
         self.seen += 1
-        if self.seen == 2 or (self.seen > 2 and self.stale):
+        if self.seen == 2 or self.stale:  # (stale only once both kinds were timed and compared)
             self.seconds = seconds
         elif self.seen > 2:
             self.seconds += SMOOTHING * (seconds - self.seconds)
